@@ -1,0 +1,3 @@
+from headsearch.cli.main import main
+
+main()

@@ -1,0 +1,284 @@
+"""Configuration: one frozen dataclass per concern, validated on construction, round-tripping through YAML.
+
+`ArchConfig` is the architecture (what the search varies), `TrainConfig` the optimisation, and
+`RunConfig` ties them to a task, a seed and the task's data options. A run directory stores the
+resolved `RunConfig` as `config.yaml`; `headsearch train --config` accepts that file as is, or a file
+holding only architecture fields.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from headsearch.errors import ConfigError
+
+SKIPS = ("none", "output", "scores")
+FUSIONS = ("none", "hadamard", "add")
+SOFT_SCORES = ("pairwise", "key")
+ACTIVATIONS = ("gelu", "relu")
+OPTIMIZERS = ("adamw", "adam")
+LR_SCHEDULES = ("constant", "cosine")
+AMP_MODES = ("auto", "bf16", "off")
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name} = {value!r} is not known: use one of {', '.join(allowed)}")
+
+
+def _heads_tuple(name: str, heads: Any, layers: int) -> tuple[int, ...]:
+    """Accept an int (uniform), a list, or a comma string ("64,32,16") and return a tuple of ints."""
+    if isinstance(heads, str):
+        try:
+            heads = [int(h) for h in heads.replace(" ", "").split(",") if h]
+        except ValueError:
+            raise ConfigError(f"{name} = {heads!r} is not a list of head counts: write e.g. 64,32,16,8") from None
+    if isinstance(heads, int) and not isinstance(heads, bool):
+        return (heads,) * layers
+    try:
+        out = tuple(int(h) for h in heads)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name} = {heads!r} is not a list of head counts: write e.g. [64, 32, 16, 8]") from None
+    if any(h != float(g) for h, g in zip(out, heads)):
+        raise ConfigError(f"{name} = {list(heads)} must hold whole numbers")
+    return out
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    """A transformer architecture with per-layer head counts.
+
+    Defaults are seed 001's CIFAR-10 ViT (embed 48, 4 layers x 4 heads, MLP 192, GELU, no dropout).
+    `enc_heads`/`dec_heads` take one head count per layer; an int means the same count everywhere.
+    `head_dim="split"` gives each head d_model / h dimensions (Deep Head, eq. 1), so the projection
+    weights have the same shape whatever the schedule; an int fixes the head width instead and the
+    attention width becomes h * head_dim (as timm allows).
+    `skip` connects successive attention layers of a stack (DESIGN.md §2): "output" adds and
+    normalises the merged head outputs (Deep Head), "scores" adds the pre-softmax scores (RealFormer,
+    He et al. 2020); `skip_mean` makes the scores skip a running mean instead of a running sum.
+    `fusion` fuses each head's self-attention with a soft (additive, Bahdanau) attention branch:
+    "hadamard" is HAM A, "add" is HAM B (seed 001). `soft_dim` is the soft branch's width d_a
+    (None = d_k); `soft_score="key"` scores keys alone (cheaper) instead of query-key pairs.
+    """
+
+    d_model: int = 48
+    enc_layers: int = 4
+    enc_heads: tuple[int, ...] = 4
+    dec_layers: int = 0
+    dec_heads: tuple[int, ...] = 8
+    d_ff: int = 192
+    head_dim: int | str = "split"
+    skip: str = "none"
+    skip_mean: bool = False
+    fusion: str = "none"
+    soft_dim: int | None = None
+    soft_score: str = "pairwise"
+    activation: str = "gelu"
+    dropout: float = 0.0
+    attn_dropout: float = 0.0
+    patch_size: int = 4  # ViT only: 32x32 images in 4x4 patches give 64 tokens (+ CLS)
+
+    def __post_init__(self) -> None:
+        # Frozen, so normalise through object.__setattr__ (the litgpt idiom).
+        object.__setattr__(self, "enc_heads", _heads_tuple("enc_heads", self.enc_heads, self.enc_layers))
+        object.__setattr__(self, "dec_heads", _heads_tuple("dec_heads", self.dec_heads, self.dec_layers))
+        self._validate()
+
+    # -- validation -------------------------------------------------------------------------
+    def _validate(self) -> None:
+        for name in ("d_model", "enc_layers", "d_ff", "patch_size"):
+            if int(getattr(self, name)) < 1:
+                raise ConfigError(f"{name} = {getattr(self, name)} must be a positive integer")
+        if self.dec_layers < 0:
+            raise ConfigError(f"dec_layers = {self.dec_layers} must be 0 (encoder only) or more")
+        _choice("skip", self.skip, SKIPS)
+        _choice("fusion", self.fusion, FUSIONS)
+        _choice("soft_score", self.soft_score, SOFT_SCORES)
+        _choice("activation", self.activation, ACTIVATIONS)
+        for name in ("dropout", "attn_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"{name} = {getattr(self, name)} must be in [0, 1)")
+        if self.head_dim != "split" and (not isinstance(self.head_dim, int) or self.head_dim < 1):
+            raise ConfigError(f"head_dim = {self.head_dim!r} must be 'split' (d_model / heads) or a positive integer")
+        if self.soft_dim is not None and self.soft_dim < 1:
+            raise ConfigError(f"soft_dim = {self.soft_dim} must be a positive integer or null (= head width)")
+        self._validate_stack("enc_heads", self.enc_heads, self.enc_layers, "enc_layers")
+        self._validate_stack("dec_heads", self.dec_heads, self.dec_layers, "dec_layers")
+
+    def _validate_stack(self, name: str, heads: tuple[int, ...], layers: int, layers_name: str) -> None:
+        if len(heads) != layers:
+            raise ConfigError(
+                f"{name} lists {len(heads)} head counts but {layers_name} is {layers}: give one count per layer"
+                f" (or a single number for the same count in every layer)"
+            )
+        for i, h in enumerate(heads):
+            if h < 1:
+                raise ConfigError(f"{name}[{i}] = {h}: every layer needs at least one head")
+            if self.head_dim == "split" and self.d_model % h:
+                raise ConfigError(
+                    f"{name}[{i}] = {h} does not divide d_model = {self.d_model}: with head_dim 'split' each head"
+                    f" gets d_model / h dimensions, so use a divisor of {self.d_model} or set head_dim to a fixed width"
+                )
+        for i in range(1, len(heads)):
+            a, b = heads[i - 1], heads[i]
+            if self.skip == "scores" and max(a, b) % min(a, b):
+                raise ConfigError(
+                    f"skip 'scores' maps scores from {a} to {b} heads ({name}[{i - 1}] -> {name}[{i}]) by averaging or"
+                    f" repeating head groups, so one count must divide the other: change the schedule or the skip"
+                )
+            if self.skip == "output" and self.attn_dim(a) != self.attn_dim(b):
+                raise ConfigError(
+                    f"skip 'output' adds merged head outputs of successive layers, but a fixed head_dim = {self.head_dim}"
+                    f" gives widths {self.attn_dim(a)} and {self.attn_dim(b)} ({name}[{i - 1}], {name}[{i}]):"
+                    f" use head_dim 'split' or equal head counts"
+                )
+
+    # -- derived ----------------------------------------------------------------------------
+    def head_width(self, heads: int) -> int:
+        """d_k for a layer with `heads` heads."""
+        return self.d_model // heads if self.head_dim == "split" else int(self.head_dim)
+
+    def attn_dim(self, heads: int) -> int:
+        """Width of the concatenated heads (the input of W_o)."""
+        return heads * self.head_width(heads)
+
+    # -- dict / YAML ------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["enc_heads"], d["dec_heads"] = list(self.enc_heads), list(self.dec_heads)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], base: "ArchConfig | None" = None) -> "ArchConfig":
+        """Build from a mapping, over `base`'s values for the keys it leaves out.
+
+        A per-layer head list without a layer count sets the count; a layer count without heads
+        keeps a uniform base schedule uniform (a non-uniform one must then be given again).
+        """
+        _reject_unknown("arch", d, cls)
+        merged = base.to_dict() if base is not None else {}
+        given = dict(d)
+        for heads, layers in (("enc_heads", "enc_layers"), ("dec_heads", "dec_layers")):
+            per_layer = heads in given and not isinstance(given[heads], int)
+            if per_layer and layers not in given:
+                given[layers] = len(_heads_tuple(heads, given[heads], 1))
+            if layers in given and heads not in given and heads in merged:
+                base_heads = merged[heads]
+                if len(set(base_heads)) <= 1:
+                    given[heads] = base_heads[0] if base_heads else cls.__dataclass_fields__[heads].default
+        merged.update(given)
+        return cls(**merged)
+
+
+def _reject_unknown(section: str, d: Mapping[str, Any], cls: type) -> None:
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ConfigError(f"unknown {section} key(s) {', '.join(unknown)}: known keys are {', '.join(sorted(known))}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation settings. Each task supplies its seed's defaults."""
+
+    epochs: int = 10
+    batch_size: int = 256
+    optimizer: str = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    warmup_epochs: float = 0.0
+    schedule: str = "constant"
+    min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio
+    label_smoothing: float = 0.0
+    grad_clip: float | None = None
+    amp: str = "auto"  # "auto": bf16 autocast on CUDA, fp32 on CPU
+    target: float | None = None  # validation metric value whose first reach is timed ("seconds to target")
+    max_steps_per_epoch: int | None = None  # cut epochs short (smoke tests, quick benchmarks)
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
+        if self.epochs < 1:
+            raise ConfigError(f"epochs = {self.epochs} must be at least 1")
+        if self.batch_size < 1:
+            raise ConfigError(f"batch_size = {self.batch_size} must be at least 1")
+        if not self.lr > 0:
+            raise ConfigError(f"lr = {self.lr} must be positive")
+        if self.weight_decay < 0 or self.warmup_epochs < 0:
+            raise ConfigError("weight_decay and warmup_epochs must not be negative")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ConfigError(f"label_smoothing = {self.label_smoothing} must be in [0, 1)")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            raise ConfigError(f"grad_clip = {self.grad_clip} must be positive, or null for no clipping")
+        if self.max_steps_per_epoch is not None and self.max_steps_per_epoch < 1:
+            raise ConfigError(f"max_steps_per_epoch = {self.max_steps_per_epoch} must be at least 1, or null")
+        if len(self.betas) != 2:
+            raise ConfigError(f"betas = {list(self.betas)} must hold two numbers")
+        _choice("optimizer", self.optimizer, OPTIMIZERS)
+        _choice("schedule", self.schedule, LR_SCHEDULES)
+        _choice("amp", self.amp, AMP_MODES)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["betas"] = list(self.betas)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], base: "TrainConfig | None" = None) -> "TrainConfig":
+        _reject_unknown("train", d, cls)
+        merged = base.to_dict() if base is not None else {}
+        merged.update(d)
+        return cls(**merged)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything that determines a training run: task, seed, architecture, training and data options."""
+
+    task: str
+    arch: ArchConfig = field(default_factory=ArchConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: Mapping[str, Any] = field(default_factory=dict)
+    seed: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "task": self.task,
+            "seed": self.seed,
+            "arch": self.arch.to_dict(),
+            "train": self.train.to_dict(),
+            "data": dict(self.data),
+        }
+
+    def replace(self, **changes: Any) -> "RunConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML mapping, with one-line errors for a missing or malformed file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist: pass the path of a YAML file")
+    try:
+        d = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" (line {where.line + 1})" if where is not None else ""
+        raise ConfigError(f"config file {path} is not valid YAML{at}: fix the syntax") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of keys to values")
+    return d
+
+
+def is_run_config(d: Mapping[str, Any]) -> bool:
+    """A full run config (as written into run directories and by `export`) has an `arch` section."""
+    return "arch" in d

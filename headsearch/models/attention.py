@@ -1,0 +1,196 @@
+"""One multi-head attention module for every variant headsearch explores.
+
+- per-layer head count h with d_k = d_model / h (Deep Head, eq. 1) or a fixed head width;
+- a skip connection from the previous attention layer of the same stack (DESIGN.md §2):
+  "output" (Deep Head: merged head outputs added and layer-normalised) or
+  "scores" (RealFormer, He et al. 2020, arXiv:2012.11747: pre-softmax scores added as a residual);
+- fusion of each head's self-attention with an additive soft-attention branch (seed 001, HAM A/B);
+- a head mask multiplying each head's output (Michel et al. 2019, "Are Sixteen Heads Really Better
+  than One?", arXiv:1905.10650), settable from outside so importance is a gradient w.r.t. it;
+- optional attention probabilities for analysis.
+
+The fused `F.scaled_dot_product_attention` kernel is used whenever nothing needs the explicit scores
+(no "scores" skip, no weights asked for); `tests/test_attention.py` checks both paths agree.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class AttentionOutput(NamedTuple):
+    out: Tensor  # (B, Tq, d_model)
+    skip_state: Tensor | None  # what the next layer's skip receives (scores or merged heads), else None
+    weights: Tensor | None  # (B, H, Tq, Tk) self-attention probabilities, when asked for
+    soft_weights: Tensor | None  # (B, H, Tq, Tk) soft-attention probabilities, when asked for and fused
+
+
+def map_score_heads(scores: Tensor, n_heads: int) -> Tensor:
+    """Map skip scores from h_prev to `n_heads` heads (DESIGN.md §2).
+
+    Decreasing: head j receives the mean of the h_prev / h consecutive heads j*g .. j*g+g-1.
+    Increasing: head j receives head j // g (each previous head repeated g times).
+    """
+    b, h_prev, tq, tk = scores.shape  # (B, H_prev, Tq, Tk)
+    if h_prev == n_heads:
+        return scores
+    if h_prev > n_heads:
+        return scores.view(b, n_heads, h_prev // n_heads, tq, tk).mean(dim=2)
+    return scores.repeat_interleave(n_heads // h_prev, dim=1)
+
+
+class SoftAttention(nn.Module):
+    """Additive ("soft", Bahdanau et al. 2015, arXiv:1409.0473) attention inside each head.
+
+    e_ij = w^T tanh(W1 k_j + W2 q_i), alpha_ij = softmax_j(e_ij + mask), out_i = sum_j alpha_ij v_j,
+    with W1, W2: d_k -> d_a and w: d_a -> 1, no biases, separate weights per head (DESIGN.md §3).
+    `score="key"` drops the W2 q_i term (each key scored alone): cheaper, and still masked per query,
+    so it stays causal in a decoder.
+    """
+
+    def __init__(self, n_heads: int, head_dim: int, soft_dim: int, score: str = "pairwise"):
+        super().__init__()
+        self.score = score
+        self.w_key = nn.Parameter(torch.empty(n_heads, head_dim, soft_dim))  # W1 per head
+        self.w_query = nn.Parameter(torch.empty(n_heads, head_dim, soft_dim)) if score == "pairwise" else None  # W2
+        self.w_energy = nn.Parameter(torch.empty(n_heads, soft_dim))  # w per head
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # Same scale as nn.Linear's default: uniform(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+        for p in (self.w_key, self.w_query):
+            if p is not None:
+                bound = 1 / math.sqrt(p.shape[1])
+                nn.init.uniform_(p, -bound, bound)
+        bound = 1 / math.sqrt(self.w_energy.shape[1])
+        nn.init.uniform_(self.w_energy, -bound, bound)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+        keys = torch.einsum("bhtd,hda->bhta", k, self.w_key)  # (B, H, Tk, A)
+        if self.w_query is not None:
+            queries = torch.einsum("bhtd,hda->bhta", q, self.w_query)  # (B, H, Tq, A)
+            hidden = torch.tanh(queries.unsqueeze(3) + keys.unsqueeze(2))  # (B, H, Tq, Tk, A)
+            energy = torch.einsum("bhqka,ha->bhqk", hidden, self.w_energy)  # (B, H, Tq, Tk)
+        else:
+            energy = torch.einsum("bhka,ha->bhk", torch.tanh(keys), self.w_energy)  # (B, H, Tk)
+            energy = energy.unsqueeze(2).expand(-1, -1, q.shape[2], -1)  # (B, H, Tq, Tk)
+        if mask is not None:
+            energy = energy.masked_fill(~mask, float("-inf"))
+        alpha = energy.softmax(dim=-1)  # (B, H, Tq, Tk)
+        return alpha @ v, alpha  # (B, H, Tq, d_k)
+
+
+class Attention(nn.Module):
+    """Multi-head (self- or cross-) attention with a per-layer head count, skip input and fusion.
+
+    `skip` is the kind of skip this layer's stack uses; `skip_in` says whether this layer receives one
+    (False for the first layer of a stack, which only emits). `layer_index` is the position in the
+    stack, used by the running-mean variant of the scores skip.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        head_dim: int,
+        *,
+        cross: bool = False,
+        skip: str = "none",
+        skip_in: bool = False,
+        skip_mean: bool = False,
+        layer_index: int = 0,
+        fusion: str = "none",
+        soft_dim: int | None = None,
+        soft_score: str = "pairwise",
+        attn_dropout: float = 0.0,
+    ):
+        super().__init__()
+        self.n_heads, self.head_dim, self.attn_dim = n_heads, head_dim, n_heads * head_dim
+        self.scale = head_dim**-0.5
+        self.cross, self.skip, self.skip_in, self.fusion = cross, skip, skip_in and skip != "none", fusion
+        self.score_divisor = float(layer_index + 1) if skip_mean else 1.0
+        self.attn_dropout = attn_dropout
+        if cross:
+            self.q_proj = nn.Linear(d_model, self.attn_dim)
+            self.kv_proj = nn.Linear(d_model, 2 * self.attn_dim)
+        else:
+            self.qkv_proj = nn.Linear(d_model, 3 * self.attn_dim)  # one matmul for q, k and v
+        self.out_proj = nn.Linear(self.attn_dim, d_model)  # W_o
+        self.skip_norm = nn.LayerNorm(self.attn_dim) if self.skip_in and skip == "output" else None
+        self.soft = SoftAttention(n_heads, head_dim, soft_dim or head_dim, soft_score) if fusion != "none" else None
+        # Set from outside (analysis): a (H,) tensor multiplying each head's output; may require grad.
+        self.head_mask: Tensor | None = None
+        # Identity hook points: forward hooks here see per-head tensors without changing the model.
+        self.hook_q = nn.Identity()  # (B, H, Tq, d_k)
+        self.hook_context = nn.Identity()  # (B, H, Tq, d_k) self-attention output A V, before fusion
+        self.hook_head_out = nn.Identity()  # (B, H, Tq, d_k) each head's output (fused, masked)
+
+    def needs_explicit_scores(self, need_weights: bool) -> bool:
+        return need_weights or self.skip == "scores"
+
+    def _project(self, x: Tensor, context: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        b, tq, _ = x.shape
+        heads = lambda t: t.view(b, t.shape[1], self.n_heads, self.head_dim).transpose(1, 2)  # noqa: E731
+        if self.cross:
+            q = self.q_proj(x)
+            k, v = self.kv_proj(context).chunk(2, dim=-1)
+        else:
+            q, k, v = self.qkv_proj(x).chunk(3, dim=-1)
+        return heads(q), heads(k), heads(v)  # (B, H, T, d_k)
+
+    def forward(
+        self,
+        x: Tensor,
+        context: Tensor | None = None,
+        mask: Tensor | None = None,
+        skip_state: Tensor | None = None,
+        need_weights: bool = False,
+    ) -> AttentionOutput:
+        """x: (B, Tq, d_model); context: (B, Tk, d_model) for cross-attention; mask: bool, broadcastable
+        to (B, H, Tq, Tk), True where attention is allowed; skip_state: the previous layer's emission."""
+        b, tq, _ = x.shape
+        q, k, v = self._project(x, context)
+        q = self.hook_q(q)
+        weights = emitted_scores = None
+
+        if self.needs_explicit_scores(need_weights):
+            scores = (q @ k.transpose(-2, -1)) * self.scale  # (B, H, Tq, Tk)
+            if self.skip == "scores" and self.skip_in and skip_state is not None:
+                scores = scores + map_score_heads(skip_state, self.n_heads)  # RealFormer residual
+            emitted_scores = scores  # pre-mask running sum: the mask is not carried forward
+            logits = scores / self.score_divisor
+            if mask is not None:
+                logits = logits.masked_fill(~mask, float("-inf"))
+            weights = logits.softmax(dim=-1)  # (B, H, Tq, Tk)
+            p = F.dropout(weights, self.attn_dropout, self.training)
+            heads = p @ v  # (B, H, Tq, d_k)
+        else:
+            dropout = self.attn_dropout if self.training else 0.0
+            heads = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)  # (B, H, Tq, d_k)
+        heads = self.hook_context(heads)
+
+        soft_weights = None
+        if self.soft is not None:
+            soft, soft_weights = self.soft(q, k, v, mask)  # (B, H, Tq, d_k)
+            heads = heads * soft if self.fusion == "hadamard" else heads + soft  # HAM A / HAM B
+        if self.head_mask is not None:
+            heads = heads * self.head_mask.view(1, -1, 1, 1).to(heads.dtype)
+        heads = self.hook_head_out(heads)
+
+        merged = heads.transpose(1, 2).reshape(b, tq, self.attn_dim)  # concat_h: (B, Tq, H * d_k)
+        if self.skip == "output":
+            if self.skip_norm is not None and skip_state is not None:
+                merged = self.skip_norm(merged + skip_state)  # Deep Head: add and normalise
+            emitted = merged
+        else:
+            emitted = emitted_scores
+        return AttentionOutput(
+            self.out_proj(merged),
+            emitted if self.skip != "none" else None,
+            weights if need_weights else None,
+            soft_weights if need_weights else None,
+        )

@@ -1,0 +1,134 @@
+"""The task registry.
+
+A task names its metrics (the first is the one selected on), its presets, its seed's default
+configuration, and how to bind to data. Registering is cheap: torch and the data libraries are only
+imported when a task binds to data (`Task.setup`), so `headsearch tasks` answers at once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol
+
+from headsearch.config import ArchConfig, RunConfig, TrainConfig
+from headsearch.errors import ConfigError, HeadsearchError
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    direction: str  # "maximize" or "minimize"
+    description: str = ""
+
+    def better(self, a: float, b: float) -> bool:
+        """True when `a` is strictly better than `b`."""
+        return a > b if self.direction == "maximize" else a < b
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """Where a task reads its data: a local directory, a local file, or (neither) the real download."""
+
+    data_dir: Path | None = None
+    data_file: Path | None = None
+
+    def describe(self) -> str:
+        return str(self.data_dir or self.data_file or "download")
+
+
+class BoundTask(Protocol):
+    """A task bound to loaded data on a device: what the trainer drives."""
+
+    n_train: int  # training samples per epoch
+
+    def build_model(self) -> Any: ...
+    def train_batches(self, epoch: int) -> Iterator[Any]: ...
+    def loss(self, model: Any, batch: Any, label_smoothing: float) -> tuple[Any, int]: ...
+    def evaluate(self, model: Any, split: str) -> dict[str, float]: ...
+    def write_artifacts(self, run_dir: Path) -> None: ...
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    description: str
+    metrics: tuple[Metric, ...]
+    default_config: Callable[[], RunConfig]
+    presets: Mapping[str, Mapping[str, Any]]  # name -> {"arch": {...}, "train": {...}, "data": {...}}
+    data_options: Mapping[str, Any]  # known data option -> default
+    check_source: Callable[[DataSource], None]
+    setup: Callable[[RunConfig, DataSource, Any], BoundTask] = field(repr=False)
+
+    @property
+    def primary(self) -> Metric:
+        return self.metrics[0]
+
+    def metric(self, name: str) -> Metric:
+        for m in self.metrics:
+            if m.name == name:
+                return m
+        raise ConfigError(f"task {self.name} has no metric {name!r}: its metrics are {', '.join(m.name for m in self.metrics)}")
+
+    def config(self, preset: str | None = None) -> RunConfig:
+        """The seed's configuration, with a preset's overrides applied."""
+        cfg = self.default_config()
+        if preset is None:
+            return cfg
+        if preset not in self.presets:
+            raise ConfigError(f"task {self.name} has no preset {preset!r}: use one of {', '.join(self.presets)}")
+        return apply_overrides(self, cfg, self.presets[preset])
+
+
+def apply_overrides(task: Task, cfg: RunConfig, overrides: Mapping[str, Any]) -> RunConfig:
+    """Merge a mapping with optional `arch`, `train`, `data` sections and `seed` over `cfg`."""
+    unknown = set(overrides) - {"task", "arch", "train", "data", "seed"}
+    if unknown:
+        raise ConfigError(f"unknown config section(s) {', '.join(sorted(unknown))}: use task, seed, arch, train, data")
+    if overrides.get("task", task.name) != task.name:
+        raise ConfigError(f"the config is for task {overrides['task']!r}, not {task.name!r}: pass --task {overrides['task']}")
+    for section in ("arch", "train", "data"):
+        if section in overrides and not isinstance(overrides[section] or {}, Mapping):
+            raise ConfigError(f"config section {section!r} must be a mapping of keys to values")
+    data = dict(cfg.data)
+    new_data = dict(overrides.get("data") or {})
+    unknown = set(new_data) - set(task.data_options)
+    if unknown:
+        raise ConfigError(
+            f"unknown data option(s) {', '.join(sorted(unknown))} for task {task.name}: known are {', '.join(task.data_options)}"
+        )
+    data.update(new_data)
+    seed = overrides.get("seed", cfg.seed)
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ConfigError(f"seed = {seed!r} must be a non-negative integer")
+    return RunConfig(
+        task=task.name,
+        arch=ArchConfig.from_dict(overrides.get("arch") or {}, base=cfg.arch),
+        train=TrainConfig.from_dict(overrides.get("train") or {}, base=cfg.train),
+        data=data,
+        seed=seed,
+    )
+
+
+_REGISTRY: dict[str, Task] = {}
+
+
+def register(task: Task) -> Task:
+    _REGISTRY[task.name] = task
+    return task
+
+
+def get_task(name: str) -> Task:
+    _load_builtin()
+    if name not in _REGISTRY:
+        raise HeadsearchError(f"unknown task {name!r}: use one of {', '.join(sorted(_REGISTRY))} (see `headsearch tasks`)")
+    return _REGISTRY[name]
+
+
+def all_tasks() -> Iterable[Task]:
+    _load_builtin()
+    return [_REGISTRY[k] for k in sorted(_REGISTRY)]
+
+
+def _load_builtin() -> None:
+    # Importing registers; these modules import only light things at module level.
+    from headsearch.tasks import translation, vit_cifar10  # noqa: F401

@@ -1,0 +1,110 @@
+"""Run directories: every run gets its config, command, library versions and seed; files are written atomically."""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import shlex
+import socket
+import sys
+import tempfile
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Mapping
+
+from headsearch.errors import HeadsearchError
+
+LIBRARIES = ("headsearch", "torch", "torchvision", "numpy", "optuna", "sacrebleu", "tokenizers", "safetensors", "datasets")
+
+
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """Write to a temporary file in the same folder, then rename: readers never see half a file."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; run files are meant to be shared
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_checkpoint(state_dict: Mapping[str, Any], path: Path, metadata_: Mapping[str, str] | None = None) -> None:
+    """A safetensors checkpoint, written atomically."""
+    from safetensors.torch import save
+
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
+    write_atomic(path, save(tensors, metadata=dict(metadata_ or {})))
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def default_run_dir(task: str, root: Path = Path("runs")) -> Path:
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = root / f"{task}-{stamp}"
+    n = 1
+    while path.exists():
+        n += 1
+        path = root / f"{task}-{stamp}-{n}"
+    return path
+
+
+def check_run_dir(path: Path) -> None:
+    """Fail early (before any data is loaded) when the run directory cannot be created."""
+    path = Path(path)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise HeadsearchError(f"output directory {path} already exists and is not empty: choose another --out or remove it")
+    parent = path
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise HeadsearchError(f"cannot write the output directory {path}: {parent} is not writable, choose another --out")
+
+
+def library_versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for name in LIBRARIES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def environment() -> dict[str, Any]:
+    import torch
+
+    env: dict[str, Any] = {
+        "versions": library_versions(),
+        "platform": platform.platform(),
+        "hostname": socket.gethostname(),
+        "cpu_threads": torch.get_num_threads(),
+        "cuda": torch.version.cuda,
+        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+    }
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+    return env
+
+
+def create_run_dir(path: Path, config_yaml: str, argv: list[str] | None = None) -> Path:
+    """Create the directory with config.yaml, command.txt and env.json (versions, machine, date)."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise HeadsearchError(f"cannot create the output directory {path}: {e.strerror}") from None
+    write_atomic(path / "config.yaml", config_yaml)
+    argv = list(sys.argv if argv is None else argv)
+    write_atomic(path / "command.txt", shlex.join(argv) + "\n")
+    write_atomic(path / "env.json", json.dumps(environment(), indent=2) + "\n")
+    return path
