@@ -1,0 +1,120 @@
+"""ArchConfig/TrainConfig/RunConfig validation and YAML round trips."""
+import pytest
+import yaml
+
+from headsearch.config import ArchConfig, RunConfig, TrainConfig, load_yaml
+from headsearch.errors import ConfigError
+from headsearch.tasks import apply_overrides, get_task
+from headsearch.training.resolve import resolve_config
+
+
+def test_defaults_are_seed_001_vit():
+    a = ArchConfig()
+    assert (a.d_model, a.enc_layers, a.enc_heads, a.d_ff, a.activation, a.patch_size) == (48, 4, (4, 4, 4, 4), 192, "gelu", 4)
+    assert a.head_width(4) == 12 and a.attn_dim(4) == 48
+
+
+def test_deep_head_schedule_and_widths():
+    a = ArchConfig(d_model=512, enc_layers=6, enc_heads=[64, 32, 16, 8, 4, 2], dec_layers=6, dec_heads=8)
+    assert [a.head_width(h) for h in a.enc_heads] == [8, 16, 32, 64, 128, 256]
+    assert {a.attn_dim(h) for h in a.enc_heads} == {512}  # the same weights shape whatever the schedule
+    fixed = ArchConfig(d_model=48, enc_heads=[4, 2, 2, 1], head_dim=16)
+    assert [fixed.attn_dim(h) for h in fixed.enc_heads] == [64, 32, 32, 16]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(enc_heads=[4, 4, 4]), "enc_heads lists 3 head counts but enc_layers is 4"),
+        (dict(enc_heads=[4, 5, 4, 4]), r"enc_heads\[1\] = 5 does not divide d_model = 48"),
+        (dict(enc_heads=[4, 0, 4, 4]), "at least one head"),
+        (dict(skip="residual"), "skip = 'residual' is not known: use one of none, output, scores"),
+        (dict(fusion="multiply"), "fusion = 'multiply' is not known: use one of none, hadamard, add"),
+        (dict(enc_heads=[8, 6, 4, 2], skip="scores"), "one count must divide the other"),
+        (dict(enc_heads=[4, 2, 2, 1], head_dim=16, skip="output"), "skip 'output' adds merged head outputs"),
+        (dict(dropout=1.0), r"dropout = 1.0 must be in \[0, 1\)"),
+        (dict(head_dim=0), "head_dim"),
+        (dict(enc_heads="4,x"), "is not a list of head counts"),
+        (dict(dec_layers=2, dec_heads=[8]), "dec_heads lists 1 head counts but dec_layers is 2"),
+    ],
+)
+def test_invalid_arch_configs_say_what_to_change(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        ArchConfig(**kwargs)
+
+
+def test_fixed_head_dim_allows_counts_that_do_not_divide_d_model():
+    a = ArchConfig(d_model=48, enc_heads=[5, 5, 5, 5], head_dim=8)
+    assert a.attn_dim(5) == 40
+
+
+def test_heads_accept_int_list_and_comma_string():
+    assert ArchConfig(enc_heads=2).enc_heads == (2, 2, 2, 2)
+    assert ArchConfig(enc_heads="8,4,2,1").enc_heads == (8, 4, 2, 1)
+
+
+def test_from_dict_infers_layers_and_rejects_unknown_keys():
+    base = ArchConfig()
+    a = ArchConfig.from_dict({"d_model": 512, "enc_heads": [64, 32, 16, 8, 4, 2]}, base=base)
+    assert a.enc_layers == 6 and a.d_ff == base.d_ff
+    assert ArchConfig.from_dict({"enc_layers": 6}, base=base).enc_heads == (4,) * 6  # uniform stays uniform
+    with pytest.raises(ConfigError, match="unknown arch key"):
+        ArchConfig.from_dict({"n_heads": 4})
+
+
+def test_arch_round_trips_through_yaml():
+    a = ArchConfig(d_model=64, enc_layers=3, enc_heads=[8, 4, 2], dec_layers=2, dec_heads=4, skip="scores",
+                   skip_mean=True, fusion="hadamard", soft_dim=6, soft_score="key", head_dim="split")
+    assert ArchConfig.from_dict(yaml.safe_load(yaml.safe_dump(a.to_dict()))) == a
+
+
+def test_train_config_validation():
+    with pytest.raises(ConfigError, match="optimizer = 'sgd' is not known"):
+        TrainConfig(optimizer="sgd")
+    with pytest.raises(ConfigError, match="lr = 0"):
+        TrainConfig(lr=0)
+    with pytest.raises(ConfigError, match="unknown train key"):
+        TrainConfig.from_dict({"learning_rate": 1.0})
+
+
+def test_run_config_round_trips_through_a_file(tmp_path):
+    cfg = resolve_config("vit-cifar10", preset="tiny", epochs=3, seed=7)
+    assert cfg.train.epochs == 3 and cfg.seed == 7 and cfg.data["train_limit"] == 20000
+    path = tmp_path / "config.yaml"
+    path.write_text(cfg.to_yaml())
+    assert resolve_config("vit-cifar10", path) == cfg
+    assert isinstance(cfg, RunConfig)
+
+
+def test_seed_defaults_per_task():
+    vit = get_task("vit-cifar10").config()
+    assert (vit.train.lr, vit.train.weight_decay, vit.train.batch_size, vit.train.epochs) == (1e-2, 1e-2, 256, 400)
+    tr = get_task("translation-en-es").config()
+    assert (tr.arch.d_model, tr.arch.enc_layers, tr.arch.dec_layers, tr.arch.d_ff) == (512, 6, 6, 2048)
+    assert (tr.train.lr, tr.train.eps, tr.train.label_smoothing, tr.train.batch_size) == (1e-4, 1e-9, 0.1, 32)
+    assert tr.data["max_len"] == 350 and tr.data["min_frequency"] == 2
+
+
+def test_overrides_reject_wrong_task_and_unknown_sections():
+    task = get_task("vit-cifar10")
+    with pytest.raises(ConfigError, match="pass --task translation-en-es"):
+        apply_overrides(task, task.config(), {"task": "translation-en-es", "arch": {}})
+    with pytest.raises(ConfigError, match="unknown config section"):
+        apply_overrides(task, task.config(), {"model": {}})
+    with pytest.raises(ConfigError, match="unknown data option"):
+        apply_overrides(task, task.config(), {"data": {"max_len": 3}})
+    with pytest.raises(ConfigError, match="no preset 'huge'"):
+        task.config("huge")
+
+
+def test_load_yaml_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_yaml(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("arch: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_yaml(bad)
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("42\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_yaml(scalar)
