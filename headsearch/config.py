@@ -8,6 +8,7 @@ holding only architecture fields.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
@@ -28,6 +29,32 @@ AMP_MODES = ("auto", "bf16", "off")
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ConfigError(f"{name} = {value!r} is not known: use one of {', '.join(allowed)}")
+
+
+def _coerce(obj: Any, ints: tuple[str, ...] = (), floats: tuple[str, ...] = (), bools: tuple[str, ...] = (),
+            optional: tuple[str, ...] = ()) -> None:
+    """Coerce fields of a frozen dataclass to their types, or raise a ConfigError naming the field."""
+    for name in ints + floats + bools:
+        value = getattr(obj, name)
+        if value is None and name in optional:
+            continue
+        try:
+            if name in bools:
+                if not isinstance(value, bool):
+                    raise ValueError
+                continue
+            if isinstance(value, bool):
+                raise ValueError
+            if name in ints:
+                as_float = float(value)
+                if not as_float.is_integer():
+                    raise ValueError
+                object.__setattr__(obj, name, int(as_float))
+            else:
+                object.__setattr__(obj, name, float(value))
+        except (TypeError, ValueError):
+            kind = "an integer" if name in ints else "a number" if name in floats else "true or false"
+            raise ConfigError(f"{name} = {value!r} must be {kind}") from None
 
 
 def _heads_tuple(name: str, heads: Any, layers: int) -> tuple[int, ...]:
@@ -84,6 +111,16 @@ class ArchConfig:
 
     def __post_init__(self) -> None:
         # Frozen, so normalise through object.__setattr__ (the litgpt idiom).
+        _coerce(self, ints=("d_model", "enc_layers", "dec_layers", "d_ff", "patch_size", "soft_dim"),
+                floats=("dropout", "attn_dropout"), bools=("skip_mean",), optional=("soft_dim",))
+        for name in ("skip", "fusion", "soft_score", "activation"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"{name} = {getattr(self, name)!r} must be a name")
+        if self.head_dim != "split" and not isinstance(self.head_dim, bool):
+            try:
+                object.__setattr__(self, "head_dim", int(self.head_dim))
+            except (TypeError, ValueError):
+                raise ConfigError(f"head_dim = {self.head_dim!r} must be 'split' (d_model / heads) or a positive integer") from None
         object.__setattr__(self, "enc_heads", _heads_tuple("enc_heads", self.enc_heads, self.enc_layers))
         object.__setattr__(self, "dec_heads", _heads_tuple("dec_heads", self.dec_heads, self.dec_layers))
         self._validate()
@@ -203,7 +240,16 @@ class TrainConfig:
     compile: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
+        _coerce(self, ints=("epochs", "batch_size", "max_steps_per_epoch"),
+                floats=("lr", "weight_decay", "eps", "warmup_epochs", "min_lr_ratio", "label_smoothing", "grad_clip", "target"),
+                bools=("compile",), optional=("grad_clip", "target", "max_steps_per_epoch"))
+        try:
+            object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
+        except (TypeError, ValueError):
+            raise ConfigError(f"betas = {self.betas!r} must be two numbers, e.g. [0.9, 0.999]") from None
+        for name in ("optimizer", "schedule", "amp"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"{name} = {getattr(self, name)!r} must be a name")
         if self.epochs < 1:
             raise ConfigError(f"epochs = {self.epochs} must be at least 1")
         if self.batch_size < 1:
@@ -263,13 +309,28 @@ class RunConfig:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
+class _Loader(yaml.SafeLoader):
+    """PyYAML follows YAML 1.1, which reads `1e-3` (no dot) as a string; YAML 1.2 and users read a number."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def parse_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML mapping, with one-line errors for a missing or malformed file."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist: pass the path of a YAML file")
     try:
-        d = yaml.safe_load(path.read_text())
+        d = parse_yaml(path.read_text())
     except yaml.YAMLError as e:
         where = getattr(e, "problem_mark", None)
         at = f" (line {where.line + 1})" if where is not None else ""

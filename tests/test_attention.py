@@ -62,6 +62,7 @@ def test_attention_matches_hand_written_reference():
 
 
 @pytest.mark.parametrize("score", ["pairwise", "key"])
+@torch.no_grad()
 def test_soft_attention_matches_bahdanau_reference(score):
     attn = _attn(4, 2, fusion="add", soft_dim=3, soft_score=score)
     soft = attn.soft

@@ -29,15 +29,19 @@ class TrainProgress(Callback):
         )
         self.task_id = None
         self.last_metric = ""
+        self.started = False
 
     def __enter__(self) -> "TrainProgress":
-        self.progress.__enter__()
-        return self
+        return self  # the bar starts with training, so input errors print nothing else
 
     def __exit__(self, *exc) -> None:
-        self.progress.__exit__(*exc)
+        if self.started:
+            self.progress.stop()
 
     def on_start(self, steps_per_epoch: int, epochs: int) -> None:
+        if not self.started:
+            self.progress.start()
+            self.started = True
         self.task_id = self.progress.add_task("train", total=steps_per_epoch * epochs, epoch=f"0/{epochs}",
                                               loss="-", speed="-", metric="")
 
@@ -67,3 +71,94 @@ def print_result(run_dir: Path, result: TrainResult, console: Console | None = N
     table.add_row("throughput", f"{result.samples_per_s:,.0f} samples/s")
     console.print(table)
     console.print(f"run directory: {run_dir}")
+
+
+class SearchProgress(Callback):
+    """Live view of a search: trials by state, the best value of each objective, the current trial."""
+
+    def __init__(self, study, trials: int, console: Console | None = None):
+        from rich.live import Live
+
+        self.study, self.trials = study, trials
+        self.console = console or Console(stderr=True)
+        self.current = "-"
+        self.epoch = ""
+        self.step = ""
+        self.log: list[str] = []
+        self.snap = None
+        self.live = Live(self._render(), console=self.console, refresh_per_second=4, transient=False)
+
+    def __enter__(self) -> "SearchProgress":
+        self.refresh()
+        self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.refresh()
+        self.live.__exit__(*exc)
+
+    def refresh(self) -> None:
+        from headsearch.search.snapshot import snapshot
+
+        self.snap = snapshot(self.study)
+        self.live.update(self._render())
+
+    def _render(self) -> Table:
+        table = Table.grid(padding=(0, 2))
+        if self.snap is not None:
+            c = self.snap.counts
+            table.add_row("trials", f"{self.snap.finished}/{self.trials} finished: {c['complete']} complete, {c['pruned']} pruned,"
+                          f" {c['rejected']} rejected, {c['failed']} failed, {c['running']} running")
+            if self.snap.best:
+                table.add_row("best so far", "  ".join(f"{k} {v:.4g}" for k, v in self.snap.best.items()))
+            for r in self.snap.running:
+                table.add_row(f"trial {r['number']}", f"{r['arch']}  epoch {r['epoch']}")
+        table.add_row("current", f"{self.current} {self.epoch} {self.step}")
+        for line in self.log[-8:]:
+            table.add_row("", line)
+        return table
+
+    def on_trial_start(self, number: int, cfg) -> None:
+        from headsearch.search.runner import arch_summary
+
+        self.current, self.epoch, self.step = f"trial {number}: {arch_summary(cfg)}", "", ""
+        self.refresh()
+
+    def on_step(self, info: StepInfo) -> None:
+        self.epoch = f"epoch {info.epoch}/{info.epochs}"
+        self.step = f"step {info.epoch_step}/{info.steps_per_epoch} loss {info.loss:.3f} ({info.samples_per_s:,.0f} samples/s)"
+        self.live.update(self._render())
+
+    def on_epoch_end(self, record: EpochRecord) -> None:
+        self.epoch = f"epoch {record.epoch} val: {_fmt(record.metrics)}"
+        self.refresh()
+
+    def on_trial_end(self, number: int, state: str) -> None:
+        t = self.study.trials[number]
+        detail = ""
+        if state == "COMPLETE":
+            detail = "  ".join(f"{k} {v:.4g}" for k, v in zip(self.study.metric_names or [], t.values or []))
+        elif "pruned" in t.user_attrs:
+            p = t.user_attrs["pruned"]
+            thr = f" < {p['threshold']:.4g}" if p.get("threshold") is not None else ""
+            detail = f"{p['rule']} rule at epoch {p['epoch']}: {p['value']:.4g}{thr}"
+        elif "rejected" in t.user_attrs:
+            detail = t.user_attrs["rejected"]
+        elif "fail_reason" in t.user_attrs:
+            detail = t.user_attrs["fail_reason"]
+        self.log.append(f"trial {number} {state.lower()}: {t.user_attrs.get('arch', '')}  {detail}")
+        self.current, self.epoch, self.step = "-", "", ""
+        self.refresh()
+
+
+def print_search_summary(study, storage: str, console: Console | None = None) -> None:
+    from headsearch.search.snapshot import snapshot
+
+    console = console or Console()
+    snap = snapshot(study)
+    c = snap.counts
+    console.print(f"study {study.study_name}: {c['complete']} complete, {c['pruned']} pruned, {c['rejected']} rejected,"
+                  f" {c['failed']} failed")
+    if snap.best:
+        console.print("best per objective: " + "  ".join(f"{k} {v:.4g}" for k, v in snap.best.items()))
+    console.print(f"next: headsearch report --study {study.study_name} --storage {storage}")

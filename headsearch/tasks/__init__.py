@@ -46,6 +46,7 @@ class BoundTask(Protocol):
     def loss(self, model: Any, batch: Any, label_smoothing: float) -> tuple[Any, int]: ...
     def evaluate(self, model: Any, split: str) -> dict[str, float]: ...
     def write_artifacts(self, run_dir: Path) -> None: ...
+    def rebind(self, cfg: RunConfig) -> "BoundTask": ...  # same data (same data options and seed), new config
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ def apply_overrides(task: Task, cfg: RunConfig, overrides: Mapping[str, Any]) ->
         raise ConfigError(
             f"unknown data option(s) {', '.join(sorted(unknown))} for task {task.name}: known are {', '.join(task.data_options)}"
         )
-    data.update(new_data)
+    data.update({k: _data_value(k, v, task.data_options[k]) for k, v in new_data.items()})
     seed = overrides.get("seed", cfg.seed)
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ConfigError(f"seed = {seed!r} must be a non-negative integer")
@@ -107,6 +108,25 @@ def apply_overrides(task: Task, cfg: RunConfig, overrides: Mapping[str, Any]) ->
         data=data,
         seed=seed,
     )
+
+
+def _data_value(name: str, value: Any, default: Any) -> Any:
+    """Data options take the type of their default: a list, or a number (None allowed where the default is None)."""
+    if isinstance(default, list):
+        if not isinstance(value, list):
+            raise ConfigError(f"data.{name} = {value!r} must be a list, e.g. {default}")
+        return value
+    if value is None:
+        if default is None:
+            return None
+        raise ConfigError(f"data.{name} must be a number (default {default})")
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"data.{name} = {value!r} must be a number") from None
+    return int(number) if number.is_integer() and not (isinstance(value, float) and 0 < value < 1) else number
 
 
 _REGISTRY: dict[str, Task] = {}

@@ -103,6 +103,17 @@ class BoundTranslation:
         return {"src": src, "refs": [corpus.tgt[i] for i in idx], "src_text": [corpus.src[i] for i in idx],
                 "tgt": self.td.encode(self.tgt_tok, [corpus.tgt[i] for i in idx])}
 
+    def rebind(self, cfg: RunConfig) -> "BoundTranslation":
+        """The same tokenised data under another architecture/training config (a search trial)."""
+        import copy
+
+        new = copy.copy(self)
+        new.cfg = cfg
+        new.last_outputs = {}
+        if cfg.train.batch_size != self.cfg.train.batch_size:
+            new.batcher = self.td.BucketBatcher(self.batcher.src_ids, self.batcher.tgt_ids, cfg.train.batch_size)
+        return new
+
     def build_model(self):
         from headsearch.models import Seq2Seq
 

@@ -79,6 +79,21 @@ class BoundCifar:
         self.num_classes = len(arrays.label_names)
         self.label_names = arrays.label_names
 
+    def rebind(self, cfg: RunConfig) -> "BoundCifar":
+        """The same resident data under another architecture/training config (a search trial).
+
+        The augmentation generator restarts from the seed, so a trial trains exactly as
+        `headsearch train` with the same config would.
+        """
+        import copy
+
+        import torch
+
+        new = copy.copy(self)
+        new.cfg = cfg
+        new.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        return new
+
     def build_model(self):
         from headsearch.models import ViT
 

@@ -1,4 +1,5 @@
-"""Training: `train_run` is the library entry point behind `headsearch train` (and each search trial)."""
+"""Training: `train_run` is the library entry point behind `headsearch train`; `train_bound` trains
+on already-loaded data (each search trial)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,8 +23,8 @@ def train_run(
     Everything that can be wrong with the input is found before the run directory is created, so a
     bad input leaves nothing behind.
     """
-    from headsearch.training.rundir import check_run_dir, create_run_dir, default_run_dir
-    from headsearch.training.trainer import fit, resolve_device
+    from headsearch.training.rundir import check_run_dir, default_run_dir
+    from headsearch.training.trainer import resolve_device
 
     task = get_task(cfg.task)
     task.check_source(source)
@@ -31,6 +32,14 @@ def train_run(
     check_run_dir(run_dir)
     dev = resolve_device(device)
     bound = task.setup(cfg, source, dev)
+    return run_dir, train_bound(cfg, bound, run_dir, device=dev, argv=argv, callbacks=callbacks)
+
+
+def train_bound(cfg: RunConfig, bound, run_dir: Path, *, device, argv: list[str] | None = None, callbacks: Sequence = ()):
+    """Create `run_dir` (config, command, versions, task artifacts) and train `bound` in it."""
+    from headsearch.training.rundir import create_run_dir
+    from headsearch.training.trainer import fit
+
     create_run_dir(run_dir, cfg.to_yaml(), argv)
     bound.write_artifacts(run_dir)
-    return run_dir, fit(task, cfg, bound, device=dev, run_dir=run_dir, callbacks=callbacks)
+    return fit(get_task(cfg.task), cfg, bound, device=device, run_dir=run_dir, callbacks=callbacks)

@@ -165,16 +165,17 @@ def fit(
 
     best_state: dict[str, torch.Tensor] | None = None
     first_bad = torch.full((), -1, dtype=torch.long, device=device)  # step of the first non-finite loss
+    bad_loss = torch.zeros((), device=device)  # and that loss
     start = time.perf_counter()
     step = 0
     stopped_by: BaseException | None = None
 
-    def check_finite(epoch: int, last_loss: torch.Tensor) -> None:
+    def check_finite(epoch: int) -> None:
         # Read the device-side flag only here (every `log_every` steps and at epoch end), so the
         # hot loop never waits for the GPU.
         bad_step = int(first_bad)
         if bad_step >= 0:
-            raise Diverged(step=bad_step, epoch=epoch, loss=float(last_loss))
+            raise Diverged(step=bad_step, epoch=epoch, loss=float(bad_loss))
 
     try:
         for epoch in range(1, t.epochs + 1):
@@ -183,7 +184,6 @@ def fit(
             t0 = time.perf_counter()
             loss_sum = torch.zeros((), device=device)
             seen = 0
-            loss = torch.zeros(())
             for i, batch in enumerate(bound.train_batches(epoch)):
                 if i >= spe:
                     break
@@ -198,17 +198,19 @@ def fit(
                 step += 1
                 seen += n
                 detached = loss.detach().float()
-                first_bad = torch.where((~torch.isfinite(detached)) & (first_bad < 0), step, first_bad)
+                newly_bad = (~torch.isfinite(detached)) & (first_bad < 0)
+                first_bad = torch.where(newly_bad, step, first_bad)
+                bad_loss = torch.where(newly_bad, detached, bad_loss)
                 loss_sum += detached * n
                 if step % log_every == 0 or i == spe - 1:
-                    check_finite(epoch, detached)
+                    check_finite(epoch)
                     info = StepInfo(epoch, t.epochs, i + 1, spe, step, float(detached), scheduler.get_last_lr()[0],
                                     seen / max(time.perf_counter() - t0, 1e-9))
                     for cb in callbacks:
                         cb.on_step(info)
             synchronize(device)
             epoch_seconds = time.perf_counter() - t0
-            check_finite(epoch, loss.detach())
+            check_finite(epoch)
             result.train_seconds += epoch_seconds
             result.steps, result.epochs_run, result.samples = step, epoch, result.samples + seen
 

@@ -1,0 +1,1 @@
+"""Architecture search: search spaces, Optuna storages, learning-curve pruning."""

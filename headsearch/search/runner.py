@@ -1,0 +1,402 @@
+"""`headsearch run`: a multi-objective Optuna search over head architectures, with pruning.
+
+Each trial samples an architecture from a search space, trains it with the task's trainer in its
+own run directory, and reports the objectives: the task's quality metric on the validation split
+and convergence figures (seconds or epochs to the best validation metric, parameter count).
+
+Pruning: Optuna's `report`/`should_prune` refuse multi-objective studies, so there each epoch's
+primary metric is written into the trial's intermediate values through the storage and judged
+against the other trials' curves by `headsearch.search.pruning`; single-objective studies use
+Optuna's own pruners with the same rules. A pruned trial is stored PRUNED with its reason.
+
+Workers: `run_worker` loops "take the budget lock, count, ask; train; tell", so any number of
+processes on any number of machines sharing one storage run exactly `trials` trials between them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from headsearch.config import RunConfig
+from headsearch.errors import ConfigError, Diverged, HeadsearchError
+from headsearch.search.space import SearchSpace, load_space
+from headsearch.search.storage import DEFAULT_STORAGE, Heartbeat, budget_lock, open_storage
+from headsearch.tasks import DataSource, Task, apply_overrides, get_task
+
+SAMPLERS = ("nsga2", "tpe", "random", "gp")
+PRUNERS = ("median", "percentile", "hyperband", "none")
+CONVERGENCE_OBJECTIVES = {
+    "time": "training seconds to the best validation metric",
+    "epochs": "epochs to the best validation metric",
+    "params": "parameter count",
+}
+
+
+@dataclass(frozen=True)
+class Objective:
+    name: str
+    direction: str
+
+    def value(self, result) -> float:
+        if self.name == "time":
+            return float(result.best_train_seconds)
+        if self.name == "epochs":
+            return float(result.best_epoch)
+        if self.name == "params":
+            return float(result.params)
+        return float(result.best_metrics[self.name])
+
+
+def resolve_objectives(task: Task, names: Sequence[str] | None) -> list[Objective]:
+    """Default: the task's quality metric and convergence time."""
+    names = list(names) if names else [task.primary.name, "time"]
+    known = [m.name for m in task.metrics] + list(CONVERGENCE_OBJECTIVES)
+    out = []
+    for n in names:
+        if n not in known:
+            raise ConfigError(f"unknown objective {n!r} for task {task.name}: use {', '.join(known)}")
+        direction = "minimize" if n in CONVERGENCE_OBJECTIVES else task.metric(n).direction
+        out.append(Objective(n, direction))
+    if len({o.name for o in out}) != len(out):
+        raise ConfigError(f"objectives {names} name one twice")
+    return out
+
+
+@dataclass(frozen=True)
+class SearchSettings:
+    task: str
+    space: str = "deep-head"
+    trials: int = 50
+    timeout: float | None = None
+    objectives: tuple[str, ...] | None = None
+    sampler: str | None = None  # default: nsga2 for several objectives, tpe for one
+    pruner: str = "median"
+    pruner_startup_trials: int | None = None
+    pruner_warmup_epochs: int | None = None
+    storage: str = DEFAULT_STORAGE
+    study: str | None = None  # default: <task>-<space>[-<preset>]
+    seed: int = 0
+    epochs: int | None = None
+    preset: str | None = None
+    data_dir: str | None = None
+    data_file: str | None = None
+    workers: int = 1
+    run_root: str = "runs"
+    device: str = "auto"
+    heartbeat: int = 30
+
+
+@dataclass
+class Search:
+    """Validated settings with everything derived from them. No study exists until `open`."""
+
+    settings: SearchSettings
+    task: Task = field(init=False)
+    space: SearchSpace = field(init=False)
+    objectives: list[Objective] = field(init=False)
+    base: RunConfig = field(init=False)
+    study_name: str = field(init=False)
+    source: DataSource = field(init=False)
+
+    def __post_init__(self) -> None:
+        s = self.settings
+        self.task = get_task(s.task)
+        self.space = load_space(s.space)
+        if self.space.tasks and self.task.name not in self.space.tasks:
+            raise ConfigError(f"space {self.space.name} is for {', '.join(self.space.tasks)}, not {self.task.name}")
+        self.objectives = resolve_objectives(self.task, s.objectives)
+        if s.sampler is not None and s.sampler not in SAMPLERS:
+            raise ConfigError(f"unknown sampler {s.sampler!r}: use one of {', '.join(SAMPLERS)}")
+        if s.pruner not in PRUNERS:
+            raise ConfigError(f"unknown pruner {s.pruner!r}: use one of {', '.join(PRUNERS)}")
+        if s.trials < 1 or s.workers < 1:
+            raise ConfigError("--trials and --workers must be at least 1")
+        base = self.task.config(s.preset)
+        flags: dict[str, Any] = {"seed": s.seed}
+        if s.epochs is not None:
+            flags["train"] = {"epochs": s.epochs}
+        self.base = self.space.base_config(apply_overrides(self.task, base, flags), lambda c, o: apply_overrides(self.task, c, o))
+        self.study_name = s.study or "-".join([self.task.name, self.space.name] + ([s.preset] if s.preset else []))
+        self.source = DataSource(Path(s.data_dir) if s.data_dir else None, Path(s.data_file) if s.data_file else None)
+        self.task.check_source(self.source)
+        self._bound_key: str | None = None
+        self._bound = None
+
+    # -- the study --------------------------------------------------------------------------
+    @property
+    def directions(self) -> list[str]:
+        return [o.direction for o in self.objectives]
+
+    @property
+    def multi_objective(self) -> bool:
+        return len(self.objectives) > 1
+
+    def sampler_name(self) -> str:
+        return self.settings.sampler or ("nsga2" if self.multi_objective else "tpe")
+
+    def make_sampler(self, worker_index: int = 0):
+        import optuna
+
+        seed = self.settings.seed + 1000 * worker_index  # workers must not propose the same points
+        name = self.sampler_name()
+        if name == "nsga2":
+            # A population of 50 would spend a 50-trial budget on one random generation.
+            pop = max(4, min(50, self.settings.trials // 4))
+            return optuna.samplers.NSGAIISampler(population_size=pop, seed=seed)
+        if name == "tpe":
+            return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True)
+        if name == "gp":
+            return optuna.samplers.GPSampler(seed=seed)
+        return optuna.samplers.RandomSampler(seed=seed)
+
+    def make_pruner(self):
+        from headsearch.search.pruning import make_curve_pruner, make_optuna_pruner
+
+        s = self.settings
+        opts = dict(n_startup_trials=s.pruner_startup_trials, n_warmup_epochs=s.pruner_warmup_epochs)
+        if self.multi_objective:
+            return None, make_curve_pruner(s.pruner, self.task.primary.direction, **opts)
+        return make_optuna_pruner(s.pruner, epochs=self.base.train.epochs, **opts), None
+
+    def study_attrs(self) -> dict[str, Any]:
+        return {
+            "headsearch": {"task": self.task.name, "space": self.space.summary(),
+                           "objectives": [dataclasses.asdict(o) for o in self.objectives],
+                           "primary_metric": self.task.primary.name, "base_config": self.base.to_dict(),
+                           "sampler": self.sampler_name(), "pruner": self.settings.pruner, "seed": self.settings.seed,
+                           "trials": self.settings.trials, "epochs": self.base.train.epochs,
+                           "run_root": str(Path(self.settings.run_root).resolve() / self.study_name),
+                           "data": self.source.describe()},
+        }
+
+    def open(self, worker_index: int = 0):
+        """Create the study, or load it and check it is the same search."""
+        import optuna
+
+        storage = open_storage(self.settings.storage, self.settings.heartbeat)
+        optuna_pruner, _ = self.make_pruner()
+        study = optuna.create_study(storage=storage, study_name=self.study_name, directions=self.directions,
+                                    sampler=self.make_sampler(worker_index), pruner=optuna_pruner, load_if_exists=True)
+        mine = self.study_attrs()["headsearch"]
+        stored = study.user_attrs.get("headsearch")
+        if stored is None:
+            study.set_user_attr("headsearch", mine)
+            study.set_metric_names([o.name for o in self.objectives])
+        else:
+            for key in ("task", "objectives", "base_config", "space"):
+                if json.dumps(stored[key], sort_keys=True) != json.dumps(mine[key], sort_keys=True):
+                    raise HeadsearchError(
+                        f"study {self.study_name} exists in {self.settings.storage} with a different {key}:"
+                        f" pass another --study to start a new search (or the original settings to resume)"
+                    )
+        return study
+
+    # -- the worker loop --------------------------------------------------------------------
+    def _next_trial(self, study):
+        from optuna.storages import fail_stale_trials
+        from optuna.trial import TrialState
+
+        with budget_lock(self.settings.storage, self.study_name):
+            if hasattr(study._storage, "record_heartbeat"):
+                fail_stale_trials(study)  # a dead worker's trial -> FAIL, re-enqueued as WAITING
+            states = [t.state for t in study.get_trials(deepcopy=False)]
+            waiting = states.count(TrialState.WAITING)
+            counted = sum(states.count(s) for s in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)) + waiting
+            if waiting == 0 and counted >= self.settings.trials:
+                return None
+            return study.ask()
+
+    def run_worker(self, worker_index: int = 0, callbacks: Sequence = (), argv: list[str] | None = None) -> None:
+        """Run trials until the study holds `trials` finished ones or `timeout` passes."""
+        study = self.open(worker_index)
+        start = time.monotonic()
+        while self.settings.timeout is None or time.monotonic() - start < self.settings.timeout:
+            trial = self._next_trial(study)
+            if trial is None:
+                break
+            self.run_trial(study, trial, worker_index, callbacks, argv)
+
+    def prepare_data(self) -> None:
+        """Load the data now, so that missing or malformed data fails before a study is created."""
+        from headsearch.training.trainer import resolve_device
+
+        self._bound_for(self.base, resolve_device(self.settings.device))
+
+    def _bound_for(self, cfg: RunConfig, device):
+        """Load data once per worker; later trials rebind it to their config."""
+        key = json.dumps([cfg.data, cfg.seed], sort_keys=True, default=str)
+        if key != self._bound_key:
+            self._bound = self.task.setup(cfg, self.source, device)
+            self._bound_key = key
+            return self._bound
+        return self._bound.rebind(cfg)
+
+    def run_trial(self, study, trial, worker_index: int = 0, callbacks: Sequence = (), argv: list[str] | None = None) -> str:
+        """Sample, train and tell one trial. Returns its final state's name."""
+        import optuna
+        import torch
+        from optuna.trial import TrialState
+
+        from headsearch.training import train_bound
+        from headsearch.training.trainer import resolve_device
+
+        trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
+        try:
+            cfg = apply_overrides(self.task, self.base, self.space.sample(trial, self.base))
+        except ConfigError as e:
+            # An invalid combination (e.g. a head count that does not divide a searched d_model):
+            # recorded as such, and never trained.
+            trial.set_user_attr("rejected", str(e))
+            study.tell(trial, state=TrialState.PRUNED)
+            return "REJECTED"
+        trial.set_user_attr("config", cfg.to_dict())
+        trial.set_user_attr("arch", arch_summary(cfg))
+        run_dir = Path(self.settings.run_root) / self.study_name / f"trial-{trial.number:05d}"
+        trial.set_user_attr("run_dir", str(run_dir.resolve()))
+        for cb in callbacks:
+            getattr(cb, "on_trial_start", lambda *a: None)(trial.number, cfg)
+        device = resolve_device(self.settings.device)
+        optuna_pruner, curve_pruner = self.make_pruner()
+        pruning = TrialPruning(study, trial, self.task.primary.name, curve_pruner, self.settings.pruner, not self.multi_objective)
+        state, values = TrialState.FAIL, None
+        try:
+            with Heartbeat(study._storage, trial._trial_id, self.settings.heartbeat):
+                bound = self._bound_for(cfg, device)
+                result = train_bound(cfg, bound, run_dir, device=device, argv=argv, callbacks=[pruning, *callbacks])
+            values = [o.value(result) for o in self.objectives]
+            record_result(trial, result)
+            state = TrialState.COMPLETE
+        except optuna.TrialPruned:
+            trial.set_user_attr("epochs_run", len(pruning.curve))
+            state = TrialState.PRUNED
+        except Diverged as e:
+            trial.set_user_attr("fail_reason", str(e))
+            trial.set_user_attr("epochs_run", len(pruning.curve))
+        except torch.cuda.OutOfMemoryError:
+            trial.set_user_attr("fail_reason", "out of GPU memory")
+            trial.set_user_attr("epochs_run", len(pruning.curve))
+            torch.cuda.empty_cache()
+        except KeyboardInterrupt:
+            trial.set_user_attr("fail_reason", "interrupted (Ctrl-C)")
+            study.tell(trial, state=TrialState.FAIL)
+            raise
+        except BaseException as e:
+            trial.set_user_attr("fail_reason", f"{type(e).__name__}: {e}")
+            study.tell(trial, state=TrialState.FAIL)
+            raise
+        if state == TrialState.COMPLETE:
+            study.tell(trial, values=values)
+        else:
+            study.tell(trial, state=state)
+        for cb in callbacks:
+            getattr(cb, "on_trial_end", lambda *a: None)(trial.number, state.name)
+        return state.name
+
+
+def arch_summary(cfg: RunConfig) -> str:
+    a = cfg.arch
+    heads = "-".join(map(str, a.enc_heads))
+    return f"{heads} skip={a.skip} fusion={a.fusion}"
+
+
+def record_result(trial, result) -> None:
+    trial.set_user_attr("epochs_run", result.epochs_run)
+    trial.set_user_attr("best_epoch", result.best_epoch)
+    trial.set_user_attr("best_train_seconds", result.best_train_seconds)
+    trial.set_user_attr("train_seconds", result.train_seconds)
+    trial.set_user_attr("seconds_to_target", result.seconds_to_target)
+    trial.set_user_attr("params", result.params)
+    trial.set_user_attr("samples_per_s", result.samples_per_s)
+    trial.set_user_attr("val_metrics", result.best_metrics)
+    trial.set_user_attr("test_metrics", result.test_metrics)
+
+
+class TrialPruning:
+    """Trainer callback: record each epoch's primary metric as an intermediate value and prune."""
+
+    def __init__(self, study, trial, metric: str, curve_pruner, pruner_name: str, single_objective: bool):
+        self.study, self.trial, self.metric = study, trial, metric
+        self.curve_pruner, self.pruner_name, self.single = curve_pruner, pruner_name, single_objective
+        self.curve: dict[int, float] = {}
+
+    def on_start(self, *a) -> None: ...
+    def on_step(self, *a) -> None: ...
+
+    def on_epoch_end(self, record) -> None:
+        import optuna
+        from optuna.trial import TrialState
+
+        epoch, value = record.epoch, float(record.metrics[self.metric])
+        self.curve[epoch] = value
+        if self.single:
+            self.trial.report(value, epoch)
+            if self.trial.should_prune():
+                self._prune({"rule": self.pruner_name, "epoch": epoch, "value": value, "threshold": None,
+                             "note": "Optuna pruner (single objective)"})
+            return
+        # Multi-objective: Trial.report refuses, the storage API does not (DESIGN.md §7).
+        self.study._storage.set_trial_intermediate_value(self.trial._trial_id, epoch, value)
+        if self.curve_pruner is None:
+            return
+        others = [t.intermediate_values for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
+                  if "rejected" not in t.user_attrs and t.number != self.trial.number]
+        decision = self.curve_pruner.decide(epoch, self.curve, others)
+        if decision.prune:
+            self._prune(decision.reason())
+
+    def _prune(self, reason: dict) -> None:
+        import optuna
+
+        self.trial.set_user_attr("pruned", reason)
+        raise optuna.TrialPruned(f"pruned at epoch {reason['epoch']} by the {reason['rule']} rule")
+
+
+def run_workers(search: Search, argv: list[str] | None = None) -> list[int]:
+    """Start `workers` processes on this machine (one GPU each when there are GPUs); return exit codes."""
+    import multiprocessing as mp
+
+    n_gpus = _gpu_count()
+    ctx = mp.get_context("spawn")
+    procs = []
+    for i in range(search.settings.workers):
+        gpu = str(i % n_gpus) if n_gpus else None
+        p = ctx.Process(target=_worker_main, args=(search.settings, i, gpu, argv), name=f"headsearch-worker-{i}")
+        p.start()
+        procs.append(p)
+    return procs
+
+
+def _gpu_count() -> int:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([v for v in visible.split(",") if v.strip()])
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:
+        return 0
+
+
+def _worker_main(settings: SearchSettings, index: int, gpu: str | None, argv) -> None:
+    if gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu  # before torch initialises CUDA in this process
+    log_dir = Path(settings.run_root) / (Search(settings).study_name) / "workers"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with open(log_dir / f"worker-{index}.log", "a") as log:
+        sys.stdout = sys.stderr = log
+        try:
+            Search(settings).run_worker(index, argv=argv)
+        except KeyboardInterrupt:
+            pass
+        except BaseException:
+            traceback.print_exc()
+            raise SystemExit(1)

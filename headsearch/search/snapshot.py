@@ -1,0 +1,50 @@
+"""What a study holds right now: counts by state and the best value of each objective."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Snapshot:
+    counts: dict[str, int]
+    best: dict[str, float] = field(default_factory=dict)  # each objective's best among complete trials
+    running: list[dict[str, Any]] = field(default_factory=list)  # number, arch, last epoch
+
+    @property
+    def finished(self) -> int:
+        return self.counts["complete"] + self.counts["pruned"] + self.counts["rejected"]
+
+
+def count_states(trials) -> dict[str, int]:
+    from optuna.trial import TrialState
+
+    counts = {"complete": 0, "pruned": 0, "rejected": 0, "failed": 0, "running": 0, "waiting": 0}
+    for t in trials:
+        if t.state == TrialState.PRUNED:
+            counts["rejected" if "rejected" in t.user_attrs else "pruned"] += 1
+        else:
+            key = {TrialState.COMPLETE: "complete", TrialState.FAIL: "failed", TrialState.RUNNING: "running",
+                   TrialState.WAITING: "waiting"}[t.state]
+            counts[key] += 1
+    return counts
+
+
+def snapshot(study) -> Snapshot:
+    from optuna.study import StudyDirection
+    from optuna.trial import TrialState
+
+    trials = study.get_trials(deepcopy=False)
+    snap = Snapshot(count_states(trials))
+    names = study.metric_names or [f"objective {i}" for i in range(len(study.directions))]
+    complete = [t for t in trials if t.state == TrialState.COMPLETE and t.values is not None]
+    for i, (name, direction) in enumerate(zip(names, study.directions)):
+        if complete:
+            pick = max if direction == StudyDirection.MAXIMIZE else min
+            snap.best[name] = pick(t.values[i] for t in complete)
+    for t in trials:
+        if t.state == TrialState.RUNNING:
+            epochs = t.intermediate_values
+            snap.running.append({"number": t.number, "arch": t.user_attrs.get("arch", ""),
+                                 "epoch": max(epochs) if epochs else 0})
+    return snap

@@ -1,0 +1,138 @@
+"""Optuna storages for headsearch: URLs, heartbeats, and a lock that makes a trial budget exact.
+
+- `sqlite:///headsearch.db` (default): one machine; optuna-dashboard reads it as is.
+- `postgresql://user@host/db`, `mysql://...`: many workers on many machines.
+- `journal:PATH` or a path ending in `.log`: Optuna's JournalStorage on a file; `redis://host:port`
+  for a journal in Redis. Journal storages have no heartbeats in Optuna, so a killed worker's trial
+  stays RUNNING there: use an RDB storage when workers may die.
+
+RDB storages get heartbeats: a worker records one every `heartbeat` seconds while a trial runs, and
+a trial silent for 3 x `heartbeat` is failed by the next worker that starts a trial, which then
+re-enqueues it (Optuna's RetryFailedTrialCallback), so the trial is retried and counts once.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import threading
+import zlib
+from pathlib import Path
+from typing import Iterator
+
+from headsearch.errors import HeadsearchError
+
+DEFAULT_STORAGE = "sqlite:///headsearch.db"
+
+
+def is_rdb(url: str) -> bool:
+    return url.split(":", 1)[0].split("+", 1)[0] in ("sqlite", "postgresql", "postgres", "mysql")
+
+
+def journal_path(url: str) -> Path | None:
+    if url.startswith("journal:"):
+        return Path(url[len("journal:"):].removeprefix("//"))
+    if url.endswith(".log") and "://" not in url:
+        return Path(url)
+    return None
+
+
+def open_storage(url: str, heartbeat: int | None = 30, max_retry: int = 2):
+    """An Optuna storage for `url`, with heartbeats and retries for RDB URLs."""
+    import optuna
+    from optuna.storages import RDBStorage, RetryFailedTrialCallback
+    from optuna.storages.journal import JournalFileBackend, JournalRedisBackend, JournalStorage
+
+    try:
+        if (path := journal_path(url)) is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            return JournalStorage(JournalFileBackend(str(path)))
+        if url.startswith("redis://"):
+            return JournalStorage(JournalRedisBackend(url))
+        if not is_rdb(url):
+            raise HeadsearchError(
+                f"storage {url!r} is not a storage URL: use sqlite:///FILE.db, postgresql://USER@HOST/DB, journal:FILE.log or redis://HOST:PORT"
+            )
+        if url.startswith("sqlite:///"):
+            db = Path(url[len("sqlite:///"):])
+            if db.parent and not db.parent.exists():
+                raise HeadsearchError(f"storage {url}: the folder {db.parent} does not exist")
+        kwargs = {}
+        if heartbeat:
+            kwargs = dict(heartbeat_interval=heartbeat, grace_period=3 * heartbeat,
+                          failed_trial_callback=RetryFailedTrialCallback(max_retry=max_retry))
+        return RDBStorage(url, **kwargs)
+    except HeadsearchError:
+        raise
+    except (ImportError, ModuleNotFoundError) as e:
+        raise HeadsearchError(f"storage {url}: a driver is missing ({e.name}); for PostgreSQL: pip install 'headsearch[postgres]'") from None
+    except Exception as e:  # SQLAlchemy/Redis connection errors come in many types
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise HeadsearchError(f"cannot open storage {url}: {first}") from None
+    finally:
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+@contextlib.contextmanager
+def budget_lock(url: str, study_name: str) -> Iterator[None]:
+    """Serialise "count the trials, then start one" across workers, so a budget of N is exact.
+
+    SQLite and journal files: an flock on a file beside them. PostgreSQL: an advisory lock.
+    MySQL: GET_LOCK. Other storages: no lock (workers may then overshoot by up to workers - 1).
+    """
+    key = zlib.crc32(f"headsearch:{study_name}".encode())
+    if url.startswith("sqlite:///") or journal_path(url) is not None:
+        target = Path(url[len("sqlite:///"):]) if url.startswith("sqlite:///") else journal_path(url)
+        lock_file = target.with_name(target.name + ".budget.lock")
+        with open(lock_file, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+        return
+    scheme = url.split(":", 1)[0].split("+", 1)[0]
+    if scheme in ("postgresql", "postgres", "mysql"):
+        import sqlalchemy as sa
+
+        engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+        with engine.connect() as conn:
+            if scheme == "mysql":
+                conn.execute(sa.text("SELECT GET_LOCK(:k, 600)"), {"k": str(key)})
+            else:
+                conn.execute(sa.text("SELECT pg_advisory_lock(:k)"), {"k": key})
+            try:
+                yield
+            finally:
+                unlock = "SELECT RELEASE_LOCK(:k)" if scheme == "mysql" else "SELECT pg_advisory_unlock(:k)"
+                conn.execute(sa.text(unlock), {"k": str(key) if scheme == "mysql" else key})
+        engine.dispose()
+        return
+    yield
+
+
+class Heartbeat:
+    """Record a heartbeat for a running trial every `interval` seconds, from a daemon thread."""
+
+    def __init__(self, storage, trial_id: int, interval: int | None):
+        self.storage, self.trial_id, self.interval = storage, trial_id, interval
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> "Heartbeat":
+        if self.interval and hasattr(self.storage, "record_heartbeat"):
+            self.storage.record_heartbeat(self.trial_id)
+            self._thread = threading.Thread(target=self._beat, daemon=True, name="headsearch-heartbeat")
+            self._thread.start()
+        return self
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.storage.record_heartbeat(self.trial_id)
+            except Exception:  # a transient storage error must not kill training; the next beat retries
+                pass
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
