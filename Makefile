@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed-stamp
 # The real data shipped beside this checkout; without it the tasks download (CIFAR-10 via torchvision).
 DATA   ?= $(wildcard ../shared/data)
 CIFAR_ARG = $(if $(DATA),--data-dir $(DATA)/cifar10,)
-RUN_ARGS ?= --preset tiny
+RUN_ARGS ?= --preset tiny --trials 12
 
 .PHONY: test run setup clean
 
@@ -22,7 +22,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 run: $(STAMP)
-	$(BIN)/headsearch train --task vit-cifar10 $(CIFAR_ARG) $(RUN_ARGS)
+	$(BIN)/headsearch run --task vit-cifar10 $(CIFAR_ARG) $(RUN_ARGS)
 
 clean:
 	rm -rf $(VENV) runs *.egg-info

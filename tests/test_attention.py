@@ -83,6 +83,20 @@ def test_soft_attention_matches_bahdanau_reference(score):
     assert alpha[..., 3].abs().max() == 0  # masked key gets exactly no weight
 
 
+@pytest.mark.parametrize("budget", [1, 50, 10**6])  # one query per chunk, a few, all at once
+def test_chunked_additive_energy_matches_the_direct_formula_and_its_gradients(budget):
+    from headsearch.models.attention import AdditiveEnergy, additive_energy
+
+    torch.manual_seed(0)
+    qq = torch.randn(2, 3, 5, 4, dtype=torch.double, requires_grad=True)
+    kk = torch.randn(2, 3, 7, 4, dtype=torch.double, requires_grad=True)
+    w = torch.randn(3, 4, dtype=torch.double, requires_grad=True)
+    direct = torch.einsum("bhqka,ha->bhqk", torch.tanh(qq[:, :, :, None] + kk[:, :, None]), w)
+    torch.testing.assert_close(additive_energy(qq, kk, w, budget), direct)
+    chunk = max(1, budget // (2 * 3 * 7 * 4))
+    assert torch.autograd.gradcheck(lambda a, b, c: AdditiveEnergy.apply(a, b, c, chunk), (qq, kk, w))
+
+
 @pytest.mark.parametrize("fusion,op", [("hadamard", torch.mul), ("add", torch.add)])
 def test_fusion_combines_self_and_soft_heads_before_w_o(fusion, op):
     attn = _attn(8, 2, fusion=fusion)

@@ -43,6 +43,54 @@ def map_score_heads(scores: Tensor, n_heads: int) -> Tensor:
     return scores.repeat_interleave(n_heads // h_prev, dim=1)
 
 
+class AdditiveEnergy(torch.autograd.Function):
+    """e[b,h,i,j] = sum_a w[h,a] * tanh(qq[b,h,i,a] + kk[b,h,j,a]), computed over chunks of queries.
+
+    Materialising the whole (B, H, Tq, Tk, A) tanh tensor (about 100 MB per layer for the seed ViT at
+    batch 128, and several of them in backward) makes allocation, not arithmetic, the cost on a CPU.
+    Chunks of `chunk` queries keep the temporaries cache-sized; backward recomputes the tanh instead
+    of storing it. `tests/test_attention.py` checks it against the direct formula and with gradcheck.
+    """
+
+    @staticmethod
+    def forward(ctx, qq: Tensor, kk: Tensor, w: Tensor, chunk: int) -> Tensor:
+        b, h, tq, a = qq.shape
+        out = qq.new_empty(b, h, tq, kk.shape[2])  # (B, H, Tq, Tk)
+        w_col = w.view(1, h, 1, a, 1)
+        for s in range(0, tq, chunk):
+            hidden = torch.tanh(qq[:, :, s : s + chunk, None, :] + kk[:, :, None, :, :])  # (B, H, c, Tk, A)
+            out[:, :, s : s + chunk] = (hidden @ w_col).squeeze(-1)
+        ctx.save_for_backward(qq, kk, w)
+        ctx.chunk = chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        qq, kk, w = ctx.saved_tensors
+        b, h, tq, a = qq.shape
+        d_qq, d_kk, d_w = torch.empty_like(qq), torch.zeros_like(kk), torch.zeros_like(w)
+        w_row = w.view(1, h, 1, 1, a)
+        for s in range(0, tq, ctx.chunk):
+            g = grad[:, :, s : s + ctx.chunk]  # (B, H, c, Tk)
+            hidden = torch.tanh(qq[:, :, s : s + ctx.chunk, None, :] + kk[:, :, None, :, :])  # (B, H, c, Tk, A)
+            d_w += torch.einsum("bhqka,bhqk->ha", hidden, g)
+            # d pre-activation = g * w * (1 - tanh^2), built in place in the recomputed buffer
+            d_pre = hidden.square_().neg_().add_(1).mul_(g.unsqueeze(-1)).mul_(w_row)
+            d_qq[:, :, s : s + ctx.chunk] = d_pre.sum(dim=3)
+            d_kk += d_pre.sum(dim=2)
+        return d_qq, d_kk, d_w, None
+
+
+def additive_energy(qq: Tensor, kk: Tensor, w: Tensor, budget: int | None = None) -> Tensor:
+    """(B, H, Tq, A), (B, H, Tk, A), (H, A) -> (B, H, Tq, Tk); see AdditiveEnergy."""
+    b, h, _, a = qq.shape
+    if budget is None:  # elements per temporary: cache-sized on a CPU, large on a GPU (fewer launches)
+        budget = 2**25 if qq.is_cuda else 2**20
+    chunk = max(1, budget // max(1, b * h * kk.shape[2] * a))
+    dtype = torch.promote_types(qq.dtype, kk.dtype)
+    return AdditiveEnergy.apply(qq.to(dtype), kk.to(dtype), w.to(dtype), chunk)
+
+
 class SoftAttention(nn.Module):
     """Additive ("soft", Bahdanau et al. 2015, arXiv:1409.0473) attention inside each head.
 
@@ -73,8 +121,7 @@ class SoftAttention(nn.Module):
         keys = torch.einsum("bhtd,hda->bhta", k, self.w_key)  # (B, H, Tk, A)
         if self.w_query is not None:
             queries = torch.einsum("bhtd,hda->bhta", q, self.w_query)  # (B, H, Tq, A)
-            hidden = torch.tanh(queries.unsqueeze(3) + keys.unsqueeze(2))  # (B, H, Tq, Tk, A)
-            energy = torch.einsum("bhqka,ha->bhqk", hidden, self.w_energy)  # (B, H, Tq, Tk)
+            energy = additive_energy(queries, keys, self.w_energy)  # (B, H, Tq, Tk)
         else:
             energy = torch.einsum("bhka,ha->bhk", torch.tanh(keys), self.w_energy)  # (B, H, Tk)
             energy = energy.unsqueeze(2).expand(-1, -1, q.shape[2], -1)  # (B, H, Tq, Tk)

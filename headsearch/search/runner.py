@@ -21,6 +21,7 @@ import socket
 import sys
 import time
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -119,7 +120,7 @@ class Search:
             raise ConfigError(f"unknown pruner {s.pruner!r}: use one of {', '.join(PRUNERS)}")
         if s.trials < 1 or s.workers < 1:
             raise ConfigError("--trials and --workers must be at least 1")
-        base = self.task.config(s.preset)
+        base = self.task.config(s.preset, search=True)
         flags: dict[str, Any] = {"seed": s.seed}
         if s.epochs is not None:
             flags["train"] = {"epochs": s.epochs}
@@ -161,7 +162,9 @@ class Search:
         from headsearch.search.pruning import make_curve_pruner, make_optuna_pruner
 
         s = self.settings
-        opts = dict(n_startup_trials=s.pruner_startup_trials, n_warmup_epochs=s.pruner_warmup_epochs)
+        # Pruning starts once a quarter of the budget has finished (2 to 5 trials) unless told otherwise.
+        startup = s.pruner_startup_trials if s.pruner_startup_trials is not None else max(2, min(5, s.trials // 4))
+        opts = dict(n_startup_trials=startup, n_warmup_epochs=s.pruner_warmup_epochs)
         if self.multi_objective:
             return None, make_curve_pruner(s.pruner, self.task.primary.direction, **opts)
         return make_optuna_pruner(s.pruner, epochs=self.base.train.epochs, **opts), None
@@ -205,14 +208,18 @@ class Search:
         from optuna.trial import TrialState
 
         with budget_lock(self.settings.storage, self.study_name):
-            if hasattr(study._storage, "record_heartbeat"):
-                fail_stale_trials(study)  # a dead worker's trial -> FAIL, re-enqueued as WAITING
-            states = [t.state for t in study.get_trials(deepcopy=False)]
-            waiting = states.count(TrialState.WAITING)
-            counted = sum(states.count(s) for s in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)) + waiting
-            if waiting == 0 and counted >= self.settings.trials:
-                return None
-            return study.ask()
+            with warnings.catch_warnings():
+                # Optuna warns that heartbeats go with Study.optimize; ask/tell workers beat themselves (Heartbeat).
+                warnings.filterwarnings("ignore", message="Heartbeat of storage")
+                warnings.filterwarnings("ignore", message=".*fail_stale_trials is experimental")
+                if hasattr(study._storage, "record_heartbeat"):
+                    fail_stale_trials(study)  # a dead worker's trial -> FAIL, re-enqueued as WAITING
+                states = [t.state for t in study.get_trials(deepcopy=False)]
+                waiting = states.count(TrialState.WAITING)
+                counted = sum(states.count(s) for s in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)) + waiting
+                if waiting == 0 and counted >= self.settings.trials:
+                    return None
+                return study.ask()
 
     def run_worker(self, worker_index: int = 0, callbacks: Sequence = (), argv: list[str] | None = None) -> None:
         """Run trials until the study holds `trials` finished ones or `timeout` passes."""
@@ -259,6 +266,8 @@ class Search:
             return "REJECTED"
         trial.set_user_attr("config", cfg.to_dict())
         trial.set_user_attr("arch", arch_summary(cfg))
+        if (same := self._completed_twin(study, cfg)) is not None:
+            return self._reuse(study, trial, same, callbacks)
         run_dir = Path(self.settings.run_root) / self.study_name / f"trial-{trial.number:05d}"
         trial.set_user_attr("run_dir", str(run_dir.resolve()))
         for cb in callbacks:
@@ -299,6 +308,30 @@ class Search:
         for cb in callbacks:
             getattr(cb, "on_trial_end", lambda *a: None)(trial.number, state.name)
         return state.name
+
+
+    def _completed_twin(self, study, cfg: RunConfig):
+        """A complete trial with exactly this config (seed included): training it again would repeat it."""
+        from optuna.trial import TrialState
+
+        mine = json.dumps(cfg.to_dict(), sort_keys=True)
+        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            if json.dumps(t.user_attrs.get("config"), sort_keys=True) == mine:
+                return t
+        return None
+
+    def _reuse(self, study, trial, twin, callbacks) -> str:
+        """Small categorical spaces make samplers propose a finished point again: reuse its results."""
+        for k, v in twin.user_attrs.items():
+            if k not in ("worker",):
+                trial.set_user_attr(k, v)
+        trial.set_user_attr("duplicate_of", twin.number)
+        for epoch, value in twin.intermediate_values.items():
+            study._storage.set_trial_intermediate_value(trial._trial_id, epoch, value)
+        study.tell(trial, values=twin.values)
+        for cb in callbacks:
+            getattr(cb, "on_trial_end", lambda *a: None)(trial.number, "COMPLETE")
+        return "COMPLETE"
 
 
 def arch_summary(cfg: RunConfig) -> str:
@@ -346,7 +379,10 @@ class TrialPruning:
         self.study._storage.set_trial_intermediate_value(self.trial._trial_id, epoch, value)
         if self.curve_pruner is None:
             return
-        others = [t.intermediate_values for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
+        # Median/percentile compare with complete trials (Optuna's semantics, so single- and
+        # multi-objective studies prune alike); the rung rule with every trial that reached the rung (ASHA).
+        states = (TrialState.COMPLETE, TrialState.PRUNED) if self.pruner_name == "hyperband" else (TrialState.COMPLETE,)
+        others = [t.intermediate_values for t in self.study.get_trials(deepcopy=False, states=states)
                   if "rejected" not in t.user_attrs and t.number != self.trial.number]
         decision = self.curve_pruner.decide(epoch, self.curve, others)
         if decision.prune:

@@ -70,14 +70,21 @@ class Task:
                 return m
         raise ConfigError(f"task {self.name} has no metric {name!r}: its metrics are {', '.join(m.name for m in self.metrics)}")
 
-    def config(self, preset: str | None = None) -> RunConfig:
-        """The seed's configuration, with a preset's overrides applied."""
+    def config(self, preset: str | None = None, *, search: bool = False) -> RunConfig:
+        """The seed's configuration, with a preset's overrides applied.
+
+        A preset may carry a `search` section, applied on top for search trials only: a search
+        trains dozens of models, so its per-trial budget is smaller than a single run's.
+        """
         cfg = self.default_config()
         if preset is None:
             return cfg
         if preset not in self.presets:
             raise ConfigError(f"task {self.name} has no preset {preset!r}: use one of {', '.join(self.presets)}")
-        return apply_overrides(self, cfg, self.presets[preset])
+        overrides = dict(self.presets[preset])
+        search_overrides = overrides.pop("search", None)
+        cfg = apply_overrides(self, cfg, overrides)
+        return apply_overrides(self, cfg, search_overrides) if search and search_overrides else cfg
 
 
 def apply_overrides(task: Task, cfg: RunConfig, overrides: Mapping[str, Any]) -> RunConfig:

@@ -41,6 +41,7 @@ PRESETS = {
         "arch": {"d_model": 64, "enc_layers": 2, "enc_heads": 4, "dec_layers": 2, "dec_heads": 4, "d_ff": 256},
         "train": {"epochs": 5, "batch_size": 64, "lr": 2e-3, "warmup_epochs": 1, "schedule": "cosine", "grad_clip": 1.0},
         "data": {"train_limit": 24000, "val_size": 300, "test_size": 1000, "max_len": 32, "vocab_size": 8000},
+        "search": {"train": {"epochs": 3}, "data": {"train_limit": 8000, "val_size": 200, "test_size": 500}},
     },
 }
 

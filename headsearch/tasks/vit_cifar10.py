@@ -33,6 +33,9 @@ PRESETS = {
     "tiny": {
         "train": {"epochs": 6, "batch_size": 128, "lr": 3e-3, "weight_decay": 0.05, "warmup_epochs": 1, "schedule": "cosine"},
         "data": {"train_limit": 20000, "val_size": 2000, "test_limit": None},
+        # Each search trial: 6,000 images x 4 epochs (about 30 s here), enough to rank and prune.
+        "search": {"train": {"epochs": 4, "warmup_epochs": 0.5},
+                   "data": {"train_limit": 6000, "val_size": 1000, "test_limit": 2000, "augment": ["flip"]}},
     },
 }
 
