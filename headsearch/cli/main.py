@@ -150,6 +150,71 @@ def run(
     print_search_summary(study_obj, settings.storage)
 
 
+from headsearch.cli.study_commands import register as _register_study_commands
+_register_study_commands(app)
+
+
+@app.command()
+def analyze(
+    run_dir: Path = typer.Argument(..., help="A run directory (headsearch train, or a search trial's)."),
+    data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="Local dataset folder (vit-cifar10)."),
+    data_file: Optional[Path] = typer.Option(None, "--data-file", help="Local tab-separated parallel file (translation-en-es)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Where analysis.json and the figures go (default RUN_DIR/analysis)."),
+    samples: int = typer.Option(256, "--samples", help="Validation samples used for every measurement."),
+    ablate: bool = typer.Option(True, "--ablation/--no-ablation", help="Evaluate the model once per head with that head masked."),
+    fmt: str = typer.Option("table", "--format", help="table | json"),
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda ..."),
+) -> None:
+    """Head diversity, importance, ablation, the pruning curve and attention maps of a trained model."""
+    import json as _json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from headsearch.analysis.run import analyze_run
+    from headsearch.errors import HeadsearchError
+    from headsearch.tasks import DataSource
+
+    if fmt not in ("table", "json"):
+        fail(f"--format {fmt!r} is not known: use table or json")
+    if samples < 1:
+        fail("--samples must be at least 1")
+    err = Console(stderr=True)
+    try:
+        with err.status("analysing") as status:
+            result = analyze_run(run_dir, DataSource(data_dir, data_file), out, samples=samples, ablate=ablate,
+                                 device=device, progress=lambda m: status.update(f"analysing: {m}"))
+    except HeadsearchError as e:
+        fail(str(e))
+    if fmt == "json":
+        typer.echo(_json.dumps(result, indent=1))
+        return
+    console = Console()
+    table = Table(title=f"{result['task']}: {result['metric']} {result['baseline']:.4g} on {result['samples']} validation samples")
+    for col in ("layer", "heads", "query ortho ↓div", "context nonortho (0-1) ↓div", "output dissim ↑div",
+                "attention div ↑", "entropy", "importance min-max"):
+        table.add_column(col, justify="right" if col != "layer" else "left")
+    fmt_num = lambda v: "-" if v is None else f"{v:.3g}"  # noqa: E731
+    for layer in result["layers"]:
+        sc = layer["scalars"]
+        imp = [v for v in layer["importance"] if v is not None]
+        table.add_row(layer["name"], str(layer["heads"]), fmt_num(sc.get("query_orthogonality")),
+                      fmt_num(sc.get("context_nonorthogonality_normalized")), fmt_num(sc.get("output_dissimilarity")),
+                      fmt_num(sc.get("attention_diversity")),
+                      fmt_num(sum(layer["entropy"]) / len(layer["entropy"])),
+                      f"{min(imp):.2f}-{max(imp):.2f}" if imp else "-")
+    console.print(table)
+    curve = Table(title="pruning curve (least important heads first)")
+    curve.add_column("heads pruned", justify="right")
+    curve.add_column(result["metric"], justify="right")
+    for p in result["pruning_curve"]:
+        curve.add_row(f"{p['heads_pruned']} ({100 * p['fraction']:.0f}%)", f"{p[result['metric']]:.4g}")
+    console.print(curve)
+    console.print(f"wrote {len(result['figures'])} figures and analysis.json to {Path(result['figures'][0]).parent}")
+    if result.get("uploaded"):
+        console.print(f"uploaded to {result['uploaded']}")
+
+
 def main() -> None:
     app()
 

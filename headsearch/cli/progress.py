@@ -139,9 +139,10 @@ class SearchProgress(Callback):
         if state == "COMPLETE":
             detail = "  ".join(f"{k} {v:.4g}" for k, v in zip(self.study.metric_names or [], t.values or []))
         elif "pruned" in t.user_attrs:
-            p = t.user_attrs["pruned"]
-            thr = f" < {p['threshold']:.4g}" if p.get("threshold") is not None else ""
-            detail = f"{p['rule']} rule at epoch {p['epoch']}: {p['value']:.4g}{thr}"
+            from headsearch.search.report import pruned_text
+
+            direction = (self.study.user_attrs.get("headsearch") or {}).get("objectives", [{}])[0].get("direction")
+            detail = pruned_text(t.user_attrs["pruned"], direction)
         elif "rejected" in t.user_attrs:
             detail = t.user_attrs["rejected"]
         elif "fail_reason" in t.user_attrs:

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 from headsearch.config import RunConfig
 from headsearch.errors import ConfigError, Diverged, HeadsearchError
 from headsearch.search.space import SearchSpace, load_space
-from headsearch.search.storage import DEFAULT_STORAGE, Heartbeat, budget_lock, open_storage
+from headsearch.search.storage import DEFAULT_STORAGE, Heartbeat, absolute_url, budget_lock, open_storage
 from headsearch.tasks import DataSource, Task, apply_overrides, get_task
 
 SAMPLERS = ("nsga2", "tpe", "random", "gp")
@@ -177,7 +177,7 @@ class Search:
                            "sampler": self.sampler_name(), "pruner": self.settings.pruner, "seed": self.settings.seed,
                            "trials": self.settings.trials, "epochs": self.base.train.epochs,
                            "run_root": str(Path(self.settings.run_root).resolve() / self.study_name),
-                           "data": self.source.describe()},
+                           "data": str(Path(self.source.describe()).resolve()) if self.source.describe() != "download" else "download"},
         }
 
     def open(self, worker_index: int = 0):
@@ -192,7 +192,9 @@ class Search:
         stored = study.user_attrs.get("headsearch")
         if stored is None:
             study.set_user_attr("headsearch", mine)
-            study.set_metric_names([o.name for o in self.objectives])
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*set_metric_names")
+                study.set_metric_names([o.name for o in self.objectives])
         else:
             for key in ("task", "objectives", "base_config", "space"):
                 if json.dumps(stored[key], sort_keys=True) != json.dumps(mine[key], sort_keys=True):
@@ -214,8 +216,16 @@ class Search:
                 warnings.filterwarnings("ignore", message=".*fail_stale_trials is experimental")
                 if hasattr(study._storage, "record_heartbeat"):
                     fail_stale_trials(study)  # a dead worker's trial -> FAIL, re-enqueued as WAITING
-                states = [t.state for t in study.get_trials(deepcopy=False)]
+                trials = study.get_trials(deepcopy=False)
+                states = [t.state for t in trials]
                 waiting = states.count(TrialState.WAITING)
+                # Failed trials do not count toward the budget; stop if they pile up (every config diverging).
+                failed = sum(1 for t in trials if t.state == TrialState.FAIL and "fail_reason" in t.user_attrs)
+                if failed >= max(3, self.settings.trials):
+                    raise HeadsearchError(
+                        f"{failed} trials failed in study {self.study_name} (see their fail_reason with `headsearch report`):"
+                        " fix the cause (e.g. a lower lr) before running more"
+                    )
                 counted = sum(states.count(s) for s in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)) + waiting
                 if waiting == 0 and counted >= self.settings.trials:
                     return None
@@ -301,6 +311,9 @@ class Search:
             trial.set_user_attr("fail_reason", f"{type(e).__name__}: {e}")
             study.tell(trial, state=TrialState.FAIL)
             raise
+        if run_dir.is_dir():  # lets `headsearch analyze` upload its figures to this trial
+            (run_dir / "study.json").write_text(json.dumps(
+                {"storage": absolute_url(self.settings.storage), "study": self.study_name, "trial": trial.number}) + "\n")
         if state == TrialState.COMPLETE:
             study.tell(trial, values=values)
         else:

@@ -24,6 +24,15 @@ from headsearch.errors import HeadsearchError
 DEFAULT_STORAGE = "sqlite:///headsearch.db"
 
 
+def absolute_url(url: str) -> str:
+    """The same storage from any working directory (sqlite and journal paths made absolute)."""
+    if url.startswith("sqlite:///") and not url.startswith("sqlite:////"):
+        return "sqlite:///" + str(Path(url[len("sqlite:///"):]).resolve())
+    if (path := journal_path(url)) is not None:
+        return f"journal:{path.resolve()}"
+    return url
+
+
 def is_rdb(url: str) -> bool:
     return url.split(":", 1)[0].split("+", 1)[0] in ("sqlite", "postgresql", "postgres", "mysql")
 
@@ -39,7 +48,9 @@ def journal_path(url: str) -> Path | None:
 def open_storage(url: str, heartbeat: int | None = 30, max_retry: int = 2):
     """An Optuna storage for `url`, with heartbeats and retries for RDB URLs."""
     import optuna
-    from optuna.storages import RDBStorage, RetryFailedTrialCallback
+    import inspect
+
+    from optuna.storages import RDBStorage
     from optuna.storages.journal import JournalFileBackend, JournalRedisBackend, JournalStorage
 
     try:
@@ -58,8 +69,15 @@ def open_storage(url: str, heartbeat: int | None = 30, max_retry: int = 2):
                 raise HeadsearchError(f"storage {url}: the folder {db.parent} does not exist")
         kwargs = {}
         if heartbeat:
-            kwargs = dict(heartbeat_interval=heartbeat, grace_period=3 * heartbeat,
-                          failed_trial_callback=RetryFailedTrialCallback(max_retry=max_retry))
+            kwargs = dict(heartbeat_interval=heartbeat, grace_period=3 * heartbeat)
+            if "heartbeat_stale_trial_callback" in inspect.signature(RDBStorage.__init__).parameters:
+                from optuna.storages import RetryHeartbeatStaleTrialCallback  # Optuna >= 4.9
+
+                kwargs["heartbeat_stale_trial_callback"] = RetryHeartbeatStaleTrialCallback(max_retry=max_retry)
+            else:
+                from optuna.storages import RetryFailedTrialCallback
+
+                kwargs["failed_trial_callback"] = RetryFailedTrialCallback(max_retry=max_retry)
         return RDBStorage(url, **kwargs)
     except HeadsearchError:
         raise

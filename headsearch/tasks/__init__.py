@@ -47,6 +47,7 @@ class BoundTask(Protocol):
     def evaluate(self, model: Any, split: str) -> dict[str, float]: ...
     def write_artifacts(self, run_dir: Path) -> None: ...
     def rebind(self, cfg: RunConfig) -> "BoundTask": ...  # same data (same data options and seed), new config
+    def with_eval_limit(self, n: int | None) -> "BoundTask": ...  # validation/test cut to n samples
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class Task:
     presets: Mapping[str, Mapping[str, Any]]  # name -> {"arch": {...}, "train": {...}, "data": {...}}
     data_options: Mapping[str, Any]  # known data option -> default
     check_source: Callable[[DataSource], None]
-    setup: Callable[[RunConfig, DataSource, Any], BoundTask] = field(repr=False)
+    setup: Callable[..., BoundTask] = field(repr=False)  # (cfg, source, device, run_dir=None): run_dir reloads a run's artifacts
 
     @property
     def primary(self) -> Metric:

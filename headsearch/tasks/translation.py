@@ -58,7 +58,7 @@ def cache_dir() -> Path:
 
 
 class BoundTranslation:
-    def __init__(self, cfg: RunConfig, source: DataSource, device):
+    def __init__(self, cfg: RunConfig, source: DataSource, device, run_dir: Path | None = None):
         import numpy as np
         import torch
 
@@ -79,10 +79,17 @@ class BoundTranslation:
             raise ConfigError(f"max_len = {max_len} is too short: it counts SOS/EOS, use at least 4")
 
         pick = lambda texts, idx: [texts[i] for i in idx]  # noqa: E731
-        self.src_tok, self.tgt_tok = td.load_or_train_tokenizers(
-            pick(corpus.src, train_idx), pick(corpus.tgt, train_idx),
-            int(opts["vocab_size"]), int(opts["min_frequency"]), cache_dir() / "tokenizers",
-        )
+        if run_dir is not None and (Path(run_dir) / "tokenizer_src.json").exists():
+            # A trained run: its checkpoint's embeddings index these exact vocabularies.
+            from tokenizers import Tokenizer
+
+            self.src_tok = Tokenizer.from_file(str(Path(run_dir) / "tokenizer_src.json"))
+            self.tgt_tok = Tokenizer.from_file(str(Path(run_dir) / "tokenizer_tgt.json"))
+        else:
+            self.src_tok, self.tgt_tok = td.load_or_train_tokenizers(
+                pick(corpus.src, train_idx), pick(corpus.tgt, train_idx),
+                int(opts["vocab_size"]), int(opts["min_frequency"]), cache_dir() / "tokenizers",
+            )
         src_ids = td.encode(self.src_tok, pick(corpus.src, train_idx))
         tgt_ids = td.encode(self.tgt_tok, pick(corpus.tgt, train_idx))
         keep = td.filter_by_length(src_ids, tgt_ids, max_len)
@@ -113,6 +120,15 @@ class BoundTranslation:
         new.last_outputs = {}
         if cfg.train.batch_size != self.cfg.train.batch_size:
             new.batcher = self.td.BucketBatcher(self.batcher.src_ids, self.batcher.tgt_ids, cfg.train.batch_size)
+        return new
+
+    def with_eval_limit(self, n: int | None) -> "BoundTranslation":
+        """A copy whose validation and test sets keep their first `n` pairs (analysis on a sample)."""
+        import copy
+
+        new = copy.copy(self)
+        if n:
+            new.eval_sets = {k: {f: v[:n] for f, v in d.items()} for k, d in self.eval_sets.items()}
         return new
 
     def build_model(self):
@@ -175,8 +191,8 @@ class BoundTranslation:
         (run_dir / "bleu_signature.txt").write_text(self.bleu_signature + "\n")
 
 
-def setup(cfg: RunConfig, source: DataSource, device) -> BoundTranslation:
-    return BoundTranslation(cfg, source, device)
+def setup(cfg: RunConfig, source: DataSource, device, run_dir: Path | None = None) -> BoundTranslation:
+    return BoundTranslation(cfg, source, device, run_dir)
 
 
 TASK = register(

@@ -97,6 +97,18 @@ class BoundCifar:
         new.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         return new
 
+    def with_eval_limit(self, n: int | None) -> "BoundCifar":
+        """A copy whose validation and test sets keep their first `n` images (analysis on a sample)."""
+        import copy
+
+        new = copy.copy(self)
+        if n:
+            for split in ("val", "test"):
+                images = copy.copy(getattr(self, split))
+                images.x, images.y = images.x[:n], images.y[:n]
+                setattr(new, split, images)
+        return new
+
     def build_model(self):
         from headsearch.models import ViT
 
@@ -131,7 +143,7 @@ class BoundCifar:
         (run_dir / "split.json").write_text(json.dumps(self.split))
 
 
-def setup(cfg: RunConfig, source: DataSource, device) -> BoundCifar:
+def setup(cfg: RunConfig, source: DataSource, device, run_dir: Path | None = None) -> BoundCifar:
     augment = cfg.data.get("augment")
     if not isinstance(augment, (list, tuple)):
         raise ConfigError(f"data.augment = {augment!r} must be a list, e.g. [resized_crop, flip]")

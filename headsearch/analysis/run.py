@@ -1,0 +1,161 @@
+"""`headsearch analyze RUN_DIR`: diversity, importance, ablation, pruning curve and attention maps of a trained run."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from headsearch.errors import HeadsearchError
+from headsearch.tasks import DataSource, get_task
+
+ANALYSIS_DIR = "analysis"
+
+
+def load_run(run_dir: Path, source: DataSource, device, samples: int | None = None):
+    """(task, cfg, bound, model) for a run directory written by `headsearch train` or a search trial."""
+    import torch
+
+    from headsearch.config import load_yaml
+    from headsearch.training.rundir import load_checkpoint
+    from headsearch.training.trainer import CHECKPOINT
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file() or not (run_dir / CHECKPOINT).is_file():
+        raise HeadsearchError(
+            f"{run_dir} is not a run directory: expected config.yaml and {CHECKPOINT} (written by headsearch train or run)"
+        )
+    d = load_yaml(run_dir / "config.yaml")
+    task = get_task(str(d.get("task")))
+    from headsearch.training.resolve import resolve_config
+
+    cfg = resolve_config(task.name, run_dir / "config.yaml")
+    task.check_source(source)
+    bound = task.setup(cfg, source, device, run_dir=run_dir).with_eval_limit(samples)
+    model = bound.build_model().to(device)
+    try:
+        model.load_state_dict(load_checkpoint(run_dir / CHECKPOINT))
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[0]
+        raise HeadsearchError(f"{run_dir / CHECKPOINT} does not match {run_dir / 'config.yaml'}: {first}") from None
+    model.eval()
+    torch.manual_seed(cfg.seed)
+    return task, cfg, bound, model
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, np.ndarray):
+        return [_jsonable(v) for v in x.tolist()] if x.ndim else _jsonable(x.item())
+    if isinstance(x, float):
+        return None if not np.isfinite(x) else x
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+def analyze_run(run_dir: Path, source: DataSource, out_dir: Path | None = None, *, samples: int = 256,
+                ablate: bool = True, device: str | None = None, progress=None) -> dict[str, Any]:
+    """Compute everything, write analysis.json and PNG figures into `out_dir` (default RUN_DIR/analysis),
+    and upload the figures to the run's trial when it belongs to a study. Returns the analysis dict."""
+    import torch
+
+    from headsearch.analysis import figures, maps
+    from headsearch.analysis.diversity import diversity_batches, head_diversity
+    from headsearch.analysis.importance import ablation, head_importance, loss_fn_for, pruning_curve
+    from headsearch.training.trainer import resolve_device
+
+    step = progress or (lambda message: None)
+    dev = resolve_device(device)
+    task, cfg, bound, model = load_run(Path(run_dir), source, dev, samples)
+    out_dir = Path(out_dir) if out_dir is not None else Path(run_dir) / ANALYSIS_DIR
+    out_dir.mkdir(parents=True, exist_ok=True)
+    metric = task.primary.name
+
+    step("diversity")
+    batches = diversity_batches(bound, "val", samples)
+    diversity = head_diversity(model, batches)
+    step("importance")
+    importance = head_importance(model, batches, loss_fn_for(bound))
+
+    def evaluate() -> dict[str, float]:
+        with torch.no_grad():
+            return bound.evaluate(model, "val")
+
+    ablated = None
+    if ablate:
+        step("ablation")
+        ablated = ablation(model, evaluate, metric)
+    step("pruning curve")
+    curve = pruning_curve(model, importance, evaluate, metric)
+
+    step("figures")
+    paths = [
+        figures.pairwise_heatmaps(diversity, "query_orthogonality", "query orthogonality  Σ|Q_i^T Q_j| / N  (high = less diverse)", out_dir / "query_orthogonality.png"),
+        figures.pairwise_heatmaps(diversity, "context_nonorthogonality_normalized", "context non-orthogonality, normalised to [0, 1] (high = less diverse)", out_dir / "context_nonorthogonality.png"),
+        figures.pairwise_heatmaps(diversity, "output_dissimilarity", "output dissimilarity  -cos(O_i, O_j)  (high = more diverse)", out_dir / "output_dissimilarity.png"),
+        figures.importance_figure(importance.names, importance.importance, importance.entropy, out_dir / "head_importance.png"),
+        figures.pruning_curve_figure(curve, metric, out_dir / "pruning_curve.png"),
+    ]
+    if task.name == "vit-cifar10":
+        paths += figures.vit_attention_figures(maps.vit_maps(model, bound, samples=4), out_dir)
+    else:
+        paths += figures.cross_attention_figures(maps.translation_maps(model, bound, samples=3), out_dir)
+
+    layers = []
+    for i, layer in enumerate(diversity):
+        entry = {"name": layer.name, "heads": layer.heads, "scalars": layer.scalars(),
+                 "query_orthogonality": layer.query_orthogonality,
+                 "context_nonorthogonality": layer.context_nonorthogonality,
+                 "context_nonorthogonality_normalized": layer.context_nonorthogonality_normalized,
+                 "output_dissimilarity": layer.output_dissimilarity,
+                 "attention_diversity": layer.attention_diversity,
+                 "importance": importance.importance[i], "importance_raw": importance.raw[i],
+                 "entropy": importance.entropy[i]}
+        if ablated is not None:
+            entry["ablation"] = ablated["per_head"][i]
+        layers.append(entry)
+    result = {
+        "run_dir": str(Path(run_dir).resolve()), "task": task.name, "metric": metric, "split": "val",
+        "samples": samples, "arch": cfg.arch.to_dict(), "layers": layers,
+        "baseline": ablated["baseline"] if ablated else curve[0][metric],
+        "pruning_curve": curve, "figures": [str(p) for p in paths],
+    }
+    result = _jsonable(result)
+    (out_dir / "analysis.json").write_text(json.dumps(result, indent=1) + "\n")
+    result["uploaded"] = upload_to_trial(Path(run_dir), paths + [out_dir / "analysis.json"])
+    return result
+
+
+def upload_to_trial(run_dir: Path, paths: list[Path]) -> str | None:
+    """When the run is a search trial (study.json beside it), attach the files to that trial as artifacts."""
+    info_path = run_dir / "study.json"
+    if not info_path.is_file():
+        return None
+    import optuna
+    from optuna.artifacts import FileSystemArtifactStore, upload_artifact
+
+    from headsearch.search.storage import open_storage
+
+    info = json.loads(info_path.read_text())
+    storage = open_storage(info["storage"], heartbeat=None)
+    study = optuna.load_study(study_name=info["study"], storage=storage)
+    trial = study.trials[info["trial"]]
+    store_dir = _artifact_dir(info["storage"])
+    store_dir.mkdir(parents=True, exist_ok=True)
+    store = FileSystemArtifactStore(str(store_dir))
+    for p in paths:
+        upload_artifact(artifact_store=store, file_path=str(p), study_or_trial=trial, storage=storage)
+    return f"{info['study']} trial {info['trial']} ({store_dir})"
+
+
+def _artifact_dir(storage_url: str) -> Path:
+    try:
+        from headsearch.search.plots import default_artifact_dir
+
+        return Path(default_artifact_dir(storage_url))
+    except ImportError:  # report/plots not available: the same rule
+        return Path("headsearch-artifacts")

@@ -1,0 +1,232 @@
+"""`headsearch report`, `export` and `dashboard`: reading a study that `headsearch run` wrote.
+
+Registered on the main app by `register(app)`. Bad input (an unreadable storage, an unknown study,
+a trial that cannot be exported) gets one line on stderr and exit code 2, and creates nothing.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+STORAGE_HELP = "Optuna storage URL of the search (sqlite:///FILE.db, postgresql://..., journal:FILE.log, redis://...)."
+STUDY_HELP = "Study name (default: the only study in the storage)."
+FORMATS = ("table", "json", "csv")
+
+
+def _fail(message: str, code: int = 2) -> None:
+    """One clear line on stderr, no traceback (as headsearch.cli.main.fail)."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _quiet_optuna() -> None:
+    import warnings
+
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+
+
+def report(
+    study: Optional[str] = typer.Option(None, "--study", help=STUDY_HELP),
+    storage: str = typer.Option("sqlite:///headsearch.db", "--storage", help=STORAGE_HELP),
+    fmt: str = typer.Option("table", "--format", "-f", help="table (Rich tables), json (the whole report) or csv (one row per trial)."),
+    plots: Optional[Path] = typer.Option(None, "--plots", help="Also write PNG and HTML plots into this folder and upload them to the study as artifacts."),
+) -> None:
+    """Summarise a search: Pareto front, trial counts, parameter importances, what pruning saved."""
+    import json
+
+    from headsearch.errors import HeadsearchError
+
+    if fmt not in FORMATS:
+        _fail(f"--format {fmt!r} is not known: use one of {', '.join(FORMATS)}")
+    _quiet_optuna()
+    from headsearch.search.report import load_study, summarize
+
+    try:
+        if plots is not None:
+            from headsearch.search.plots import check_plot_libraries
+
+            check_plot_libraries()
+            if plots.exists() and not plots.is_dir():
+                raise HeadsearchError(f"--plots {plots} is a file: pass a folder")
+        study_obj = load_study(storage, study)
+        rep = summarize(storage, study, study=study_obj)
+        written: list[tuple[Path, str]] = []
+        if plots is not None:
+            from headsearch.search.plots import default_artifact_dir, upload_plots, write_plots
+
+            paths = write_plots(study_obj, rep, plots)
+            artifact_dir = default_artifact_dir(storage)
+            ids = upload_plots(study_obj, paths, artifact_dir)
+            written = list(zip(paths, ids))
+    except HeadsearchError as e:
+        _fail(str(e))
+    if fmt == "json":
+        typer.echo(json.dumps(rep.to_dict(), indent=2))
+    elif fmt == "csv":
+        import csv
+        import sys
+
+        header, rows = rep.csv_rows()
+        w = csv.writer(sys.stdout, lineterminator="\n")
+        w.writerow(header)
+        w.writerows(rows)
+    else:
+        print_report(rep)
+    if written:
+        # With json/csv on stdout, the list of plots goes to stderr so the data stays parseable.
+        to_err = fmt != "table"
+        typer.echo(f"plots (uploaded as artifacts to {artifact_dir}):", err=to_err)
+        for path, artifact_id in written:
+            typer.echo(f"  {path}  (artifact {artifact_id})", err=to_err)
+
+
+def print_report(rep, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    c = rep.counts
+    objs = ", ".join(f"{o.name} {'↑' if o.direction == 'maximize' else '↓'}" for o in rep.objectives)
+    console.print(f"[bold]study {rep.study}[/bold]  task {rep.task or '-'}  objectives: {objs}  storage {rep.storage}")
+    console.print(f"trials: {c['complete']} complete, {c['pruned']} pruned, {c['rejected']} rejected, {c['failed']} failed,"
+                  f" {c['running']} running, {c['waiting']} waiting")
+
+    title = "Pareto front" if rep.multi_objective else "best trial"
+    front = Table(title=f"{title} ({len(rep.front)} trials)")
+    front.add_column("trial", justify="right")
+    front.add_column("heads")
+    front.add_column("skip")
+    front.add_column("fusion")
+    for o in rep.objectives:
+        front.add_column(f"{o.name} {'↑' if o.direction == 'maximize' else '↓'}" + (f" ({o.unit})" if o.unit else ""),
+                         justify="right")
+    # The task's primary metric on the test split; the rest is in --format json.
+    test_names = [rep.primary_metric] if any(rep.primary_metric in r.test_metrics for r in rep.front) else []
+    for k in test_names:
+        front.add_column(f"test {k}", justify="right")
+    front.add_column("best epoch", justify="right")
+    for r in rep.front:
+        number = str(r.number) + (f" (= {', '.join(map(str, r.duplicates))})" if r.duplicates else "")
+        front.add_row(number, "-".join(map(str, r.schedule or [])) or "-", r.skip or "-", r.fusion or "-",
+                      *[_fmt(r.values.get(o.name)) for o in rep.objectives],
+                      *[_fmt(r.test_metrics.get(k)) for k in test_names], str(r.best_epoch or "-"))
+    if rep.front:
+        console.print(front)
+        for r in rep.front:
+            if r.run_dir:
+                console.print(f"  trial {r.number}: {r.run_dir}", soft_wrap=True)
+    else:
+        console.print("no complete trials yet: nothing on the Pareto front")
+
+    imp = Table(title="parameter importances (PED-ANOVA, per objective)")
+    imp.add_column("objective")
+    imp.add_column("importances")
+    for i in rep.importances:
+        text = "  ".join(f"{k} {v:.2f}" for k, v in i.importances.items()) if not i.error else f"not computed: {i.error}"
+        imp.add_row(i.objective, text)
+    console.print(imp)
+
+    s = rep.savings
+    console.print(f"pruning: {s.trials} trained trials ran {s.epochs_run} epochs; without pruning {s.epochs_without_pruning}"
+                  f" -> {s.epochs_saved} epochs saved ({s.saved_fraction:.0%})")
+
+    trials = Table(title="all trials")
+    trials.add_column("trial", justify="right")
+    trials.add_column("state")
+    trials.add_column("architecture")
+    for o in rep.objectives:
+        trials.add_column(o.name, justify="right")
+    trials.add_column("epochs", justify="right")
+    trials.add_column("note")
+    for r in rep.trials:
+        trials.add_row(str(r.number), r.state, r.arch or "-", *[_fmt(r.values.get(o.name)) for o in rep.objectives],
+                       str(r.epochs_run) if r.epochs_run is not None else "-", r.note)
+    console.print(trials)
+
+
+def _fmt(v) -> str:
+    return "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def export(
+    study: Optional[str] = typer.Option(None, "--study", help=STUDY_HELP),
+    storage: str = typer.Option("sqlite:///headsearch.db", "--storage", help=STORAGE_HELP),
+    trial: Optional[int] = typer.Option(None, "--trial", help="Export this trial (it must be complete)."),
+    pareto: bool = typer.Option(False, "--pareto", help="Export every trial on the Pareto front (or the best trial of a single-objective study)."),
+    best: Optional[str] = typer.Option(None, "--best", help="Export the complete trial best on this objective or validation metric."),
+    out: Path = typer.Option(..., "--out", "-o", help="Folder for the YAML files (trial-00012.yaml, ...)."),
+) -> None:
+    """Write chosen trials' full run configs as YAML for `headsearch train --config`."""
+    from headsearch.errors import HeadsearchError
+
+    n = sum([trial is not None, pareto, best is not None])
+    if n != 1:
+        _fail("pass exactly one of --trial N, --pareto, --best METRIC")
+    _quiet_optuna()
+    from headsearch.search.export import export_configs
+
+    try:
+        paths = export_configs(storage, study, trial=trial, pareto=pareto, best=best, out_dir=out)
+    except HeadsearchError as e:
+        _fail(str(e))
+    for p in paths:
+        typer.echo(str(p))
+
+
+def dashboard(
+    study: Optional[str] = typer.Option(None, "--study", help="Check this study exists and print its page's URL."),
+    storage: str = typer.Option("sqlite:///headsearch.db", "--storage", help=STORAGE_HELP),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0 to be reachable from other machines)."),
+    port: int = typer.Option(8080, "--port", help="Port to listen on."),
+    artifact_dir: Optional[Path] = typer.Option(None, "--artifact-dir", help="Artifact folder (default: beside the database, where `report --plots` uploads)."),
+) -> None:
+    """Serve optuna-dashboard on the search's storage, with its plots as artifacts."""
+    import importlib.util
+
+    from headsearch.errors import HeadsearchError
+
+    if importlib.util.find_spec("optuna_dashboard") is None:
+        _fail("optuna-dashboard is not installed: pip install 'headsearch[dashboard]'")
+    if not 0 < port < 65536:
+        _fail(f"--port {port} is not a port number (1-65535)")
+    if artifact_dir is not None and artifact_dir.exists() and not artifact_dir.is_dir():
+        _fail(f"--artifact-dir {artifact_dir} is a file: pass a folder")
+    _quiet_optuna()
+    from headsearch.search.plots import default_artifact_dir
+    from headsearch.search.report import open_existing_storage, study_names
+
+    try:
+        store = open_existing_storage(storage)
+        names = study_names(store)
+        if study is not None and study not in names:
+            raise HeadsearchError(f"unknown study {study} in {storage}: studies there are {', '.join(names) or 'none'}")
+    except HeadsearchError as e:
+        _fail(str(e))
+    from optuna.artifacts import FileSystemArtifactStore
+    from optuna_dashboard import run_server
+
+    adir = artifact_dir if artifact_dir is not None else default_artifact_dir(storage)
+    shown = "localhost" if host in ("0.0.0.0", "::") else host
+    base = f"http://{shown}:{port}/dashboard"
+    if study is not None:
+        typer.echo(f"study {study}: {base}/studies/{store.get_study_id_from_name(study)}")
+    else:
+        typer.echo(f"optuna-dashboard: {base}  ({len(names)} studies)")
+    typer.echo(f"storage {storage}, artifacts in {adir}; Ctrl-C stops the server", err=True)
+    try:
+        run_server(store, host=host, port=port, artifact_store=FileSystemArtifactStore(str(adir)))
+    except OSError as e:
+        _fail(f"cannot serve on {host}:{port}: {e.strerror or e}")
+    except KeyboardInterrupt:
+        pass
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(report)
+    app.command()(export)
+    app.command()(dashboard)

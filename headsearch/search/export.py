@@ -1,0 +1,184 @@
+"""`headsearch export`: write the full run config of chosen trials as YAML, ready for `headsearch train`.
+
+Each file (`trial-00012.yaml`) holds the trial's `RunConfig` (task, seed, arch, train, data) exactly
+as the search trained it, under a comment header with the study, the trial's objective values and
+metrics, and the command that retrains it. Retraining with the same seed on the same machine
+reproduces the trial's validation and test metrics.
+"""
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from headsearch.errors import HeadsearchError
+from headsearch.search.report import directions_of, load_study, objectives_of, pareto_front, trial_state
+
+CONVERGENCE = {"time": ("best_train_seconds", "minimize"), "epochs": ("best_epoch", "minimize"),
+               "params": ("params", "minimize")}
+
+
+def export_configs(
+    storage_url: str,
+    study_name: str | None,
+    *,
+    trial: int | None = None,
+    pareto: bool = False,
+    best: str | None = None,
+    out_dir: Path,
+) -> list[Path]:
+    """Write one YAML per selected trial into `out_dir`; return the paths.
+
+    Exactly one selector: `trial` (a trial number), `pareto` (every trial on the Pareto front, or
+    the best trial of a single-objective study) or `best` (an objective or metric name: the complete
+    trial best on it, by its direction; metrics are compared on the validation split).
+    Everything is checked before `out_dir` is created.
+    """
+    chosen = [s for s, on in (("--trial", trial is not None), ("--pareto", pareto), ("--best", best is not None)) if on]
+    if len(chosen) != 1:
+        raise HeadsearchError(
+            f"pass exactly one of --trial N, --pareto, --best METRIC (got {', '.join(chosen) if chosen else 'none'})")
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise HeadsearchError(f"--out {out_dir} is a file: pass a folder")
+    study = load_study(storage_url, study_name)
+    if trial is not None:
+        trials = [_one_trial(study, trial)]
+    elif pareto:
+        front = pareto_front(study)
+        numbers = {f.number for f in front}
+        # A duplicate of a trial on the front has the same config: one file is enough.
+        trials = [t for t in front if t.user_attrs.get("duplicate_of") not in numbers]
+        if not trials:
+            raise HeadsearchError(f"study {study.study_name} has no complete trials yet: nothing is on its Pareto front")
+    else:
+        trials = [_best_on(study, best)]
+    for t in trials:
+        if not isinstance(t.user_attrs.get("config"), dict):
+            raise HeadsearchError(f"trial {t.number} of study {study.study_name} has no recorded config"
+                                  f" (was the study written by `headsearch run`?)")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise HeadsearchError(f"cannot create {out_dir}: {e.strerror}") from None
+    paths = []
+    for t in trials:
+        path = out_dir / f"trial-{t.number:05d}.yaml"
+        path.write_text(trial_yaml(study, t, storage_url, path))
+        paths.append(path)
+    return paths
+
+
+def _one_trial(study, number: int):
+    from optuna.trial import TrialState
+
+    trials = study.get_trials(deepcopy=False)
+    match = [t for t in trials if t.number == number]
+    if not match:
+        span = f"0 to {len(trials) - 1}" if trials else "none yet"
+        raise HeadsearchError(f"study {study.study_name} has no trial {number} (its trials are {span}):"
+                              f" see `headsearch report --study {study.study_name}`")
+    t = match[0]
+    if t.state != TrialState.COMPLETE:
+        state = trial_state(t)
+        why = {"pruned": "was pruned before it finished", "rejected": "was rejected (an invalid architecture)",
+               "failed": "failed", "running": "is still running", "waiting": "has not started"}[state]
+        raise HeadsearchError(
+            f"trial {number} of study {study.study_name} {why}: only complete trials have results to reproduce;"
+            f" pick a complete one (--pareto, --best METRIC, or a number from `headsearch report`)")
+    return t
+
+
+def _best_on(study, name: str):
+    """The complete trial best on an objective, a validation metric, or time/epochs/params."""
+    from optuna.trial import TrialState
+
+    complete = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.values is not None]
+    objectives = objectives_of(study)
+    meta = study.user_attrs.get("headsearch") or {}
+    metric_names: list[str] = []
+    direction = None
+    if meta.get("task"):
+        try:
+            from headsearch.tasks import get_task
+
+            task = get_task(meta["task"])
+            metric_names = [m.name for m in task.metrics]
+            if name in metric_names:
+                direction = task.metric(name).direction
+        except HeadsearchError:
+            pass
+    names = [o.name for o in objectives]
+    if name in names:
+        i = names.index(name)
+        direction, key = directions_of(study)[i], (lambda t, i=i: t.values[i])
+    elif direction is not None:
+        key = lambda t: (t.user_attrs.get("val_metrics") or {}).get(name)  # noqa: E731
+    elif name in CONVERGENCE:
+        attr, direction = CONVERGENCE[name]
+        key = lambda t: t.user_attrs.get(attr)  # noqa: E731
+    else:
+        known = list(dict.fromkeys(names + metric_names + list(CONVERGENCE)))
+        raise HeadsearchError(f"--best {name}: not an objective or metric of study {study.study_name}: use one of {', '.join(known)}")
+    scored = [(key(t), t) for t in complete]
+    scored = [(v, t) for v, t in scored if v is not None]
+    if not scored:
+        raise HeadsearchError(f"study {study.study_name} has no complete trial with a value of {name} yet")
+    sign = -1.0 if direction == "maximize" else 1.0
+    return min(scored, key=lambda vt: (sign * vt[0], vt[1].number))[1]  # ties: the earliest trial
+
+
+def retrain_command(study, t, path: Path) -> str:
+    meta = study.user_attrs.get("headsearch") or {}
+    task = t.user_attrs["config"].get("task") or meta.get("task", "TASK")
+    argv = ["headsearch", "train", "--task", task, "--config", str(path)]
+    data = meta.get("data")
+    if data and data != "download":
+        p = Path(data)
+        flag = "--data-dir" if p.is_dir() or (not p.exists() and not p.suffix) else "--data-file"
+        argv += [flag, data]
+    return shlex.join(argv)
+
+
+def trial_yaml(study, t, storage_url: str, path: Path) -> str:
+    """The trial's config as YAML under a comment header."""
+    a = t.user_attrs
+    objectives = objectives_of(study)
+    lines = [
+        f"headsearch export: study {study.study_name}, trial {t.number} ({trial_state(t)})",
+        f"storage: {storage_url}",
+        f"architecture: {a.get('arch', '')}",
+        "objectives: " + ", ".join(f"{o.name} = {_num(v)} ({o.direction})" for o, v in zip(objectives, t.values or [])),
+    ]
+    if a.get("val_metrics"):
+        lines.append(f"validation (best epoch {a.get('best_epoch')}): {_metrics(a['val_metrics'])}")
+    if a.get("test_metrics"):
+        lines.append(f"test (best checkpoint): {_metrics(a['test_metrics'])}")
+    if a.get("params") is not None:
+        lines.append(f"parameters: {a['params']:,}; training seconds to best: {_num(a.get('best_train_seconds'))}")
+    if a.get("duplicate_of") is not None:
+        lines.append(f"results reused from the identical trial {a['duplicate_of']}")
+    if a.get("run_dir"):
+        lines.append(f"run directory: {a['run_dir']}")
+    lines.append(f"retrain: {retrain_command(study, t, path)}")
+    header = "".join(f"# {line}\n" for line in lines)
+    return header + yaml.safe_dump(_plain(a["config"]), sort_keys=False)
+
+
+def _num(v: Any) -> str:
+    return "-" if v is None else f"{v:.6g}" if isinstance(v, float) else str(v)
+
+
+def _metrics(m: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {_num(v)}" for k, v in m.items())
+
+
+def _plain(x: Any) -> Any:
+    """Lists and dicts only (safe_dump refuses tuples)."""
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x

@@ -1,0 +1,394 @@
+"""`headsearch report`: what a finished (or running) search found, as data.
+
+`summarize` reads a study written by `headsearch run` and returns a `StudyReport`: the objectives,
+trial counts by state, the Pareto front (or the single best trial), parameter importances for each
+objective, what pruning saved, and one row per trial. No Rich here: the CLI renders it, and
+`StudyReport.to_dict()` is JSON-able as is.
+
+Opening a study never creates anything: a sqlite or journal URL must name an existing file
+(`open_existing_storage`), and a sqlite file must already hold Optuna's tables.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import sqlite3
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from headsearch.errors import HeadsearchError
+from headsearch.search.storage import journal_path, open_storage
+
+TRIAL_STATES = ("complete", "pruned", "rejected", "failed", "running", "waiting")
+CONVERGENCE_UNITS = {"time": "seconds", "epochs": "epochs", "params": "parameters"}
+
+
+# -- opening a study without creating anything ----------------------------------------------
+
+def sqlite_path(url: str) -> Path | None:
+    """The database file of a `sqlite:///FILE` URL (None for other URLs and in-memory databases)."""
+    if not url.startswith("sqlite:///"):
+        return None
+    rest = url[len("sqlite:///"):].split("?", 1)[0]
+    return None if rest in ("", ":memory:") else Path(rest)
+
+
+def open_existing_storage(url: str):
+    """An Optuna storage for a URL that already holds studies; never creates a database or file."""
+    where = "pass the --storage that `headsearch run` wrote to"
+    if (db := sqlite_path(url)) is not None:
+        if not db.parent.is_dir():
+            raise HeadsearchError(f"storage {url}: the folder {db.parent} does not exist: {where}")
+        if not db.is_file():
+            raise HeadsearchError(f"storage {url}: no database file {db}: {where}")
+        try:
+            con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+            try:
+                tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            finally:
+                con.close()
+        except sqlite3.Error as e:
+            raise HeadsearchError(f"storage {url}: {db} is not a SQLite database ({e}): {where}") from None
+        if "studies" not in tables:
+            raise HeadsearchError(f"storage {url}: {db} holds no Optuna studies: {where}")
+    elif url.startswith("sqlite:"):
+        raise HeadsearchError(f"storage {url!r} is not a sqlite URL with a file: write sqlite:///FILE.db")
+    elif (path := journal_path(url)) is not None and not path.is_file():
+        raise HeadsearchError(f"storage {url}: no journal file {path}: {where}")
+    return open_storage(url, heartbeat=None)
+
+
+def study_names(storage) -> list[str]:
+    return [s.study_name for s in storage.get_all_studies()]
+
+
+def load_study(storage_url: str, study_name: str | None):
+    """Load `study_name` (or the only study) from an existing storage, with one-line errors."""
+    import optuna
+
+    storage = open_existing_storage(storage_url)
+    try:
+        names = study_names(storage)
+    except Exception as e:  # a broken database: SQLAlchemy errors come in many types
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise HeadsearchError(f"cannot read storage {storage_url}: {first}") from None
+    if not names:
+        raise HeadsearchError(f"storage {storage_url} holds no studies: run `headsearch run` first")
+    if study_name is None:
+        if len(names) > 1:
+            raise HeadsearchError(f"storage {storage_url} holds several studies: pass --study, one of {', '.join(names)}")
+        study_name = names[0]
+    try:
+        return optuna.load_study(study_name=study_name, storage=storage)
+    except KeyError:
+        raise HeadsearchError(f"unknown study {study_name} in {storage_url}: studies there are {', '.join(names)}") from None
+
+
+# -- the report -------------------------------------------------------------------------------
+
+@dataclass
+class Objective:
+    name: str
+    direction: str  # "maximize" or "minimize"
+    unit: str = ""  # "seconds" for time, "" for a task metric
+
+
+@dataclass
+class FrontRow:
+    """A Pareto-optimal (or, single-objective, the best) trial."""
+
+    number: int
+    schedule: list[int] | None  # enc_heads, one count per layer
+    skip: str | None
+    fusion: str | None
+    arch: str
+    values: dict[str, float]  # objective name -> value
+    val_metrics: dict[str, float]
+    test_metrics: dict[str, float]
+    best_epoch: int | None
+    run_dir: str | None
+    duplicates: list[int] = field(default_factory=list)  # trials that reused this trial's results
+
+
+@dataclass
+class TrialRow:
+    number: int
+    state: str  # one of TRIAL_STATES
+    arch: str
+    values: dict[str, float | None]
+    epochs_run: int | None
+    note: str  # why pruned / rejected / failed; "duplicate of N"
+    duplicate_of: int | None = None
+
+
+@dataclass
+class Importance:
+    """Parameter importances for one objective, or the reason they could not be computed."""
+
+    objective: str
+    importances: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass
+class Savings:
+    """Epochs trained with pruning vs. what the same trials would have cost without it."""
+
+    trials: int  # trained trials: complete + pruned, not rejected, not duplicates
+    epochs_run: int
+    epochs_without_pruning: int
+    epochs_saved: int
+    saved_fraction: float
+
+
+@dataclass
+class StudyReport:
+    study: str
+    storage: str
+    task: str | None
+    primary_metric: str | None
+    epochs: int | None  # epochs per trial
+    objectives: list[Objective]
+    counts: dict[str, int]
+    front: list[FrontRow]
+    importances: list[Importance]
+    savings: Savings
+    trials: list[TrialRow]
+    settings: dict[str, Any] = field(default_factory=dict)  # sampler, pruner, seed, trials budget, data
+
+    @property
+    def multi_objective(self) -> bool:
+        return len(self.objectives) > 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return _json_safe(dataclasses.asdict(self))
+
+    def csv_rows(self) -> tuple[list[str], list[list[Any]]]:
+        """The all-trials table: a header and one row per trial."""
+        header = ["number", "state", "arch", *[o.name for o in self.objectives], "epochs_run", "duplicate_of", "note"]
+        rows = [[r.number, r.state, r.arch, *[r.values.get(o.name) for o in self.objectives],
+                 r.epochs_run, r.duplicate_of, r.note] for r in self.trials]
+        return header, rows
+
+
+def _json_safe(x: Any) -> Any:
+    """NaN and infinities become None (JSON has neither)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def trial_state(t) -> str:
+    from optuna.trial import TrialState
+
+    if t.state == TrialState.PRUNED:
+        return "rejected" if "rejected" in t.user_attrs else "pruned"
+    return {TrialState.COMPLETE: "complete", TrialState.FAIL: "failed", TrialState.RUNNING: "running",
+            TrialState.WAITING: "waiting"}[t.state]
+
+
+def pruned_text(p: dict[str, Any], direction: str | None = None) -> str:
+    """One line for a `user_attrs["pruned"]` record."""
+    text = f"{p.get('rule', '?')} rule at epoch {p.get('epoch', '?')}"
+    value, threshold = p.get("value"), p.get("threshold")
+    if value is not None:
+        text += f": {value:.4g}"
+        if threshold is not None:
+            worse = {"maximize": "<", "minimize": ">"}.get(direction or "", "vs")
+            text += f" {worse} {threshold:.4g}"
+    if p.get("n_compared"):
+        text += f" ({p['n_compared']} trials compared)"
+    if p.get("note"):
+        text += f"; {p['note']}"
+    return text
+
+
+def _note(t, state: str, primary_direction: str | None) -> str:
+    a = t.user_attrs
+    if state == "pruned" and isinstance(a.get("pruned"), dict):
+        return pruned_text(a["pruned"], primary_direction)
+    if state == "rejected":
+        return str(a["rejected"])
+    if state == "failed":
+        return str(a.get("fail_reason", "failed (no reason recorded)"))
+    if a.get("duplicate_of") is not None:
+        return f"duplicate of trial {a['duplicate_of']} (results reused)"
+    return ""
+
+
+def directions_of(study) -> list[str]:
+    from optuna.study import StudyDirection
+
+    return ["maximize" if d == StudyDirection.MAXIMIZE else "minimize" for d in study.directions]
+
+
+def objectives_of(study) -> list[Objective]:
+    names = study.metric_names or [f"objective_{i}" for i in range(len(study.directions))]
+    return [Objective(n, d, CONVERGENCE_UNITS.get(n, "")) for n, d in zip(names, directions_of(study))]
+
+
+def dominates(a: Sequence[float], b: Sequence[float], directions: Sequence[str]) -> bool:
+    """True when `a` is at least as good as `b` on every objective and better on one."""
+    sign = [1.0 if d == "maximize" else -1.0 for d in directions]
+    ge = all(s * x >= s * y for s, x, y in zip(sign, a, b))
+    return ge and any(s * x > s * y for s, x, y in zip(sign, a, b))
+
+
+def pareto_front(study) -> list:
+    """Study.best_trials (several objectives) or [best_trial] (one); checked to be non-dominated."""
+    from optuna.trial import TrialState
+
+    complete = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.values is not None]
+    if not complete:
+        return []
+    front = list(study.best_trials) if len(study.directions) > 1 else [study.best_trial]
+    directions = directions_of(study)
+    for f in front:
+        for t in complete:
+            if dominates(t.values, f.values, directions):
+                raise RuntimeError(f"bug: Pareto trial {f.number} {f.values} is dominated by trial {t.number} {t.values}")
+    return sorted(front, key=lambda t: t.number)
+
+
+def _front_rows(front, objectives: list[Objective]) -> list[FrontRow]:
+    """Rows of the front; a duplicate (results reused from an identical trial on the front) is folded into it."""
+    rows: dict[int, FrontRow] = {}
+    numbers = {t.number for t in front}
+    for t in front:
+        a = t.user_attrs
+        twin = a.get("duplicate_of")
+        if twin is not None and twin in numbers:
+            continue
+        arch = (a.get("config") or {}).get("arch") or {}
+        rows[t.number] = FrontRow(
+            number=t.number, schedule=list(arch["enc_heads"]) if "enc_heads" in arch else None,
+            skip=arch.get("skip"), fusion=arch.get("fusion"), arch=a.get("arch", ""),
+            values={o.name: v for o, v in zip(objectives, t.values)},
+            val_metrics=dict(a.get("val_metrics") or {}), test_metrics=dict(a.get("test_metrics") or {}),
+            best_epoch=a.get("best_epoch"), run_dir=a.get("run_dir"),
+        )
+    for t in front:
+        twin = t.user_attrs.get("duplicate_of")
+        if twin is not None and twin in rows:
+            rows[twin].duplicates.append(t.number)
+    return list(rows.values())
+
+
+def param_importances(study, objectives: list[Objective]) -> list[Importance]:
+    """Importances per objective, or the reason they cannot be computed.
+
+    Optuna 5's default evaluator (PED-ANOVA, no scikit-learn needed) ranks parameters by how much
+    they matter for reaching the best values of `target`, which it takes as lower-is-better: a
+    maximised objective is negated here.
+    """
+    import warnings
+
+    import optuna
+    from optuna.trial import TrialState
+
+    complete = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.values is not None]
+    out = []
+    for i, obj in enumerate(objectives):
+        imp = Importance(obj.name)
+        sign = -1.0 if obj.direction == "maximize" else 1.0
+        if len(complete) < 2:
+            imp.error = f"needs at least 2 complete trials ({len(complete)} so far)"
+        elif len({json_key(t.params) for t in complete}) < 2:
+            imp.error = "every complete trial has the same parameters"
+        elif len({t.values[i] for t in complete}) < 2:
+            imp.error = f"{obj.name} is the same ({complete[0].values[i]:.4g}) in every complete trial"
+        else:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # PED-ANOVA warns about the target's direction and few trials
+                    raw = optuna.importance.get_param_importances(
+                        study, target=lambda t, i=i, sign=sign: sign * t.values[i])
+                imp.importances = {k: float(v) for k, v in raw.items()}
+                if not imp.importances:
+                    imp.error = "no parameter is shared by all complete trials"
+                elif not all(math.isfinite(v) for v in imp.importances.values()):
+                    imp.error = f"importances of {obj.name} are not finite"
+                    imp.importances = {}
+            except Exception as e:  # Optuna raises ValueError/RuntimeError/ImportError for what it cannot do
+                imp.error = f"{type(e).__name__}: {e}"
+        out.append(imp)
+    return out
+
+
+def json_key(x: Any) -> str:
+    import json
+
+    return json.dumps(x, sort_keys=True, default=str)
+
+
+def pruning_savings(trials, default_epochs: int | None) -> Savings:
+    """Epochs trained by complete and pruned trials (not rejected, not duplicates) vs. all of them run to the end."""
+    from optuna.trial import TrialState
+
+    run = without = n = 0
+    for t in trials:
+        a = t.user_attrs
+        if t.state not in (TrialState.COMPLETE, TrialState.PRUNED) or "rejected" in a or a.get("duplicate_of") is not None:
+            continue
+        epochs = ((a.get("config") or {}).get("train") or {}).get("epochs", default_epochs)
+        if epochs is None:
+            continue
+        n += 1
+        ran = a.get("epochs_run")
+        if ran is None:  # older records: the intermediate values are one per epoch
+            ran = len(t.intermediate_values)
+        run += int(ran)
+        without += int(epochs)
+    saved = without - run
+    return Savings(trials=n, epochs_run=run, epochs_without_pruning=without, epochs_saved=saved,
+                   saved_fraction=saved / without if without else 0.0)
+
+
+def summarize(storage_url: str, study_name: str | None = None, *, study=None) -> "StudyReport":
+    """Everything `headsearch report` shows, for one study. Pass `study` to skip loading it again."""
+    from headsearch.search.snapshot import count_states
+
+    if study is None:
+        study = load_study(storage_url, study_name)
+    meta = study.user_attrs.get("headsearch") or {}
+    objectives = objectives_of(study)
+    trials = study.get_trials(deepcopy=False)
+    primary = meta.get("primary_metric")
+    primary_direction = _metric_direction(meta.get("task"), primary)
+
+    rows = []
+    for t in trials:
+        state = trial_state(t)
+        values = {o.name: (t.values[i] if t.values is not None else None) for i, o in enumerate(objectives)}
+        rows.append(TrialRow(number=t.number, state=state, arch=t.user_attrs.get("arch", ""), values=values,
+                             epochs_run=t.user_attrs.get("epochs_run"), note=_note(t, state, primary_direction),
+                             duplicate_of=t.user_attrs.get("duplicate_of")))
+    counts = count_states(trials)
+    if sum(counts.values()) != len(trials):
+        raise RuntimeError(f"bug: state counts {counts} do not add up to {len(trials)} trials")
+    settings = {k: meta[k] for k in ("sampler", "pruner", "seed", "trials", "data", "run_root") if k in meta}
+    if "space" in meta:
+        settings["space"] = meta["space"].get("name")
+    return StudyReport(
+        study=study.study_name, storage=storage_url, task=meta.get("task"), primary_metric=primary,
+        epochs=meta.get("epochs"), objectives=objectives, counts=counts,
+        front=_front_rows(pareto_front(study), objectives),
+        importances=param_importances(study, objectives),
+        savings=pruning_savings(trials, meta.get("epochs")), trials=rows, settings=settings,
+    )
+
+
+def _metric_direction(task: str | None, metric: str | None) -> str | None:
+    if not task or not metric:
+        return None
+    try:
+        from headsearch.tasks import get_task
+
+        return get_task(task).metric(metric).direction
+    except HeadsearchError:
+        return None

@@ -1,0 +1,484 @@
+"""`headsearch report`, `export` and `dashboard` on a real small search, and on hand-made studies.
+
+The real study: a ViT search on a slice of CIFAR-10 (7 trials of 3 short epochs, CPU), built once
+per module through the library. Its first trials are enqueued so that it always holds complete
+trials, an invalid architecture (rejected) and a repeated configuration (a duplicate); the rest are
+sampled. Hand-made studies (no training) cover states and edge cases a small search may not reach.
+"""
+import json
+import math
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import warnings
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+from optuna.distributions import CategoricalDistribution
+from optuna.trial import TrialState, create_trial
+from typer.testing import CliRunner
+
+from headsearch.cli.main import app
+from headsearch.search.plots import axis_label, default_artifact_dir
+from headsearch.search.report import dominates, summarize
+
+WIDE = {"COLUMNS": "240"}
+EPOCHS = 3
+SPACE = {
+    "schedule": {"families": ["uniform", "halving"], "heads": [1, 2, 4, 8, 16]},
+    "skip": ["none", "scores"],
+    "fusion": ["none"],
+    "ranges": {"d_model": [24, 32]},
+    "fixed": {
+        "arch": {"d_ff": 64, "enc_layers": 2, "patch_size": 8},
+        "train": {"epochs": EPOCHS, "max_steps_per_epoch": 8, "batch_size": 64, "warmup_epochs": 0.5},
+        "data": {"train_limit": 1000, "val_size": 300, "test_limit": 300, "augment": ["flip"]},
+    },
+}
+ENQUEUED = [
+    {"d_model": 32, "schedule": "uniform", "heads": 8, "skip": "none", "fusion": "none"},
+    {"d_model": 32, "schedule": "halving", "heads": 8, "skip": "scores", "fusion": "none"},
+    {"d_model": 24, "schedule": "uniform", "heads": 16, "skip": "none", "fusion": "none"},  # 16 does not divide 24
+    {"d_model": 32, "schedule": "uniform", "heads": 8, "skip": "none", "fusion": "none"},  # = trial 0
+]
+
+
+def invoke(args, **kwargs):
+    return CliRunner().invoke(app, [str(a) for a in args], env=WIDE, **kwargs)
+
+
+def assert_one_line_error(result, *fragments):
+    assert result.exit_code == 2, (result.exit_code, result.output)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.output
+    for f in fragments:
+        assert f in lines[0], lines[0]
+
+
+# ------------------------------------------------------------------------------ the real study
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory, cifar_dir):
+    """A finished ViT search (accuracy, time objectives): its storage URL, study and folder."""
+    from headsearch.search.runner import Search, SearchSettings
+
+    root = tmp_path_factory.mktemp("search")
+    (root / "space.yaml").write_text(yaml.safe_dump(SPACE))
+    url = f"sqlite:///{root / 'search.db'}"
+    settings = SearchSettings(task="vit-cifar10", space=str(root / "space.yaml"), trials=7, sampler="random",
+                              pruner="median", pruner_startup_trials=2, storage=url, study="vit-test", seed=0,
+                              data_dir=str(cifar_dir), run_root=str(root / "runs"), device="cpu", heartbeat=0)
+    search = Search(settings)
+    study = search.open()
+    for params in ENQUEUED:
+        study.enqueue_trial(params)
+    search.run_worker()
+    study = optuna.load_study(study_name="vit-test", storage=url)
+    assert len(study.trials) == 7
+    return {"url": url, "study": study, "root": root, "data": cifar_dir}
+
+
+def _directions(study):
+    return [o["direction"] for o in study.user_attrs["headsearch"]["objectives"]]
+
+
+@pytest.mark.slow
+def test_summarize_counts_front_and_savings(real):
+    study, rep = real["study"], summarize(real["url"], None)
+    trials = study.trials
+    assert rep.study == "vit-test" and rep.task == "vit-cifar10" and rep.primary_metric == "accuracy"
+    assert [(o.name, o.direction) for o in rep.objectives] == [("accuracy", "maximize"), ("time", "minimize")]
+
+    # Counts add up, and match the trials' states.
+    assert sum(rep.counts.values()) == len(trials)
+    rejected = [t for t in trials if "rejected" in t.user_attrs]
+    assert rep.counts["rejected"] == len(rejected) >= 1
+    assert rep.counts["complete"] == sum(t.state == TrialState.COMPLETE for t in trials)
+    assert rep.counts["pruned"] == sum(t.state == TrialState.PRUNED for t in trials) - len(rejected)
+    assert rep.counts["failed"] == rep.counts["running"] == rep.counts["waiting"] == 0
+    assert trials[2].user_attrs["rejected"] and "does not divide" in trials[2].user_attrs["rejected"]
+    assert trials[3].user_attrs["duplicate_of"] == 0 and trials[3].values == trials[0].values
+    assert [r.state for r in rep.trials] == [
+        "rejected" if "rejected" in t.user_attrs else t.state.name.lower() for t in trials]
+
+    # Every front member is non-dominated among COMPLETE trials (checked by hand), and every
+    # non-dominated complete trial is on the front (a duplicate folded into its twin's row).
+    directions = _directions(study)
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+
+    def better_or_equal(a, b, d):
+        return a >= b if d == "maximize" else a <= b
+
+    def strictly_better(a, b, d):
+        return a > b if d == "maximize" else a < b
+
+    def dominated(t):
+        return any(all(better_or_equal(o.values[i], t.values[i], d) for i, d in enumerate(directions))
+                   and any(strictly_better(o.values[i], t.values[i], d) for i, d in enumerate(directions))
+                   for o in complete)
+
+    assert rep.front
+    on_front = {r.number for r in rep.front} | {d for r in rep.front for d in r.duplicates}
+    by_number = {t.number: t for t in trials}
+    for r in rep.front:
+        t = by_number[r.number]
+        assert t.state == TrialState.COMPLETE and not dominated(t)
+        assert r.values == dict(zip(["accuracy", "time"], t.values))
+        assert r.schedule == t.user_attrs["config"]["arch"]["enc_heads"]
+        assert r.skip == t.user_attrs["config"]["arch"]["skip"] and r.fusion == "none"
+        assert r.test_metrics == t.user_attrs["test_metrics"] and r.val_metrics == t.user_attrs["val_metrics"]
+        assert r.run_dir == t.user_attrs["run_dir"] and r.best_epoch == t.user_attrs["best_epoch"]
+    assert on_front == {t.number for t in complete if not dominated(t)}
+
+    # Pruning savings, by hand: trained trials (complete + pruned, not rejected, not duplicates).
+    trained = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)
+               and "rejected" not in t.user_attrs and "duplicate_of" not in t.user_attrs]
+    ran = sum(t.user_attrs["epochs_run"] for t in trained)
+    s = rep.savings
+    assert (s.trials, s.epochs_run, s.epochs_without_pruning) == (len(trained), ran, len(trained) * EPOCHS)
+    assert s.epochs_saved == len(trained) * EPOCHS - ran
+    assert s.saved_fraction == pytest.approx(1 - ran / (len(trained) * EPOCHS))
+    for t in trials:
+        if t.state == TrialState.PRUNED and "pruned" in t.user_attrs:
+            row = rep.trials[t.number]
+            assert row.epochs_run == t.user_attrs["epochs_run"] < EPOCHS
+            assert f"at epoch {t.user_attrs['pruned']['epoch']}" in row.note
+
+    # Importances: one entry per objective, either normalised importances or a reason.
+    assert [i.objective for i in rep.importances] == ["accuracy", "time"]
+    for imp in rep.importances:
+        assert imp.error or sum(imp.importances.values()) == pytest.approx(1.0)
+    json.dumps(rep.to_dict())  # JSON-able as is
+
+
+@pytest.mark.slow
+def test_report_json_csv_and_table(real):
+    url = real["url"]
+    result = invoke(["report", "--storage", url, "--format", "json"])
+    assert result.exit_code == 0, result.output
+    d = json.loads(result.stdout)
+    assert d["study"] == "vit-test" and d["counts"]["rejected"] >= 1
+    assert {r["number"] for r in d["front"]} <= {t["number"] for t in d["trials"] if t["state"] == "complete"}
+
+    result = invoke(["report", "--storage", url, "--study", "vit-test", "--format", "csv"])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.strip().splitlines()
+    assert lines[0] == "number,state,arch,accuracy,time,epochs_run,duplicate_of,note"
+    assert len(lines) == 1 + len(real["study"].trials)
+    assert lines[3].startswith("2,rejected,") and "does not divide" in lines[3]
+    assert lines[4].split(",")[6] == "0"  # trial 3 duplicates trial 0
+
+    result = invoke(["report", "--storage", url])
+    assert result.exit_code == 0, result.output
+    for text in ("Pareto front", "parameter importances", "pruning:", "epochs saved", "all trials", "rejected"):
+        assert text in result.stdout
+
+
+@pytest.mark.slow
+def test_report_plots_written_and_uploaded_as_artifacts(real, tmp_path):
+    url, study = real["url"], real["study"]
+    out = tmp_path / "plots"
+    result = invoke(["report", "--storage", url, "--plots", out])
+    assert result.exit_code == 0, result.output
+    pngs, htmls = sorted(out.glob("*.png")), sorted(out.glob("*.html"))
+    names = {p.name for p in pngs + htmls}
+    for kind in ("pareto-front", "learning-curves", "param-importances"):
+        assert f"vit-test-{kind}.png" in names and f"vit-test-{kind}.html" in names
+    for p in pngs:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
+    for p in htmls:
+        text = p.read_text()
+        assert "<html>" in text and "plotly" in text.lower()
+    pareto = (out / "vit-test-pareto-front.html").read_text()
+    assert "vit-test" in pareto and "seconds" in pareto and "accuracy" in pareto
+    curves = (out / "vit-test-learning-curves.html").read_text()
+    assert "epoch" in curves
+    if not study_has_no_pruned(study):
+        assert '"dash":"dash"' in curves.replace(" ", "")  # pruned trials are dashed
+    for p in pngs + htmls:
+        assert str(p) in result.stdout
+
+    study = optuna.load_study(study_name="vit-test", storage=url)
+    metas = optuna.artifacts.get_all_artifact_meta(study)
+    assert sorted(m.filename for m in metas) == sorted(names)
+    adir = default_artifact_dir(url)
+    assert adir == real["root"] / "search-artifacts"
+    for m in metas:
+        assert (adir / m.artifact_id).read_bytes() == (out / m.filename).read_bytes()
+        assert m.mimetype == ("image/png" if m.filename.endswith(".png") else "text/html")
+
+    # The same plots again: nothing new is uploaded.
+    result = invoke(["report", "--storage", url, "--plots", out, "--format", "json"])
+    assert result.exit_code == 0, result.output
+    json.loads(result.stdout)  # the plot list went to stderr
+    assert len(optuna.artifacts.get_all_artifact_meta(study)) == len(metas)
+
+
+def study_has_no_pruned(study) -> bool:
+    return not any(t.state == TrialState.PRUNED and "pruned" in t.user_attrs for t in study.trials)
+
+
+@pytest.mark.slow
+def test_export_then_train_reproduces_the_trial(real, tmp_path):
+    """Acceptance: `headsearch train --config` on an exported trial gives the trial's metrics exactly."""
+    url, study = real["url"], real["study"]
+    result = invoke(["export", "--storage", url, "--best", "accuracy", "--out", tmp_path / "best"])
+    assert result.exit_code == 0, result.output
+    (path,) = [Path(p) for p in result.stdout.split()]
+    number = int(path.stem.split("-")[1])
+    t = study.trials[number]
+    assert t.state == TrialState.COMPLETE and "duplicate_of" not in t.user_attrs
+    complete = [c for c in study.trials if c.state == TrialState.COMPLETE]
+    assert t.values[0] == max(c.values[0] for c in complete)
+
+    text = path.read_text()
+    assert text.startswith("# headsearch export: study vit-test, trial")
+    assert yaml.safe_load(text) == t.user_attrs["config"]
+    assert f"--config {path}" in text and "--data-dir" in text
+
+    run_dir = tmp_path / "retrain"
+    result = invoke(["train", "--task", "vit-cifar10", "--config", path, "--data-dir", real["data"], "--out", run_dir,
+                     "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    final = json.loads((run_dir / "final.json").read_text())
+    assert final["best_value"] == t.values[0]  # the objective, exactly
+    assert final["best_epoch"] == t.user_attrs["best_epoch"]
+    assert final["best_metrics"] == t.user_attrs["val_metrics"]
+    assert final["test_metrics"] == t.user_attrs["test_metrics"]
+    assert final["params"] == t.user_attrs["params"]
+
+    # --trial and --pareto write the same kind of file; the front's duplicates are written once.
+    result = invoke(["export", "--storage", url, "--trial", 0, "--out", tmp_path / "one"])
+    assert result.exit_code == 0 and (tmp_path / "one" / "trial-00000.yaml").is_file()
+    result = invoke(["export", "--storage", url, "--pareto", "--out", tmp_path / "front"])
+    assert result.exit_code == 0, result.output
+    rep = summarize(url, "vit-test")
+    assert sorted(p.name for p in (tmp_path / "front").iterdir()) == [f"trial-{r.number:05d}.yaml" for r in rep.front]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get_json(url: str):
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return json.loads(r.read().decode())
+
+
+@pytest.mark.slow
+def test_dashboard_serves_the_study(real):
+    pytest.importorskip("optuna_dashboard")
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "headsearch", "dashboard", "--storage", real["url"], "--port", str(port),
+                             "--study", "vit-test"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                studies = _get_json(f"{base}/api/studies")
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(f"dashboard did not answer: {proc.communicate(timeout=5)}")
+                time.sleep(0.3)
+        (summary,) = [s for s in studies["study_summaries"] if s["study_name"] == "vit-test"]
+        detail = _get_json(f"{base}/api/studies/{summary['study_id']}")
+        assert detail["objective_names"] == ["accuracy", "time"]
+        assert detail["has_intermediate_values"] is True
+        trials = {t["number"]: t for t in detail["trials"]}
+        for t in real["study"].trials:
+            got = {v["step"]: v["value"] for v in trials[t.number]["intermediate_values"]}
+            assert got == t.intermediate_values
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=10)
+    assert f"{base}/dashboard/studies/{summary['study_id']}" in out
+
+
+# ------------------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize("command", ["report", "export", "dashboard"])
+def test_unreadable_storage_exits_2_and_creates_nothing(command, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    extra = ["--trial", "0", "--out", tmp_path / "out"] if command == "export" else []
+    cases = [
+        ("foo://x", "not a storage URL"),
+        (f"sqlite:///{tmp_path / 'missing' / 'x.db'}", "does not exist"),
+        (f"sqlite:///{tmp_path / 'none.db'}", "no database file"),
+        (f"journal:{tmp_path / 'none.log'}", "no journal file"),
+    ]
+    not_a_db = tmp_path / "notes.txt"
+    not_a_db.write_text("hello\n")
+    cases.append((f"sqlite:///{not_a_db}", "not a SQLite database"))
+    for url, fragment in cases:
+        assert_one_line_error(invoke([command, "--storage", url, *extra]), fragment)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    assert not_a_db.read_text() == "hello\n"
+
+
+def test_empty_optuna_database_is_not_a_study(tmp_path):
+    url = f"sqlite:///{tmp_path / 'empty.db'}"
+    optuna.storages.RDBStorage(url)  # Optuna's tables, no study
+    assert_one_line_error(invoke(["report", "--storage", url]), "holds no studies")
+
+
+def _hand_made(url: str, name: str = "hand", directions=("maximize", "minimize")) -> optuna.Study:
+    """A study shaped like `headsearch run`'s, with every state (no training)."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(storage=url, study_name=name, directions=list(directions))
+    names = ["accuracy", "time"][: len(directions)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        study.set_metric_names(names)
+    study.set_user_attr("headsearch", {"task": "vit-cifar10", "objectives": [{"name": n, "direction": d} for n, d in zip(names, directions)],
+                                       "primary_metric": "accuracy", "epochs": 4, "seed": 0, "data": "download"})
+    dist = {"heads": CategoricalDistribution([1, 2, 4]), "skip": CategoricalDistribution(["none", "output"])}
+
+    def config(heads, skip):
+        return {"task": "vit-cifar10", "seed": 0, "arch": {"enc_heads": [heads] * 4, "skip": skip, "fusion": "none"},
+                "train": {"epochs": 4}, "data": {}}
+
+    def add(state, heads, skip, values=None, curve=(), **attrs):
+        ua = {"config": config(heads, skip), "arch": f"{heads}x4 skip={skip} fusion=none", **attrs}
+        if state == TrialState.COMPLETE:
+            ua.update(val_metrics={"accuracy": values[0], "loss": 1.0}, test_metrics={"accuracy": values[0] - 0.01},
+                      best_epoch=len(curve), params=1000, best_train_seconds=values[-1])
+        study.add_trial(create_trial(state=state, params={"heads": heads, "skip": skip}, distributions=dist,
+                                     values=list(values)[: len(directions)] if values else None,
+                                     intermediate_values=dict(enumerate(curve, start=1)), user_attrs=ua))
+
+    C = TrialState.COMPLETE
+    add(C, 1, "none", (0.5, 10.0), (0.3, 0.4, 0.45, 0.5), epochs_run=4)  # 0: front
+    add(C, 2, "none", (0.6, 20.0), (0.3, 0.5, 0.55, 0.6), epochs_run=4)  # 1: front
+    add(C, 4, "none", (0.4, 30.0), (0.2, 0.3, 0.35, 0.4), epochs_run=4)  # 2: dominated by 0 and 1
+    add(C, 2, "none", (0.6, 20.0), (0.3, 0.5, 0.55, 0.6), epochs_run=4, duplicate_of=1)  # 3: duplicate of 1
+    add(TrialState.PRUNED, 4, "output", None, (0.1,), epochs_run=1,
+        pruned={"prune": True, "rule": "median", "epoch": 1, "value": 0.1, "threshold": 0.3, "n_compared": 3, "note": ""})
+    study.add_trial(create_trial(state=TrialState.PRUNED, user_attrs={"rejected": "enc_heads[0] = 3 does not divide d_model"}))
+    add(TrialState.FAIL, 1, "output", None, (0.2, 0.25), epochs_run=2, fail_reason="training diverged")
+    study.enqueue_trial({"heads": 1, "skip": "output"})
+    return study
+
+
+def test_summarize_hand_made_study_states_duplicates_and_savings(tmp_path):
+    url = f"sqlite:///{tmp_path / 'hand.db'}"
+    _hand_made(url)
+    rep = summarize(url, None)
+    assert rep.counts == {"complete": 4, "pruned": 1, "rejected": 1, "failed": 1, "running": 0, "waiting": 1}
+    assert [r.number for r in rep.front] == [0, 1] and rep.front[1].duplicates == [3]
+    assert rep.front[0].schedule == [1, 1, 1, 1] and rep.front[0].values == {"accuracy": 0.5, "time": 10.0}
+    # Trained: 0, 1, 2 (complete) and 4 (pruned after 1 of 4 epochs); not 3 (duplicate), 5 (rejected), 6 (failed).
+    s = rep.savings
+    assert (s.trials, s.epochs_run, s.epochs_without_pruning, s.epochs_saved) == (4, 13, 16, 3)
+    assert s.saved_fraction == pytest.approx(3 / 16)
+    notes = {r.number: r.note for r in rep.trials}
+    assert notes[4] == "median rule at epoch 1: 0.1 < 0.3 (3 trials compared)"
+    assert "does not divide" in notes[5] and notes[6] == "training diverged" and "duplicate of trial 1" in notes[3]
+    assert [r.state for r in rep.trials] == ["complete"] * 4 + ["pruned", "rejected", "failed", "waiting"]
+    assert dominates([0.5, 10.0], [0.4, 30.0], ["maximize", "minimize"])
+    assert not dominates([0.6, 20.0], [0.5, 10.0], ["maximize", "minimize"])
+    assert not dominates([0.6, 20.0], [0.6, 20.0], ["maximize", "minimize"])
+    assert all(i.error or math.isclose(sum(i.importances.values()), 1.0) for i in rep.importances)
+
+
+def test_single_objective_report_plots_and_importance_reasons(tmp_path):
+    from headsearch.search.plots import upload_plots, write_plots
+    from headsearch.search.report import load_study
+
+    url = f"sqlite:///{tmp_path / 'one.db'}"
+    _hand_made(url, directions=("maximize",))
+    study = load_study(url, None)
+    rep = summarize(url, None, study=study)
+    assert [r.number for r in rep.front] == [1]  # the best trial (its duplicate 3 folded in)
+    paths = write_plots(study, rep, tmp_path / "plots")
+    assert {p.name for p in paths} == {f"hand-{k}.{e}" for k in ("objective", "learning-curves", "param-importances")
+                                        for e in ("png", "html")}
+    assert all(p.stat().st_size > 1000 for p in paths)
+    ids = upload_plots(study, paths, default_artifact_dir(url))
+    assert len(set(ids)) == len(paths) and (tmp_path / "one-artifacts").is_dir()
+
+    # Too few complete trials: a reason, not a crash.
+    url2 = f"sqlite:///{tmp_path / 'two.db'}"
+    s2 = optuna.create_study(storage=url2, study_name="tiny", directions=["maximize", "minimize"])
+    s2.add_trial(create_trial(values=[0.5, 1.0], params={"h": 1}, distributions={"h": CategoricalDistribution([1, 2])}))
+    rep2 = summarize(url2, None)
+    assert [i.error for i in rep2.importances] == ["needs at least 2 complete trials (1 so far)"] * 2
+    assert [r.number for r in rep2.front] == [0] and rep2.savings.trials == 0
+
+
+def test_axis_labels_name_metrics_units_and_directions():
+    assert axis_label("time", "minimize") == "time to best validation (training seconds), lower is better"
+    assert axis_label("accuracy", "maximize") == "validation accuracy, higher is better"
+    assert default_artifact_dir("sqlite:///runs/x.db") == Path("runs/x-artifacts")
+    assert default_artifact_dir("journal:/tmp/j/search.log") == Path("/tmp/j/search-artifacts")
+    assert default_artifact_dir("postgresql://u@h/db") == Path("headsearch-artifacts")
+
+
+def test_study_selection_errors(tmp_path):
+    url = f"sqlite:///{tmp_path / 'two.db'}"
+    _hand_made(url, "first")
+    _hand_made(url, "second")
+    assert_one_line_error(invoke(["report", "--storage", url]), "several studies", "first, second")
+    assert_one_line_error(invoke(["report", "--storage", url, "--study", "nope"]),
+                          "unknown study nope in", "studies there are first, second")
+    assert_one_line_error(invoke(["dashboard", "--storage", url, "--study", "nope"]), "unknown study nope")
+    assert_one_line_error(invoke(["report", "--storage", url, "--study", "first", "--format", "xml"]), "--format")
+    result = invoke(["report", "--storage", url, "--study", "first", "--format", "csv"])
+    assert result.exit_code == 0 and result.stdout.count("\n") == 9
+
+
+def test_export_bad_selection_exits_2_and_creates_nothing(tmp_path):
+    url = f"sqlite:///{tmp_path / 'hand.db'}"
+    _hand_made(url)
+    out = tmp_path / "out"
+    base = ["export", "--storage", url, "--out", out]
+    assert_one_line_error(invoke(base), "exactly one of --trial N, --pareto, --best METRIC")
+    assert_one_line_error(invoke([*base, "--trial", 0, "--pareto"]), "exactly one of")
+    assert_one_line_error(invoke([*base, "--trial", 4]), "trial 4", "was pruned", "complete")
+    assert_one_line_error(invoke([*base, "--trial", 5]), "trial 5", "rejected")
+    assert_one_line_error(invoke([*base, "--trial", 6]), "trial 6", "failed")
+    assert_one_line_error(invoke([*base, "--trial", 7]), "trial 7", "has not started")
+    assert_one_line_error(invoke([*base, "--trial", 99]), "has no trial 99", "0 to 7")
+    assert_one_line_error(invoke([*base, "--best", "bleu"]), "--best bleu", "accuracy, time")
+    assert not out.exists()
+
+    # --best on an objective (time, lower is better) and on a validation metric that is not one (loss: all tie).
+    result = invoke([*base, "--best", "time"])
+    assert result.exit_code == 0 and result.stdout.split() == [str(out / "trial-00000.yaml")]
+    result = invoke([*base, "--best", "loss"])
+    assert result.exit_code == 0 and result.stdout.split() == [str(out / "trial-00000.yaml")]
+    result = invoke([*base, "--best", "accuracy"])
+    assert result.stdout.split() == [str(out / "trial-00001.yaml")]  # 1 and its duplicate 3 tie: the earlier
+    result = invoke([*base, "--pareto"])
+    assert result.stdout.split() == [str(out / "trial-00000.yaml"), str(out / "trial-00001.yaml")]
+    header = (out / "trial-00001.yaml").read_text().splitlines()[:4]
+    assert header[0] == "# headsearch export: study hand, trial 1 (complete)"
+    assert header[3] == "# objectives: accuracy = 0.6 (maximize), time = 20 (minimize)"
+
+
+def test_dashboard_without_optuna_dashboard_says_how_to_install(tmp_path, monkeypatch):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "optuna_dashboard" else real_find_spec(name, *a))
+    result = invoke(["dashboard", "--storage", f"sqlite:///{tmp_path / 'x.db'}"])
+    assert_one_line_error(result, "optuna-dashboard is not installed: pip install 'headsearch[dashboard]'")
+    assert not (tmp_path / "x.db").exists()
+
+
+def test_help_lists_the_study_commands():
+    result = invoke(["--help"])
+    for name in ("report", "export", "dashboard"):
+        assert name in result.stdout
+    assert "--format" in invoke(["report", "--help"]).stdout
