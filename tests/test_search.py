@@ -368,6 +368,21 @@ def test_diverged_trials_fail_and_do_not_count(tmp_path, spa_file, cache_env, on
         assert t.params["lr"] == 1.0e-4 and t.state == TrialState.COMPLETE
 
 
+def test_a_space_where_every_trial_diverges_stops_with_an_error(tmp_path, spa_file, cache_env, one_thread):
+    """FAIL trials do not fill the budget; so that the loop cannot spin, a worker refuses to go on once
+    max(3, trials) trials failed -- also when started again."""
+    space = write_space(tmp_path / "space.yaml", train={"lr": 1.0e4})
+    settings = make_settings(tmp_path, spa_file, space, trials=2, pruner="none", timeout=120)
+    with pytest.raises(HeadsearchError, match="3 trials failed"):
+        Search(settings).run_worker()
+    study = load(settings.storage, "s")
+    assert [t.state for t in study.trials] == [TrialState.FAIL] * 3
+    assert all("diverged" in t.user_attrs["fail_reason"] for t in study.trials)
+    with pytest.raises(HeadsearchError, match="fix the cause"):
+        Search(settings).run_worker()
+    assert len(load(settings.storage, "s").trials) == 3
+
+
 # ------------------------------------------------------------------------ 7. bad input for `run`
 
 
@@ -535,7 +550,7 @@ def test_workers_option_on_postgresql_runs_exactly_the_budget(tmp_path, spa_file
 
 
 @pytest.mark.xfail(importlib.util.find_spec("psycopg") is None, strict=True,
-                   reason="storage.py: SQLAlchemy 2.1 maps postgresql:// to psycopg 3, but the [postgres] extra "
+                   reason="storage.py:81: SQLAlchemy 2.1 maps postgresql:// to psycopg 3, but the [postgres] extra "
                           "installs psycopg2: the URL the README documents cannot be opened")
 def test_plain_postgresql_url_opens_with_the_postgres_extra(pg_url):
     with warnings.catch_warnings():
@@ -543,7 +558,7 @@ def test_plain_postgresql_url_opens_with_the_postgres_extra(pg_url):
         open_storage("postgresql://postgres@127.0.0.1:5432/test", heartbeat=None)
 
 
-@pytest.mark.xfail(strict=True, reason="storage.py:312: Optuna's ImportError has no .name, so the message says "
+@pytest.mark.xfail(strict=True, reason="storage.py:85: Optuna's ImportError has no .name, so the message says "
                                        "'a driver is missing (None)'")
 def test_missing_driver_message_names_the_driver():
     pytest.importorskip("sqlalchemy")
@@ -554,7 +569,7 @@ def test_missing_driver_message_names_the_driver():
     assert "None" not in str(e.value)
 
 
-@pytest.mark.xfail(strict=True, reason="storage.py:308: workers started together on a fresh PostgreSQL database race "
+@pytest.mark.xfail(strict=True, reason="storage.py:81: workers started together on a fresh PostgreSQL database race "
                                        "to create Optuna's tables (UniqueViolation on pg_type); open_storage should "
                                        "serialise it (advisory lock) or retry")
 @pytest.mark.slow
@@ -607,7 +622,7 @@ def test_killed_worker_trial_is_failed_and_retried(tmp_path, spa_file, tokenizer
     # The killed trial is stale after 3 x heartbeat without a beat; the next worker's trial start fails it.
     after = poller.trials()
     assert next(t for t in after if t.number == victim.number).state == TrialState.RUNNING
-    time.sleep(max(0.0, 3 * 1 + 1.5 - (time.monotonic() - killed_at)))
+    time.sleep(max(0.0, 3 * 1 + 0.5 - (time.monotonic() - killed_at)))
     second = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert second.returncode == 0, second.stderr[-3000:]
 
@@ -673,7 +688,7 @@ def test_ctrl_c_fails_the_running_trial_and_the_same_command_resumes(tmp_path, s
         assert study.trials[number].values == values
 
 
-@pytest.mark.xfail(strict=True, reason="cli/progress.py:256: Rich's Live ends its last line only on a terminal, so on a "
+@pytest.mark.xfail(strict=True, reason="cli/progress.py:98: Rich's Live ends its last line only on a terminal, so on a "
                                        "redirected stderr the next line (\"error: interrupted ...\") is glued to the last "
                                        "table row; SearchProgress.__exit__ should end the line when not is_terminal")
 def test_live_display_ends_its_last_line_on_a_non_terminal():
@@ -690,3 +705,16 @@ def test_live_display_ends_its_last_line_on_a_non_terminal():
     with SearchProgress(study, 3, console=Console(file=buf, force_terminal=False, width=120)):
         pass
     assert buf.getvalue().endswith("\n"), repr(buf.getvalue()[-80:])
+
+
+@pytest.mark.xfail(strict=True, reason="runner.py:224: the failure cap counts every FAIL with a fail_reason, Ctrl-C "
+                                       "included, so a small search interrupted 3 times cannot be resumed ('fix the "
+                                       "cause (e.g. a lower lr)'); count only trials that failed on their own")
+def test_interrupted_trials_do_not_count_toward_the_failure_cap(tmp_path, spa_file, cache_env, one_thread):
+    settings = make_settings(tmp_path, spa_file, trials=2, pruner="none")
+    search = Search(settings)
+    study = search.open()
+    for _ in range(3):  # what three Ctrl-C's leave behind (see the Ctrl-C test)
+        study.add_trial(optuna.trial.create_trial(state=TrialState.FAIL, user_attrs={"fail_reason": "interrupted (Ctrl-C)"}))
+    search.run_worker()
+    assert len(finished(load(settings.storage, "s"))) == 2

@@ -35,7 +35,6 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from headsearch.models.attention import Attention
 from headsearch.models.transformer import attention_layers
 
 METRICS = (

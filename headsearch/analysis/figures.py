@@ -18,7 +18,7 @@ def _plt():
     return plt
 
 
-def _short(name: str) -> str:
+def short_name(name: str) -> str:
     """encoder.blocks.2.attn -> enc L2; decoder.blocks.0.cross_attn -> dec L0 cross."""
     parts = name.split(".")
     stack = {"encoder": "enc", "decoder": "dec"}.get(parts[0], parts[0])
@@ -36,8 +36,9 @@ def pairwise_heatmaps(layers, metric: str, title: str, path: Path) -> Path:
     fig, axes = plt.subplots(rows, cols, figsize=(3.4 * cols, 3.2 * rows), squeeze=False)
     for ax, layer in zip(axes.flat, layers):
         m = np.array(getattr(layer, metric), dtype=float)
+        np.fill_diagonal(m, np.nan)  # i == j is 0 by definition; blank it so the colours span the pairs
         im = ax.imshow(m, cmap="viridis")
-        ax.set_title(f"{_short(layer.name)} ({layer.heads} heads)", fontsize=9)
+        ax.set_title(f"{short_name(layer.name)} ({layer.heads} heads)", fontsize=9)
         ax.set_xlabel("head j")
         ax.set_ylabel("head i")
         if layer.heads <= 16:
@@ -63,7 +64,7 @@ def importance_figure(names, importance, entropy, path: Path) -> Path:
                             (axes[1], grid(entropy), "attention entropy (nats)")):
         im = ax.imshow(data, aspect="auto", cmap="magma")
         ax.set_yticks(range(len(names)))
-        ax.set_yticklabels([_short(n) for n in names], fontsize=8)
+        ax.set_yticklabels([short_name(n) for n in names], fontsize=8)
         ax.set_xlabel("head")
         ax.set_ylabel("attention layer")
         ax.set_title(label)

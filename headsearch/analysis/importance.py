@@ -82,6 +82,8 @@ def head_importance(model: nn.Module, batches: Iterable[Any], loss_fn: LossFn) -
     masks only (the parameters' .grad are untouched). Batches are dicts as made by
     `diversity_batches` (their "masks" decide which queries count for the entropy); a batch that
     is not such a dict still gets importances, with all positions counted for the entropy.
+    The entropy is read through forward hooks, which make every module take its explicit-softmax
+    path (the fused kernel agrees to float32 rounding, ~1e-7); the gradients are those of that path.
     """
     layers = attention_layers(model)
     if not layers:

@@ -191,14 +191,17 @@ def analyze(
         return
     console = Console()
     table = Table(title=f"{result['task']}: {result['metric']} {result['baseline']:.4g} on {result['samples']} validation samples")
-    for col in ("layer", "heads", "query ortho ↓div", "context nonortho (0-1) ↓div", "output dissim ↑div",
-                "attention div ↑", "entropy", "importance min-max"):
+    from headsearch.analysis.figures import short_name
+
+    for col in ("layer", "H", "q-ortho", "ctx-nonortho", "out-dissim", "att-div", "entropy", "importance"):
         table.add_column(col, justify="right" if col != "layer" else "left")
+    table.caption = ("q-ortho, ctx-nonortho (0-1): high = heads less diverse; out-dissim, att-div: high = more diverse;"
+                     " entropy in nats; importance: min-max of the per-layer normalised scores")
     fmt_num = lambda v: "-" if v is None else f"{v:.3g}"  # noqa: E731
     for layer in result["layers"]:
         sc = layer["scalars"]
         imp = [v for v in layer["importance"] if v is not None]
-        table.add_row(layer["name"], str(layer["heads"]), fmt_num(sc.get("query_orthogonality")),
+        table.add_row(short_name(layer["name"]), str(layer["heads"]), fmt_num(sc.get("query_orthogonality")),
                       fmt_num(sc.get("context_nonorthogonality_normalized")), fmt_num(sc.get("output_dissimilarity")),
                       fmt_num(sc.get("attention_diversity")),
                       fmt_num(sum(layer["entropy"]) / len(layer["entropy"])),

@@ -169,7 +169,8 @@ class Attention(nn.Module):
         self.out_proj = nn.Linear(self.attn_dim, d_model)  # W_o
         self.skip_norm = nn.LayerNorm(self.attn_dim) if self.skip_in and skip == "output" else None
         self.soft = SoftAttention(n_heads, head_dim, soft_dim or head_dim, soft_score) if fusion != "none" else None
-        # Set from outside (analysis): a (H,) tensor multiplying each head's output; may require grad.
+        # Set from outside (analysis): a (H,) tensor multiplying each head's output (Michel et al.'s ξ);
+        # may require grad. With a skip, what the layer passes on still carries earlier layers' signal.
         self.head_mask: Tensor | None = None
         # Identity hook points: forward hooks here see per-head tensors without changing the model.
         self.hook_q = nn.Identity()  # (B, H, Tq, d_k)
