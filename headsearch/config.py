@@ -238,9 +238,12 @@ class TrainConfig:
     target: float | None = None  # validation metric value whose first reach is timed ("seconds to target")
     max_steps_per_epoch: int | None = None  # cut epochs short (smoke tests, quick benchmarks)
     compile: bool = False
+    # After each epoch, measure the head-diversity layer scalars (seed 002 tracks them over
+    # training) on this many validation samples; 0 = off.
+    diversity_samples: int = 0
 
     def __post_init__(self) -> None:
-        _coerce(self, ints=("epochs", "batch_size", "max_steps_per_epoch"),
+        _coerce(self, ints=("epochs", "batch_size", "max_steps_per_epoch", "diversity_samples"),
                 floats=("lr", "weight_decay", "eps", "warmup_epochs", "min_lr_ratio", "label_smoothing", "grad_clip", "target"),
                 bools=("compile",), optional=("grad_clip", "target", "max_steps_per_epoch"))
         try:
@@ -262,6 +265,8 @@ class TrainConfig:
             raise ConfigError(f"label_smoothing = {self.label_smoothing} must be in [0, 1)")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise ConfigError(f"grad_clip = {self.grad_clip} must be positive, or null for no clipping")
+        if self.diversity_samples < 0:
+            raise ConfigError(f"diversity_samples = {self.diversity_samples} must be 0 (off) or a number of samples")
         if self.max_steps_per_epoch is not None and self.max_steps_per_epoch < 1:
             raise ConfigError(f"max_steps_per_epoch = {self.max_steps_per_epoch} must be at least 1, or null")
         if len(self.betas) != 2:

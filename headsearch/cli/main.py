@@ -50,6 +50,7 @@ def train(
     data_file: Optional[Path] = typer.Option(None, "--data-file", help="Local tab-separated parallel file (translation-en-es)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Run directory (default runs/<task>-<time>)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:1 ..."),
+    track_diversity: Optional[int] = typer.Option(None, "--track-diversity", help="Measure head diversity each epoch on N validation samples (metrics.jsonl)."),
 ) -> None:
     """Train one architecture on a task and write a run directory."""
     from headsearch.cli.progress import TrainProgress, print_result
@@ -60,6 +61,10 @@ def train(
 
     try:
         cfg = resolve_config(task, config, preset, epochs=epochs, seed=seed)
+        if track_diversity is not None:
+            from headsearch.tasks import apply_overrides, get_task
+
+            cfg = apply_overrides(get_task(task), cfg, {"train": {"diversity_samples": track_diversity}})
         with TrainProgress() as progress:
             run_dir, result = train_run(cfg, DataSource(data_dir, data_file), out, device=device, argv=sys.argv,
                                         callbacks=[progress])
@@ -109,6 +114,7 @@ def run(
     run_root: Path = typer.Option(Path("runs"), "--run-root", help="Trial run directories go in RUN_ROOT/<study>/."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda ..."),
     heartbeat: int = typer.Option(30, "--heartbeat", help="Seconds between heartbeats (RDB storages); a silent trial is retried after 3x."),
+    track_diversity: int = typer.Option(0, "--track-diversity", help="Measure head diversity each epoch on N validation samples; `report` relates it to quality."),
 ) -> None:
     """Search head schedules, skip kinds and fusion types with Optuna; prune poor trials."""
     import time
@@ -123,7 +129,7 @@ def run(
         sampler=sampler, pruner=pruner, pruner_startup_trials=pruner_startup, pruner_warmup_epochs=pruner_warmup,
         storage=storage, study=study, seed=seed, epochs=epochs, preset=preset,
         data_dir=str(data_dir) if data_dir else None, data_file=str(data_file) if data_file else None,
-        workers=workers, run_root=str(run_root), device=device, heartbeat=heartbeat,
+        workers=workers, run_root=str(run_root), device=device, heartbeat=heartbeat, diversity_samples=track_diversity,
     )
     study_obj = None
     try:

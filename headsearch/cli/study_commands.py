@@ -135,6 +135,15 @@ def print_report(rep, console=None) -> None:
     console.print(f"pruning: {s.trials} trained trials ran {s.epochs_run} epochs; without pruning {s.epochs_without_pruning}"
                   f" -> {s.epochs_saved} epochs saved ({s.saved_fraction:.0%})")
 
+    if rep.diversity_vs_quality:
+        div = Table(title="head diversity vs objectives across complete trials (Spearman rho)")
+        div.add_column("diversity (mean over layers)")
+        for o in rep.objectives:
+            div.add_column(o.name, justify="right")
+        for metric, rhos in rep.diversity_vs_quality.items():
+            div.add_row(metric, *[_fmt(rhos.get(o.name)) for o in rep.objectives])
+        console.print(div)
+
     trials = Table(title="all trials")
     trials.add_column("trial", justify="right")
     trials.add_column("state")

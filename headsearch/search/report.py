@@ -10,6 +10,8 @@ Opening a study never creates anything: a sqlite or journal URL must name an exi
 """
 from __future__ import annotations
 
+import numpy as np
+
 import dataclasses
 import math
 import sqlite3
@@ -156,6 +158,8 @@ class StudyReport:
     savings: Savings
     trials: list[TrialRow]
     settings: dict[str, Any] = field(default_factory=dict)  # sampler, pruner, seed, trials budget, data
+    # Spearman rank correlation across complete trials: {diversity metric: {objective: rho}}, when tracked
+    diversity_vs_quality: dict[str, dict[str, float | None]] = field(default_factory=dict)
 
     @property
     def multi_objective(self) -> bool:
@@ -380,7 +384,49 @@ def summarize(storage_url: str, study_name: str | None = None, *, study=None) ->
         front=_front_rows(pareto_front(study), objectives),
         importances=param_importances(study, objectives),
         savings=pruning_savings(trials, meta.get("epochs")), trials=rows, settings=settings,
+        diversity_vs_quality=diversity_correlations(trials, objectives),
     )
+
+
+def _ranks(values: list[float]) -> np.ndarray:
+    """Ranks with ties averaged (for Spearman's rho)."""
+    order = np.argsort(values, kind="stable")
+    ranks = np.empty(len(values))
+    sorted_vals = np.asarray(values)[order]
+    i = 0
+    while i < len(values):
+        j = i
+        while j + 1 < len(values) and sorted_vals[j + 1] == sorted_vals[i]:
+            j += 1
+        ranks[order[i : j + 1]] = (i + j) / 2
+        i = j + 1
+    return ranks
+
+
+def spearman(x: list[float], y: list[float]) -> float | None:
+    """Spearman's rank correlation; None with fewer than 3 pairs or a constant side."""
+    if len(x) < 3:
+        return None
+    rx, ry = _ranks(x), _ranks(y)
+    if rx.std() == 0 or ry.std() == 0:
+        return None
+    return float(np.corrcoef(rx, ry)[0, 1])
+
+
+def diversity_correlations(trials, objectives) -> dict[str, dict[str, float | None]]:
+    """How each tracked diversity scalar (seed 002) relates to each objective across complete trials."""
+    from optuna.trial import TrialState
+
+    done = [t for t in trials if t.state == TrialState.COMPLETE and t.user_attrs.get("diversity")
+            and "duplicate_of" not in t.user_attrs]
+    if not done:
+        return {}
+    out: dict[str, dict[str, float | None]] = {}
+    for metric in done[0].user_attrs["diversity"]:
+        pairs = [(t.user_attrs["diversity"].get(metric), t.values) for t in done]
+        pairs = [(d, v) for d, v in pairs if d is not None]
+        out[metric] = {o.name: spearman([d for d, _ in pairs], [v[i] for _, v in pairs]) for i, o in enumerate(objectives)}
+    return out
 
 
 def _metric_direction(task: str | None, metric: str | None) -> str | None:

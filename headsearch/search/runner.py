@@ -93,6 +93,7 @@ class SearchSettings:
     run_root: str = "runs"
     device: str = "auto"
     heartbeat: int = 30
+    diversity_samples: int = 0  # track the head-diversity scalars each epoch on this many validation samples
 
 
 @dataclass
@@ -122,8 +123,9 @@ class Search:
             raise ConfigError("--trials and --workers must be at least 1")
         base = self.task.config(s.preset, search=True)
         flags: dict[str, Any] = {"seed": s.seed}
-        if s.epochs is not None:
-            flags["train"] = {"epochs": s.epochs}
+        flags["train"] = {"epochs": s.epochs} if s.epochs is not None else {}
+        if s.diversity_samples:
+            flags["train"]["diversity_samples"] = s.diversity_samples
         self.base = self.space.base_config(apply_overrides(self.task, base, flags), lambda c, o: apply_overrides(self.task, c, o))
         self.study_name = s.study or "-".join([self.task.name, self.space.name] + ([s.preset] if s.preset else []))
         self.source = DataSource(Path(s.data_dir) if s.data_dir else None, Path(s.data_file) if s.data_file else None)
@@ -362,6 +364,8 @@ def record_result(trial, result) -> None:
     trial.set_user_attr("params", result.params)
     trial.set_user_attr("samples_per_s", result.samples_per_s)
     trial.set_user_attr("val_metrics", result.best_metrics)
+    if result.best_diversity:
+        trial.set_user_attr("diversity", result.best_diversity)
     trial.set_user_attr("test_metrics", result.test_metrics)
 
 

@@ -50,6 +50,7 @@ class EpochRecord:
     wall_seconds: float  # cumulative time since training started, evaluation included
     samples_per_s: float  # this epoch's training throughput
     metrics: dict[str, float]  # validation metrics
+    diversity: dict[str, float] = field(default_factory=dict)  # mean over layers of each diversity scalar (when tracked)
 
 
 @dataclass
@@ -70,6 +71,7 @@ class TrainResult:
     samples: int = 0  # training samples processed
     samples_per_s: float = 0.0  # samples / train_seconds
     best_metrics: dict[str, float] = field(default_factory=dict)
+    best_diversity: dict[str, float] = field(default_factory=dict)  # at the best epoch, when tracked
     test_metrics: dict[str, float] = field(default_factory=dict)
     history: list[EpochRecord] = field(default_factory=list)
     error: str | None = None
@@ -164,6 +166,11 @@ def fit(
         cb.on_start(spe, t.epochs)
 
     best_state: dict[str, torch.Tensor] | None = None
+    diversity_batches = None
+    if t.diversity_samples:
+        from headsearch.analysis.diversity import diversity_batches as make_batches
+
+        diversity_batches = make_batches(bound, "val", t.diversity_samples)  # the same fixed samples every epoch
     first_bad = torch.full((), -1, dtype=torch.long, device=device)  # step of the first non-finite loss
     bad_loss = torch.zeros((), device=device)  # and that loss
     start = time.perf_counter()
@@ -217,12 +224,14 @@ def fit(
             model.eval()
             with torch.no_grad(), amp():
                 metrics = bound.evaluate(model, "val")
+            diversity = measure_diversity(model, diversity_batches) if diversity_batches else {}
             record = EpochRecord(epoch, step, float(loss_sum) / max(seen, 1), scheduler.get_last_lr()[0],
-                                 result.train_seconds, time.perf_counter() - start, seen / epoch_seconds, metrics)
+                                 result.train_seconds, time.perf_counter() - start, seen / epoch_seconds, metrics, diversity)
             result.history.append(record)
             value = metrics[task.primary.name]
             if result.best_value is None or task.primary.better(value, result.best_value):
                 result.best_epoch, result.best_value, result.best_metrics = epoch, value, dict(metrics)
+                result.best_diversity = dict(diversity)
                 result.best_train_seconds, result.best_wall_seconds = record.train_seconds, record.wall_seconds
                 best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
                 if run_dir is not None:
@@ -261,6 +270,14 @@ def fit(
         bound.write_outputs(run_dir)
     _finish(result, run_dir, start)
     return result
+
+
+def measure_diversity(model: torch.nn.Module, batches) -> dict[str, float]:
+    """The model-level diversity scalars (mean over layers), outside the training time."""
+    from headsearch.analysis.diversity import diversity_summary, head_diversity
+
+    summary = diversity_summary(head_diversity(model, batches))
+    return {k: (float(v) if math.isfinite(v) else None) for k, v in summary.items()}
 
 
 def _finish(result: TrainResult, run_dir: Path | None, start: float) -> None:
