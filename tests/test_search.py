@@ -569,12 +569,12 @@ def test_two_worker_processes_do_not_train_the_same_configs(two_pg_workers, pg_u
 @pytest.mark.slow
 def test_workers_option_on_postgresql_runs_exactly_the_budget(tmp_path, spa_file, tokenizer_cache, pg_study, pg_url):
     space = write_space(tmp_path / "space.yaml")
-    proc = subprocess.Popen(run_cmd(space, pg_url, pg_study, 6, spa_file, tmp_path / "runs", "--workers", 2),
+    proc = subprocess.Popen(run_cmd(space, pg_url, pg_study, 4, spa_file, tmp_path / "runs", "--workers", 2),
                             cwd=tmp_path, env=sub_env(tokenizer_cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     out, err = proc.communicate(timeout=240)
     assert proc.returncode == 0, err[-3000:]
-    study = _check_budget_filled_once(pg_url, pg_study, 6)
+    study = _check_budget_filled_once(pg_url, pg_study, 4)
     assert f"study {pg_study}: " in out  # the summary
     logs = tmp_path / "runs" / pg_study / "workers"
     assert sorted(p.name for p in logs.iterdir()) == ["worker-0.log", "worker-1.log"]
@@ -682,7 +682,7 @@ def test_killed_worker_trial_is_failed_and_retried(tmp_path, spa_file, tokenizer
 @pytest.mark.slow
 def test_ctrl_c_fails_the_running_trial_and_the_same_command_resumes(tmp_path, spa_file, tokenizer_cache):
     space = write_space(tmp_path / "space.yaml", train=SLOW_TRAIN)
-    url, n = sqlite_url(tmp_path / "h.db"), 3
+    url, n = sqlite_url(tmp_path / "h.db"), 2
     cmd = run_cmd(space, url, "s", n, spa_file, tmp_path / "runs", "--pruner", "none")
     env = sub_env(tokenizer_cache)
     poller = StoragePoller(url, "s")

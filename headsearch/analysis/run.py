@@ -131,7 +131,14 @@ def analyze_run(run_dir: Path, source: DataSource, out_dir: Path | None = None, 
 
 
 def upload_to_trial(run_dir: Path, paths: list[Path]) -> str | None:
-    """When the run is a search trial (study.json beside it), attach the files to that trial as artifacts."""
+    """When the run is a search trial (study.json beside it), attach the files to its study as artifacts.
+
+    Optuna keeps artifact records in a trial's attributes, which are frozen once the trial finished,
+    so they go to the study, named `trial<N>-<file>`.
+    """
+    import shutil
+    import tempfile
+
     info_path = run_dir / "study.json"
     if not info_path.is_file():
         return None
@@ -143,19 +150,18 @@ def upload_to_trial(run_dir: Path, paths: list[Path]) -> str | None:
     info = json.loads(info_path.read_text())
     storage = open_storage(info["storage"], heartbeat=None)
     study = optuna.load_study(study_name=info["study"], storage=storage)
-    trial = study.trials[info["trial"]]
     store_dir = _artifact_dir(info["storage"])
     store_dir.mkdir(parents=True, exist_ok=True)
     store = FileSystemArtifactStore(str(store_dir))
-    for p in paths:
-        upload_artifact(artifact_store=store, file_path=str(p), study_or_trial=trial, storage=storage)
+    with tempfile.TemporaryDirectory() as tmp:
+        for p in paths:
+            named = Path(tmp) / f"trial{info['trial']}-{Path(p).name}"
+            shutil.copyfile(p, named)
+            upload_artifact(artifact_store=store, file_path=str(named), study_or_trial=study, storage=storage)
     return f"{info['study']} trial {info['trial']} ({store_dir})"
 
 
 def _artifact_dir(storage_url: str) -> Path:
-    try:
-        from headsearch.search.plots import default_artifact_dir
+    from headsearch.search.plots import default_artifact_dir
 
-        return Path(default_artifact_dir(storage_url))
-    except ImportError:  # report/plots not available: the same rule
-        return Path("headsearch-artifacts")
+    return Path(default_artifact_dir(storage_url))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import threading
+import warnings
 import zlib
 from pathlib import Path
 from typing import Iterator
@@ -73,12 +74,16 @@ def open_storage(url: str, heartbeat: int | None = 30, max_retry: int = 2):
             if "heartbeat_stale_trial_callback" in inspect.signature(RDBStorage.__init__).parameters:
                 from optuna.storages import RetryHeartbeatStaleTrialCallback  # Optuna >= 4.9
 
-                kwargs["heartbeat_stale_trial_callback"] = RetryHeartbeatStaleTrialCallback(max_retry=max_retry)
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+                    kwargs["heartbeat_stale_trial_callback"] = RetryHeartbeatStaleTrialCallback(max_retry=max_retry)
             else:
                 from optuna.storages import RetryFailedTrialCallback
 
                 kwargs["failed_trial_callback"] = RetryFailedTrialCallback(max_retry=max_retry)
-        return RDBStorage(url, **kwargs)
+        with warnings.catch_warnings():  # heartbeats are "experimental" in Optuna's words; we rely on them knowingly
+            warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+            return RDBStorage(url, **kwargs)
     except HeadsearchError:
         raise
     except (ImportError, ModuleNotFoundError) as e:
