@@ -112,17 +112,18 @@ def sub_env(cache: Path) -> dict[str, str]:
 
 
 class StoragePoller:
-    """Reads a study that a subprocess is writing; None until the study exists."""
+    """Reads a study that a subprocess is writing. None until `ready` exists (the first trial's run
+    directory: the study is there by then, so the poller never races the worker creating the tables)."""
 
-    def __init__(self, url: str, study: str):
-        self.url, self.study, self.storage = url, study, None
+    def __init__(self, url: str, study: str, ready: Path):
+        self.url, self.study, self.ready, self.storage = url, study, ready, None
 
     def trials(self) -> list | None:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 if self.storage is None:
-                    if self.url.startswith("sqlite:///") and not Path(self.url[len("sqlite:///"):]).exists():
+                    if not self.ready.exists():
                         return None
                     self.storage = optuna.storages.RDBStorage(self.url)
                 return optuna.load_study(study_name=self.study, storage=self.storage).get_trials(deepcopy=True)
@@ -330,7 +331,7 @@ def test_single_objective_uses_optunas_pruner_and_tpe(tmp_path, spa_file, cache_
             assert n == 3 and t.value == pytest.approx(max(t.intermediate_values.values()))
         else:
             reason = t.user_attrs["pruned"]
-            assert reason["note"] == "Optuna pruner (single objective)" and reason["epoch"] == n
+            assert reason["note"].startswith("Optuna's pruner (single objective)") and reason["epoch"] == n
             assert reason["value"] == pytest.approx(t.intermediate_values[n])
 
 
@@ -371,7 +372,7 @@ def test_invalid_combinations_are_rejected_untrained(tmp_path, spa_file, cache_e
 
 @pytest.mark.slow
 def test_diverged_trials_fail_and_do_not_count(tmp_path, spa_file, cache_env, one_thread):
-    space = write_space(tmp_path / "space.yaml", ranges={"lr": [1.0e-4, 1.0e4]})
+    space = write_space(tmp_path / "space.yaml", ranges={"lr": [1.0e-4, 1.0e30]})
     settings = make_settings(tmp_path, spa_file, space, trials=4, pruner="none", timeout=150)
     start = time.monotonic()
     Search(settings).run_worker()
@@ -383,7 +384,7 @@ def test_diverged_trials_fail_and_do_not_count(tmp_path, spa_file, cache_env, on
     assert len(finished(study)) == 4  # the budget counts COMPLETE + PRUNED only ...
     assert len(study.trials) == 4 + len(failed)  # ... and each FAIL was replaced by one more trial
     for t in failed:
-        assert t.params["lr"] == 1.0e4
+        assert t.params["lr"] == 1.0e30
         assert "diverged" in t.user_attrs["fail_reason"] and "non-finite loss" in t.user_attrs["fail_reason"]
         assert json.loads((Path(t.user_attrs["run_dir"]) / "final.json").read_text())["status"] == "diverged"
     for t in finished(study):
@@ -392,22 +393,19 @@ def test_diverged_trials_fail_and_do_not_count(tmp_path, spa_file, cache_env, on
 
 def test_a_space_where_every_trial_diverges_stops_with_an_error(tmp_path, spa_file, cache_env, one_thread):
     """FAIL trials do not fill the budget; so that the loop cannot spin, a worker refuses to go on once
-    max(3, trials) trials failed -- also when started again."""
-    space = write_space(tmp_path / "space.yaml", train={"lr": 1.0e4})
+    max(5, 2 * trials) trials failed -- also when started again."""
+    space = write_space(tmp_path / "space.yaml", train={"lr": 1.0e30})
     settings = make_settings(tmp_path, spa_file, space, trials=2, pruner="none", timeout=120)
-    with pytest.raises(HeadsearchError, match="3 trials failed"):
+    with pytest.raises(HeadsearchError, match="5 trials failed"):
         Search(settings).run_worker()
     study = load(settings.storage, "s")
-    assert [t.state for t in study.trials] == [TrialState.FAIL] * 3
+    assert [t.state for t in study.trials] == [TrialState.FAIL] * 5
     assert all("diverged" in t.user_attrs["fail_reason"] for t in study.trials)
     with pytest.raises(HeadsearchError, match="fix the cause"):
         Search(settings).run_worker()
-    assert len(load(settings.storage, "s").trials) == 3
+    assert len(load(settings.storage, "s").trials) == 5
 
 
-@pytest.mark.xfail(strict=True, reason="runner.py:224: the failure cap counts every FAIL with a fail_reason, Ctrl-C "
-                                       "included, so a small search interrupted 3 times cannot be resumed ('fix the "
-                                       "cause (e.g. a lower lr)'); count only trials that failed on their own")
 def test_interrupted_trials_do_not_count_toward_the_failure_cap(tmp_path, spa_file, cache_env, one_thread):
     settings = make_settings(tmp_path, spa_file, trials=2, pruner="none")
     search = Search(settings)
@@ -489,8 +487,6 @@ def test_run_bad_input_exits_2_and_creates_no_study(name, tmp_path, spa_file, ca
     assert sorted(work.rglob("*")) == sorted(before)
 
 
-@pytest.mark.xfail(strict=True, reason="runner.py:188: the pruner options are validated in Search.open (make_pruner), "
-                                       "after open_storage created the SQLite file: validate them in __post_init__")
 @pytest.mark.parametrize("name", LATE_CHECKS)
 def test_pruner_options_are_checked_before_the_storage_is_created(name, tmp_path, spa_file, cache_env, monkeypatch):
     result, _, db, _, _ = invoke_bad_run(name, tmp_path, spa_file, monkeypatch)
@@ -550,9 +546,6 @@ def test_two_worker_processes_on_postgresql_run_exactly_the_budget(two_pg_worker
     assert {int(t.user_attrs["worker"].rsplit(":", 1)[1]) for t in study.trials} <= set(pids)
 
 
-@pytest.mark.xfail(strict=True, reason="runner.py:149: the sampler seed is seed + 1000 * worker_index, and every "
-                                       "separately started worker is index 0: workers started with the same command "
-                                       "propose the same configs and train each twice")
 @pytest.mark.slow
 def test_two_worker_processes_do_not_train_the_same_configs(two_pg_workers, pg_url):
     name, pids, results = two_pg_workers
@@ -584,17 +577,12 @@ def test_workers_option_on_postgresql_runs_exactly_the_budget(tmp_path, spa_file
     assert 1 <= len(pids) <= 2 and proc.pid not in pids
 
 
-@pytest.mark.xfail(importlib.util.find_spec("psycopg") is None, strict=True,
-                   reason="storage.py:81: SQLAlchemy 2.1 maps postgresql:// to psycopg 3, but the [postgres] extra "
-                          "installs psycopg2: the URL the README documents cannot be opened")
 def test_plain_postgresql_url_opens_with_the_postgres_extra(pg_url):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         open_storage(pg_url.replace("postgresql+psycopg2://", "postgresql://"), heartbeat=None)
 
 
-@pytest.mark.xfail(strict=True, reason="storage.py:85: Optuna's ImportError has no .name, so the message says "
-                                       "'a driver is missing (None)'")
 def test_missing_driver_message_names_the_driver():
     if importlib.util.find_spec("MySQLdb") is not None:
         pytest.skip("a MySQL driver is installed")
@@ -603,9 +591,6 @@ def test_missing_driver_message_names_the_driver():
     assert "None" not in str(e.value)
 
 
-@pytest.mark.xfail(strict=True, reason="storage.py:81: workers started together on a fresh PostgreSQL database race "
-                                       "to create Optuna's tables (UniqueViolation on pg_type); open_storage should "
-                                       "serialise it (advisory lock) or retry")
 @pytest.mark.slow
 def test_workers_starting_together_on_a_fresh_postgresql_database(pg_url):
     import psycopg2
@@ -643,7 +628,7 @@ def test_killed_worker_trial_is_failed_and_retried(tmp_path, spa_file, tokenizer
     url, n = sqlite_url(tmp_path / "h.db"), 2
     cmd = run_cmd(space, url, "s", n, spa_file, tmp_path / "runs", "--heartbeat", 1, "--pruner", "none")
     env = sub_env(tokenizer_cache)
-    poller = StoragePoller(url, "s")
+    poller = StoragePoller(url, "s", tmp_path / "runs" / "s")
     first = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         trials, victim = wait_until(lambda: running_after_a_complete_trial(poller), first, 120,
@@ -685,7 +670,7 @@ def test_ctrl_c_fails_the_running_trial_and_the_same_command_resumes(tmp_path, s
     url, n = sqlite_url(tmp_path / "h.db"), 2
     cmd = run_cmd(space, url, "s", n, spa_file, tmp_path / "runs", "--pruner", "none")
     env = sub_env(tokenizer_cache)
-    poller = StoragePoller(url, "s")
+    poller = StoragePoller(url, "s", tmp_path / "runs" / "s")
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         trials, victim = wait_until(lambda: running_after_a_complete_trial(poller), proc, 120,
@@ -723,9 +708,6 @@ def test_ctrl_c_fails_the_running_trial_and_the_same_command_resumes(tmp_path, s
         assert study.trials[number].values == values
 
 
-@pytest.mark.xfail(strict=True, reason="cli/progress.py:98: Rich's Live ends its last line only on a terminal, so on a "
-                                       "redirected stderr the next line (\"error: interrupted ...\") is glued to the last "
-                                       "table row; SearchProgress.__exit__ should end the line when not is_terminal")
 def test_live_display_ends_its_last_line_on_a_non_terminal():
     import io
 

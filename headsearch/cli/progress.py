@@ -96,6 +96,8 @@ class SearchProgress(Callback):
     def __exit__(self, *exc) -> None:
         self.refresh()
         self.live.__exit__(*exc)
+        if not self.console.is_terminal:
+            self.console.line()  # Live ends its last line only on a terminal
 
     def refresh(self) -> None:
         from headsearch.search.snapshot import snapshot

@@ -33,6 +33,7 @@ from headsearch.search.storage import DEFAULT_STORAGE, Heartbeat, absolute_url, 
 from headsearch.tasks import DataSource, Task, apply_overrides, get_task
 
 SAMPLERS = ("nsga2", "tpe", "random", "gp")
+WAIT = object()  # _next_trial: the budget is held by running trials; ask again later
 PRUNERS = ("median", "percentile", "hyperband", "none")
 CONVERGENCE_OBJECTIVES = {
     "time": "training seconds to the best validation metric",
@@ -130,6 +131,7 @@ class Search:
         self.study_name = s.study or "-".join([self.task.name, self.space.name] + ([s.preset] if s.preset else []))
         self.source = DataSource(Path(s.data_dir) if s.data_dir else None, Path(s.data_file) if s.data_file else None)
         self.task.check_source(self.source)
+        self.make_pruner()  # bad pruner options fail here, before any storage is touched
         self._bound_key: str | None = None
         self._bound = None
 
@@ -145,10 +147,12 @@ class Search:
     def sampler_name(self) -> str:
         return self.settings.sampler or ("nsga2" if self.multi_objective else "tpe")
 
-    def make_sampler(self, worker_index: int = 0):
+    def make_sampler(self, trial_index: int = 0):
+        """Seeded by the index of the trial about to start (counted under the budget lock), so workers
+        started anywhere propose different points and a search replays the same way."""
         import optuna
 
-        seed = self.settings.seed + 1000 * worker_index  # workers must not propose the same points
+        seed = self.settings.seed * 100_003 + trial_index
         name = self.sampler_name()
         if name == "nsga2":
             # A population of 50 would spend a 50-trial budget on one random generation.
@@ -182,14 +186,14 @@ class Search:
                            "data": str(Path(self.source.describe()).resolve()) if self.source.describe() != "download" else "download"},
         }
 
-    def open(self, worker_index: int = 0):
+    def open(self):
         """Create the study, or load it and check it is the same search."""
         import optuna
 
         storage = open_storage(self.settings.storage, self.settings.heartbeat)
         optuna_pruner, _ = self.make_pruner()
         study = optuna.create_study(storage=storage, study_name=self.study_name, directions=self.directions,
-                                    sampler=self.make_sampler(worker_index), pruner=optuna_pruner, load_if_exists=True)
+                                    sampler=self.make_sampler(0), pruner=optuna_pruner, load_if_exists=True)
         mine = self.study_attrs()["headsearch"]
         stored = study.user_attrs.get("headsearch")
         if stored is None:
@@ -222,25 +226,33 @@ class Search:
                 states = [t.state for t in trials]
                 waiting = states.count(TrialState.WAITING)
                 # Failed trials do not count toward the budget; stop if they pile up (every config diverging).
-                failed = sum(1 for t in trials if t.state == TrialState.FAIL and "fail_reason" in t.user_attrs)
-                if failed >= max(3, self.settings.trials):
+                failed = sum(1 for t in trials if t.state == TrialState.FAIL and "fail_reason" in t.user_attrs
+                             and not t.user_attrs["fail_reason"].startswith("interrupted"))
+                if failed >= max(5, 2 * self.settings.trials):
                     raise HeadsearchError(
                         f"{failed} trials failed in study {self.study_name} (see their fail_reason with `headsearch report`):"
                         " fix the cause (e.g. a lower lr) before running more"
                     )
-                counted = sum(states.count(s) for s in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)) + waiting
+                running = states.count(TrialState.RUNNING)
+                counted = sum(states.count(s) for s in (TrialState.COMPLETE, TrialState.PRUNED)) + running + waiting
                 if waiting == 0 and counted >= self.settings.trials:
-                    return None
+                    # Running trials fill the rest of the budget. With heartbeats, wait for them: one may
+                    # belong to a dead worker and come back as a retry (or fail and free its place).
+                    return WAIT if running and hasattr(study._storage, "record_heartbeat") else None
+                study.sampler = self.make_sampler(len(trials))
                 return study.ask()
 
     def run_worker(self, worker_index: int = 0, callbacks: Sequence = (), argv: list[str] | None = None) -> None:
         """Run trials until the study holds `trials` finished ones or `timeout` passes."""
-        study = self.open(worker_index)
+        study = self.open()
         start = time.monotonic()
         while self.settings.timeout is None or time.monotonic() - start < self.settings.timeout:
             trial = self._next_trial(study)
             if trial is None:
                 break
+            if trial is WAIT:
+                time.sleep(min(self.settings.heartbeat, 10))
+                continue
             self.run_trial(study, trial, worker_index, callbacks, argv)
 
     def prepare_data(self) -> None:
@@ -389,8 +401,8 @@ class TrialPruning:
         if self.single:
             self.trial.report(value, epoch)
             if self.trial.should_prune():
-                self._prune({"rule": self.pruner_name, "epoch": epoch, "value": value, "threshold": None,
-                             "note": "Optuna pruner (single objective)"})
+                self._prune({"prune": True, "rule": self.pruner_name, "epoch": epoch, "value": value, "threshold": None,
+                             "n_compared": None, "note": "Optuna's pruner (single objective): it does not expose its threshold"})
             return
         # Multi-objective: Trial.report refuses, the storage API does not (DESIGN.md §7).
         self.study._storage.set_trial_intermediate_value(self.trial._trial_id, epoch, value)
@@ -442,6 +454,10 @@ def _gpu_count() -> int:
 def _worker_main(settings: SearchSettings, index: int, gpu: str | None, argv) -> None:
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu  # before torch initialises CUDA in this process
+    else:  # CPU workers share the cores instead of each starting one thread per core
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // settings.workers))
     log_dir = Path(settings.run_root) / (Search(settings).study_name) / "workers"
     log_dir.mkdir(parents=True, exist_ok=True)
     with open(log_dir / f"worker-{index}.log", "a") as log:

@@ -34,6 +34,22 @@ def absolute_url(url: str) -> str:
     return url
 
 
+def normalize_url(url: str) -> str:
+    """`postgresql://` means psycopg (v3) to SQLAlchemy 2.1; use psycopg2 when that is what is installed."""
+    scheme, sep, rest = url.partition("://")
+    if scheme in ("postgresql", "postgres") and sep:
+        import importlib.util
+
+        if importlib.util.find_spec("psycopg") is None and importlib.util.find_spec("psycopg2") is not None:
+            return f"postgresql+psycopg2://{rest}"
+        return f"postgresql://{rest}"
+    return url
+
+
+_DRIVERS = {"postgresql": "pip install 'headsearch[postgres]' (psycopg2)", "mysql": "pip install pymysql",
+            "redis": "pip install redis"}
+
+
 def is_rdb(url: str) -> bool:
     return url.split(":", 1)[0].split("+", 1)[0] in ("sqlite", "postgresql", "postgres", "mysql")
 
@@ -54,6 +70,7 @@ def open_storage(url: str, heartbeat: int | None = 30, max_retry: int = 2):
     from optuna.storages import RDBStorage
     from optuna.storages.journal import JournalFileBackend, JournalRedisBackend, JournalStorage
 
+    url = normalize_url(url)
     try:
         if (path := journal_path(url)) is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -81,18 +98,40 @@ def open_storage(url: str, heartbeat: int | None = 30, max_retry: int = 2):
                 from optuna.storages import RetryFailedTrialCallback
 
                 kwargs["failed_trial_callback"] = RetryFailedTrialCallback(max_retry=max_retry)
-        with warnings.catch_warnings():  # heartbeats are "experimental" in Optuna's words; we rely on them knowingly
+        with warnings.catch_warnings(), _schema_lock(url):
+            # Heartbeats are "experimental" in Optuna's words; we rely on them knowingly.
             warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
             return RDBStorage(url, **kwargs)
     except HeadsearchError:
         raise
-    except (ImportError, ModuleNotFoundError) as e:
-        raise HeadsearchError(f"storage {url}: a driver is missing ({e.name}); for PostgreSQL: pip install 'headsearch[postgres]'") from None
+    except (ImportError, ModuleNotFoundError):
+        scheme = url.split(":", 1)[0].split("+", 1)[0]
+        scheme = "postgresql" if scheme == "postgres" else scheme
+        hint = _DRIVERS.get(scheme, "install the database driver for it")
+        raise HeadsearchError(f"storage {url}: the {scheme} driver is not installed: {hint}") from None
     except Exception as e:  # SQLAlchemy/Redis connection errors come in many types
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise HeadsearchError(f"cannot open storage {url}: {first}") from None
     finally:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+@contextlib.contextmanager
+def _schema_lock(url: str) -> Iterator[None]:
+    """Workers starting together on an empty PostgreSQL database would race to create Optuna's tables."""
+    if not url.split(":", 1)[0].startswith("postgres"):
+        yield
+        return
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    with engine.connect() as conn:
+        conn.execute(sa.text("SELECT pg_advisory_lock(:k)"), {"k": zlib.crc32(b"headsearch:schema")})
+        try:
+            yield
+        finally:
+            conn.execute(sa.text("SELECT pg_advisory_unlock(:k)"), {"k": zlib.crc32(b"headsearch:schema")})
+    engine.dispose()
 
 
 @contextlib.contextmanager
@@ -103,6 +142,7 @@ def budget_lock(url: str, study_name: str) -> Iterator[None]:
     MySQL: GET_LOCK. Other storages: no lock (workers may then overshoot by up to workers - 1).
     """
     key = zlib.crc32(f"headsearch:{study_name}".encode())
+    url = normalize_url(url)
     if url.startswith("sqlite:///") or journal_path(url) is not None:
         target = Path(url[len("sqlite:///"):]) if url.startswith("sqlite:///") else journal_path(url)
         lock_file = target.with_name(target.name + ".budget.lock")
