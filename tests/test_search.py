@@ -620,11 +620,13 @@ def test_workers_starting_together_on_a_fresh_postgresql_database(pg_url):
 
 
 SLOW_TRAIN = {"epochs": 3, "max_steps_per_epoch": 30}  # ~0.6 s per epoch: time to catch a trial mid-run
+# The Ctrl-C test must interrupt the budget's last trial mid-run: give it a window of seconds, not one.
+SLOWER_TRAIN = {"epochs": 3, "max_steps_per_epoch": 150}
 
 
 @pytest.mark.slow
 def test_killed_worker_trial_is_failed_and_retried(tmp_path, spa_file, tokenizer_cache):
-    space = write_space(tmp_path / "space.yaml", train=SLOW_TRAIN)
+    space = write_space(tmp_path / "space.yaml", train=SLOWER_TRAIN)
     url, n = sqlite_url(tmp_path / "h.db"), 2
     cmd = run_cmd(space, url, "s", n, spa_file, tmp_path / "runs", "--heartbeat", 1, "--pruner", "none")
     env = sub_env(tokenizer_cache)
@@ -666,7 +668,7 @@ def test_killed_worker_trial_is_failed_and_retried(tmp_path, spa_file, tokenizer
 
 @pytest.mark.slow
 def test_ctrl_c_fails_the_running_trial_and_the_same_command_resumes(tmp_path, spa_file, tokenizer_cache):
-    space = write_space(tmp_path / "space.yaml", train=SLOW_TRAIN)
+    space = write_space(tmp_path / "space.yaml", train=SLOWER_TRAIN)
     url, n = sqlite_url(tmp_path / "h.db"), 2
     cmd = run_cmd(space, url, "s", n, spa_file, tmp_path / "runs", "--pruner", "none")
     env = sub_env(tokenizer_cache)
