@@ -621,7 +621,7 @@ def test_workers_starting_together_on_a_fresh_postgresql_database(pg_url):
 
 SLOW_TRAIN = {"epochs": 3, "max_steps_per_epoch": 30}  # ~0.6 s per epoch: time to catch a trial mid-run
 # The Ctrl-C test must interrupt the budget's last trial mid-run: give it a window of seconds, not one.
-SLOWER_TRAIN = {"epochs": 3, "max_steps_per_epoch": 150}
+SLOWER_TRAIN = {"epochs": 12, "max_steps_per_epoch": 30}  # 1,000 pairs are 16 steps an epoch: length comes from epochs
 
 
 @pytest.mark.slow
