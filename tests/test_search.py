@@ -673,7 +673,10 @@ def test_ctrl_c_fails_the_running_trial_and_the_same_command_resumes(tmp_path, s
     cmd = run_cmd(space, url, "s", n, spa_file, tmp_path / "runs", "--pruner", "none")
     env = sub_env(tokenizer_cache)
     poller = StoragePoller(url, "s", tmp_path / "runs" / "s")
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # A shell's background jobs inherit SIGINT as ignored, and Python then installs no KeyboardInterrupt
+    # handler: give the child the default disposition, as a terminal would, whatever launched pytest.
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         trials, victim = wait_until(lambda: running_after_a_complete_trial(poller), proc, 120,
                                     "a trial was running after one completed")
