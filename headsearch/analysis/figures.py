@@ -92,6 +92,13 @@ def pruning_curve_figure(curve: list[dict], metric: str, path: Path) -> Path:
     return path
 
 
+def _image_panel(ax, image: np.ndarray, label: str) -> None:
+    ax.imshow(image)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.set_ylabel(label, fontsize=9)
+
+
 def _overlay(ax, image: np.ndarray, attn: np.ndarray) -> None:
     ax.imshow(image)
     h, w = image.shape[:2]
@@ -110,10 +117,7 @@ def vit_attention_figures(maps, out_dir: Path, max_heads: int = 8) -> list[Path]
         heads = max(min(m.shape[1], max_heads) for m in maps.cls_attention)
         fig, axes = plt.subplots(layers, heads + 2, figsize=(1.6 * (heads + 2), 1.7 * layers), squeeze=False)
         for l, attn in enumerate(maps.cls_attention):
-            axes[l, 0].imshow(maps.images[s])
-            axes[l, 0].set_xticks([])
-            axes[l, 0].set_yticks([])
-            axes[l, 0].set_ylabel(f"layer {l}", fontsize=9)
+            _image_panel(axes[l, 0], maps.images[s], f"layer {l}")
             for h in range(heads):
                 ax = axes[l, h + 1]
                 if h < attn.shape[1]:
@@ -137,10 +141,7 @@ def vit_attention_figures(maps, out_dir: Path, max_heads: int = 8) -> list[Path]
         if any(m is not None for m in maps.soft_attention):
             fig, axes = plt.subplots(layers, 3, figsize=(5.2, 1.8 * layers), squeeze=False)
             for l in range(layers):
-                axes[l, 0].imshow(maps.images[s])
-                axes[l, 0].set_ylabel(f"layer {l}", fontsize=9)
-                axes[l, 0].set_xticks([])
-                axes[l, 0].set_yticks([])
+                _image_panel(axes[l, 0], maps.images[s], f"layer {l}")
                 _overlay(axes[l, 1], maps.images[s], maps.cls_attention[l][s].mean(0))
                 _overlay(axes[l, 2], maps.images[s], maps.soft_attention[l][s].mean(0))
             axes[0, 1].set_title("self-attention", fontsize=9)
