@@ -18,6 +18,13 @@ def _plt():
     return plt
 
 
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _plt().close(fig)
+    return path
+
+
 def short_name(name: str) -> str:
     """encoder.blocks.2.attn -> enc L2; decoder.blocks.0.cross_attn -> dec L0 cross."""
     parts = name.split(".")
@@ -48,9 +55,7 @@ def pairwise_heatmaps(layers, metric: str, title: str, path: Path) -> Path:
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
     return path
 
 
@@ -71,9 +76,7 @@ def importance_figure(names, importance, entropy, path: Path) -> Path:
         if width <= 32:
             ax.set_xticks(range(width))
         fig.colorbar(im, ax=ax, fraction=0.03)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
     return path
 
 
@@ -86,9 +89,7 @@ def pruning_curve_figure(curve: list[dict], metric: str, path: Path) -> Path:
     ax.set_ylabel(f"validation {metric}")
     ax.set_title("How many heads are needed")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
     return path
 
 
@@ -133,10 +134,7 @@ def vit_attention_figures(maps, out_dir: Path, max_heads: int = 8) -> list[Path]
             else:
                 ax.axis("off")
         fig.suptitle(f"sample {s}: label {maps.labels[s]}, predicted {maps.predictions[s]} — {CLS_NOTE}", fontsize=9)
-        fig.tight_layout()
-        path = out_dir / f"attention_sample{s}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        path = _save(fig, out_dir / f"attention_sample{s}.png")
         paths.append(path)
         if any(m is not None for m in maps.soft_attention):
             fig, axes = plt.subplots(layers, 3, figsize=(5.2, 1.8 * layers), squeeze=False)
@@ -147,10 +145,7 @@ def vit_attention_figures(maps, out_dir: Path, max_heads: int = 8) -> list[Path]
             axes[0, 1].set_title("self-attention", fontsize=9)
             axes[0, 2].set_title("soft attention", fontsize=9)
             fig.suptitle(f"sample {s} ({maps.labels[s]}): heads averaged", fontsize=9)
-            fig.tight_layout()
-            path = out_dir / f"soft_vs_self_sample{s}.png"
-            fig.savefig(path, dpi=110)
-            plt.close(fig)
+            path = _save(fig, out_dir / f"soft_vs_self_sample{s}.png")
             paths.append(path)
     return paths
 
@@ -173,9 +168,6 @@ def cross_attention_figures(maps, out_dir: Path) -> list[Path]:
             ax.set_ylabel("output token")
             ax.set_title(f"decoder layer {l} cross-attention ({w.shape[0]} heads averaged)", fontsize=9)
             fig.colorbar(im, ax=ax, fraction=0.046)
-        fig.tight_layout()
-        path = out_dir / f"cross_attention_sample{s}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        path = _save(fig, out_dir / f"cross_attention_sample{s}.png")
         paths.append(path)
     return paths

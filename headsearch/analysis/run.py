@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 
 from headsearch.errors import HeadsearchError
+from headsearch.jsonsafe import json_safe
 from headsearch.tasks import DataSource, get_task
 
 ANALYSIS_DIR = "analysis"
@@ -43,18 +42,6 @@ def load_run(run_dir: Path, source: DataSource, device, samples: int | None = No
     model.eval()
     torch.manual_seed(cfg.seed)
     return task, cfg, bound, model
-
-
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, np.ndarray):
-        return [_jsonable(v) for v in x.tolist()] if x.ndim else _jsonable(x.item())
-    if isinstance(x, float):
-        return None if not np.isfinite(x) else x
-    if isinstance(x, dict):
-        return {k: _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    return x
 
 
 def analyze_run(run_dir: Path, source: DataSource, out_dir: Path | None = None, *, samples: int = 256,
@@ -124,7 +111,7 @@ def analyze_run(run_dir: Path, source: DataSource, out_dir: Path | None = None, 
         "baseline": ablated["baseline"] if ablated else curve[0][metric],
         "pruning_curve": curve, "figures": [str(p) for p in paths],
     }
-    result = _jsonable(result)
+    result = json_safe(result)
     (out_dir / "analysis.json").write_text(json.dumps(result, indent=1) + "\n")
     result["uploaded"] = upload_to_trial(Path(run_dir), paths + [out_dir / "analysis.json"])
     return result

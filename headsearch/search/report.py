@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 from headsearch.errors import HeadsearchError
 from headsearch.search.storage import journal_path, open_storage
+from headsearch.jsonsafe import json_safe
 
 TRIAL_STATES = ("complete", "pruned", "rejected", "failed", "running", "waiting")
 CONVERGENCE_UNITS = {"time": "seconds", "epochs": "epochs", "params": "parameters"}
@@ -166,7 +167,7 @@ class StudyReport:
         return len(self.objectives) > 1
 
     def to_dict(self) -> dict[str, Any]:
-        return _json_safe(dataclasses.asdict(self))
+        return json_safe(dataclasses.asdict(self))
 
     def csv_rows(self) -> tuple[list[str], list[list[Any]]]:
         """The all-trials table: a header and one row per trial."""
@@ -174,17 +175,6 @@ class StudyReport:
         rows = [[r.number, r.state, r.arch, *[r.values.get(o.name) for o in self.objectives],
                  r.epochs_run, r.duplicate_of, r.note] for r in self.trials]
         return header, rows
-
-
-def _json_safe(x: Any) -> Any:
-    """NaN and infinities become None (JSON has neither)."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_json_safe(v) for v in x]
-    return x
 
 
 def trial_state(t) -> str:
