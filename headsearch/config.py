@@ -24,6 +24,9 @@ ACTIVATIONS = ("gelu", "relu")
 OPTIMIZERS = ("adamw", "adam")
 LR_SCHEDULES = ("constant", "cosine")
 AMP_MODES = ("auto", "bf16", "off")
+# torch.compile modes; "reduce-overhead" adds CUDA graphs. "off" trains the eager model.
+COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")
+CHANNELS_LAST = ("auto", "on", "off")
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -218,6 +221,15 @@ def _reject_unknown(section: str, d: Mapping[str, Any], cls: type) -> None:
         raise ConfigError(f"unknown {section} key(s) {', '.join(unknown)}: known keys are {', '.join(sorted(known))}")
 
 
+def _compile_mode(value: Any) -> Any:
+    """Configs written before compile took a mode said true or false: read them as "default" and "off"."""
+    if value is None or value is False:
+        return "off"
+    if value is True:
+        return "default"
+    return value  # a name, checked against COMPILE_MODES with the other choices
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Optimisation settings. Each task supplies its seed's defaults."""
@@ -237,7 +249,8 @@ class TrainConfig:
     amp: str = "auto"  # "auto": bf16 autocast on CUDA, fp32 on CPU
     target: float | None = None  # validation metric value whose first reach is timed ("seconds to target")
     max_steps_per_epoch: int | None = None  # cut epochs short (smoke tests, quick benchmarks)
-    compile: bool = False
+    compile: str = "off"  # torch.compile mode (COMPILE_MODES); true/false in old configs mean default/off
+    channels_last: str = "auto"  # image tasks: NHWC activations and weights; "auto": on for CUDA, off on CPU
     # After each epoch, measure the head-diversity layer scalars (seed 002 tracks them over
     # training) on this many validation samples; 0 = off.
     diversity_samples: int = 0
@@ -245,12 +258,13 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _coerce(self, ints=("epochs", "batch_size", "max_steps_per_epoch", "diversity_samples"),
                 floats=("lr", "weight_decay", "eps", "warmup_epochs", "min_lr_ratio", "label_smoothing", "grad_clip", "target"),
-                bools=("compile",), optional=("grad_clip", "target", "max_steps_per_epoch"))
+                optional=("grad_clip", "target", "max_steps_per_epoch"))
+        object.__setattr__(self, "compile", _compile_mode(self.compile))
         try:
             object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
         except (TypeError, ValueError):
             raise ConfigError(f"betas = {self.betas!r} must be two numbers, e.g. [0.9, 0.999]") from None
-        for name in ("optimizer", "schedule", "amp"):
+        for name in ("optimizer", "schedule", "amp", "channels_last"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name} = {getattr(self, name)!r} must be a name")
         if self.epochs < 1:
@@ -274,6 +288,12 @@ class TrainConfig:
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("schedule", self.schedule, LR_SCHEDULES)
         _choice("amp", self.amp, AMP_MODES)
+        _choice("compile", self.compile, COMPILE_MODES)
+        _choice("channels_last", self.channels_last, CHANNELS_LAST)
+
+    def uses_channels_last(self, device_type: str) -> bool:
+        """Whether image tasks run channels-last on this device ("auto": only CUDA's kernels gain from it)."""
+        return self.channels_last == "on" or (self.channels_last == "auto" and device_type == "cuda")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -2,7 +2,7 @@
 import pytest
 import yaml
 
-from headsearch.config import ArchConfig, RunConfig, TrainConfig, load_yaml
+from headsearch.config import ArchConfig, RunConfig, TrainConfig, load_yaml, parse_yaml
 from headsearch.errors import ConfigError
 from headsearch.tasks import apply_overrides, get_task
 from headsearch.training.resolve import resolve_config
@@ -75,6 +75,41 @@ def test_train_config_validation():
         TrainConfig(lr=0)
     with pytest.raises(ConfigError, match="unknown train key"):
         TrainConfig.from_dict({"learning_rate": 1.0})
+
+
+@pytest.mark.parametrize("given, mode", [
+    (True, "default"), (False, "off"), (None, "off"),  # configs from before compile took a mode
+    ("off", "off"), ("default", "default"), ("reduce-overhead", "reduce-overhead"), ("max-autotune", "max-autotune"),
+])
+def test_compile_takes_a_mode_or_an_old_boolean(given, mode):
+    assert TrainConfig(compile=given).compile == mode
+    assert TrainConfig.from_dict({"compile": given}, base=TrainConfig()).compile == mode
+
+
+def test_compile_defaults_to_off_and_rejects_an_unknown_mode_in_one_line():
+    assert TrainConfig().compile == "off"
+    with pytest.raises(ConfigError) as e:
+        TrainConfig(compile="fast")
+    assert str(e.value) == "compile = 'fast' is not known: use one of off, default, reduce-overhead, max-autotune"
+
+
+def test_old_yaml_booleans_and_new_modes_round_trip():
+    assert TrainConfig.from_dict(parse_yaml("compile: true\n")).compile == "default"
+    assert TrainConfig.from_dict(parse_yaml("compile: false\n")).compile == "off"
+    t = TrainConfig(compile="reduce-overhead", channels_last="on")
+    assert TrainConfig.from_dict(parse_yaml(yaml.safe_dump(t.to_dict()))) == t
+    cfg = resolve_config("vit-cifar10", compile_mode="max-autotune")
+    assert cfg.train.compile == "max-autotune"
+    assert "compile: max-autotune" in cfg.to_yaml()
+
+
+def test_channels_last_is_on_for_cuda_only_when_auto():
+    assert TrainConfig().channels_last == "auto"
+    assert TrainConfig().uses_channels_last("cuda") and not TrainConfig().uses_channels_last("cpu")
+    assert TrainConfig(channels_last="on").uses_channels_last("cpu")
+    assert not TrainConfig(channels_last="off").uses_channels_last("cuda")
+    with pytest.raises(ConfigError, match="channels_last = 'yes' is not known: use one of auto, on, off"):
+        TrainConfig(channels_last="yes")
 
 
 def test_run_config_round_trips_through_a_file(tmp_path):

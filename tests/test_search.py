@@ -37,7 +37,7 @@ from typer.testing import CliRunner
 from headsearch.cli.main import app
 from headsearch.errors import HeadsearchError
 from headsearch.search.pruning import MedianRule
-from headsearch.search.runner import Search, SearchSettings
+from headsearch.search.runner import Search, SearchSettings, process_count, visible_gpus, worker_devices
 from headsearch.search.storage import open_storage
 
 TASK = "translation-en-es"
@@ -447,6 +447,12 @@ BAD_RUN_INPUTS = {
     "missing data file": (lambda tmp: ["--data-file", str(tmp / "nope.txt")], "does not exist"),
     "negative pruner startup": (lambda tmp: ["--pruner-startup", "-1"], "n_startup_trials must be an integer >= 0"),
     "negative pruner warm-up": (lambda tmp: ["--pruner-warmup", "-1"], "n_warmup_epochs must be an integer >= 0"),
+    "workers and trials per GPU": (lambda tmp: ["--workers", "2", "--trials-per-gpu", "2"],
+                                   "--workers and --trials-per-gpu both set the number of worker processes: pass one of them"),
+    "workers 1 and trials per GPU": (lambda tmp: ["--workers", "1", "--trials-per-gpu", "1"], "pass one of them"),
+    "zero trials per GPU": (lambda tmp: ["--trials-per-gpu", "0"], "--trials-per-gpu 0: run at least 1 trial per GPU"),
+    "unknown compile mode": (lambda tmp: ["--compile", "fast"], "compile = 'fast' is not known"),
+    "CUDA graphs for translation": (lambda tmp: ["--compile", "reduce-overhead"], "need static shapes"),
 }
 # Checked only when the study is opened, after the storage (the SQLite file) was created: see
 # test_pruner_options_are_checked_before_the_storage_is_created.
@@ -504,6 +510,54 @@ def test_run_bad_space_in_a_real_subprocess(tmp_path, spa_file, tokenizer_cache)
     assert proc.stderr.splitlines() == [proc.stderr.strip()]
     assert proc.stderr.startswith("error: search space ") and "spiral" in proc.stderr
     assert not db.exists() and not (tmp_path / "runs").exists()
+
+
+# ------------------------------------------------------------------------ worker processes and GPUs
+
+
+def test_workers_go_round_robin_over_the_visible_gpus():
+    assert worker_devices(3, []) == [None, None, None]  # no GPU: the processes share the CPU
+    assert worker_devices(3, ["0"]) == ["0", "0", "0"]  # one GPU x K=3
+    assert worker_devices(4, ["2", "3"]) == ["2", "3", "2", "3"]  # CUDA_VISIBLE_DEVICES=2,3 x K=2: its own IDs
+    assert worker_devices(3, ["GPU-5f1c", "MIG-2a"]) == ["GPU-5f1c", "MIG-2a", "GPU-5f1c"]
+
+
+def test_process_count_is_workers_or_trials_per_gpu_times_the_gpus():
+    settings = lambda **kw: SearchSettings(task=TASK, **kw)  # noqa: E731
+    assert process_count(settings(), 4) == 1
+    assert process_count(settings(workers=3), 4) == 3
+    assert process_count(settings(trials_per_gpu=2), 4) == 8
+    assert process_count(settings(trials_per_gpu=2), 0) == 2  # no GPU: K processes on the CPU
+
+
+@pytest.mark.parametrize("listed, visible", [("2,3", ["2", "3"]), (" 1 ,", ["1"]), ("", []), ("-1", []), ("0,-1,1", ["0"])])
+def test_visible_gpus_are_the_ids_cuda_visible_devices_lists(listed, visible, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", listed)
+    assert visible_gpus() == visible
+
+
+def test_trials_per_gpu_pins_workers_to_the_listed_gpus(tmp_path, spa_file, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    auto = Search(make_settings(tmp_path, spa_file, trials_per_gpu=2, device="auto"))
+    assert auto.worker_devices() == ["2", "3", "2", "3"]
+    assert Search(make_settings(tmp_path, spa_file, workers=3, device="auto")).worker_devices() == ["2", "3", "2"]
+    # --device cpu: no pinning, the processes share the CPU whatever GPUs there are.
+    assert Search(make_settings(tmp_path, spa_file, trials_per_gpu=2)).worker_devices() == [None, None]
+
+
+@pytest.mark.slow
+def test_trials_per_gpu_on_the_cpu_runs_k_workers_and_exactly_the_budget(tmp_path, spa_file, tokenizer_cache):
+    space = write_space(tmp_path / "space.yaml")
+    url = sqlite_url(tmp_path / "h.db")
+    proc = subprocess.run(run_cmd(space, url, "s", 4, spa_file, tmp_path / "runs", "--trials-per-gpu", 2),
+                          cwd=tmp_path, env=sub_env(tokenizer_cache),
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    study = load(url, "s")
+    assert len(finished(study)) == 4 == len(study.trials)
+    logs = tmp_path / "runs" / "s" / "workers"
+    assert sorted(p.name for p in logs.iterdir()) == ["worker-0.log", "worker-1.log"]
+    assert "Traceback" not in "".join(p.read_text() for p in logs.iterdir())
 
 
 # ------------------------------------------------------------------------ workers on PostgreSQL

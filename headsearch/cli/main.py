@@ -24,6 +24,10 @@ def fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+COMPILE_HELP = ("torch.compile the training step: off | default | reduce-overhead (+ CUDA graphs) | max-autotune;"
+                " overrides train.compile. The warm-up is timed apart (compile_seconds in final.json).")
+
+
 @app.command()
 def tasks() -> None:
     """List the tasks, their metrics (with directions) and presets."""
@@ -51,6 +55,7 @@ def train(
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Run directory (default runs/<task>-<time>)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:1 ..."),
     track_diversity: Optional[int] = typer.Option(None, "--track-diversity", help="Measure head diversity each epoch on N validation samples (metrics.jsonl)."),
+    compile_mode: Optional[str] = typer.Option(None, "--compile", help=COMPILE_HELP),
 ) -> None:
     """Train one architecture on a task and write a run directory."""
     from headsearch.cli.progress import TrainProgress, print_result
@@ -60,7 +65,7 @@ def train(
     from headsearch.training.resolve import resolve_config
 
     try:
-        cfg = resolve_config(task, config, preset, epochs=epochs, seed=seed)
+        cfg = resolve_config(task, config, preset, epochs=epochs, seed=seed, compile_mode=compile_mode)
         if track_diversity is not None:
             from headsearch.tasks import apply_overrides, get_task
 
@@ -110,11 +115,13 @@ def run(
     preset: Optional[str] = typer.Option(None, "--preset", "-p", help="Task preset for every trial, e.g. tiny."),
     data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="Local dataset folder (vit-cifar10)."),
     data_file: Optional[Path] = typer.Option(None, "--data-file", help="Local tab-separated parallel file (translation-en-es)."),
-    workers: int = typer.Option(1, "--workers", help="Worker processes on this machine (one per GPU when there are GPUs)."),
+    workers: Optional[int] = typer.Option(None, "--workers", help="Worker processes on this machine, spread round-robin over the GPUs (default 1)."),
+    trials_per_gpu: Optional[int] = typer.Option(None, "--trials-per-gpu", help="Instead of --workers: K concurrent trials on each visible GPU (K processes without GPUs); NVIDIA MPS helps them share a GPU."),
     run_root: Path = typer.Option(Path("runs"), "--run-root", help="Trial run directories go in RUN_ROOT/<study>/."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda ..."),
     heartbeat: int = typer.Option(30, "--heartbeat", help="Seconds between heartbeats (RDB storages); a silent trial is retried after 3x."),
     track_diversity: int = typer.Option(0, "--track-diversity", help="Measure head diversity each epoch on N validation samples; `report` relates it to quality."),
+    compile_mode: Optional[str] = typer.Option(None, "--compile", help=COMPILE_HELP),
 ) -> None:
     """Search head schedules, skip kinds and fusion types with Optuna; prune poor trials."""
     import time
@@ -129,16 +136,18 @@ def run(
         sampler=sampler, pruner=pruner, pruner_startup_trials=pruner_startup, pruner_warmup_epochs=pruner_warmup,
         storage=storage, study=study, seed=seed, epochs=epochs, preset=preset,
         data_dir=str(data_dir) if data_dir else None, data_file=str(data_file) if data_file else None,
-        workers=workers, run_root=str(run_root), device=device, heartbeat=heartbeat, diversity_samples=track_diversity,
+        workers=workers, trials_per_gpu=trials_per_gpu, compile=compile_mode, run_root=str(run_root), device=device,
+        heartbeat=heartbeat, diversity_samples=track_diversity,
     )
     study_obj = None
     try:
         search = Search(settings)
-        if workers == 1:
+        in_process = len(search.worker_devices()) == 1
+        if in_process:
             search.prepare_data()  # malformed data fails here, before a study exists
         study_obj = search.open()
         with SearchProgress(study_obj, trials) as display:
-            if workers == 1:
+            if in_process:
                 search.run_worker(0, callbacks=[display], argv=sys.argv)
             else:
                 procs = run_workers(search, argv=sys.argv)

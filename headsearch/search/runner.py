@@ -11,6 +11,8 @@ Optuna's own pruners with the same rules. A pruned trial is stored PRUNED with i
 
 Workers: `run_worker` loops "take the budget lock, count, ask; train; tell", so any number of
 processes on any number of machines sharing one storage run exactly `trials` trials between them.
+`run_workers` starts such processes on one machine: `--workers N`, or `--trials-per-gpu K` (K per
+visible GPU, for models too small to fill one), each pinned to a GPU round-robin (`worker_devices`).
 """
 from __future__ import annotations
 
@@ -90,7 +92,9 @@ class SearchSettings:
     preset: str | None = None
     data_dir: str | None = None
     data_file: str | None = None
-    workers: int = 1
+    workers: int | None = None  # worker processes on this machine (None: one, unless trials_per_gpu is set)
+    trials_per_gpu: int | None = None  # or: this many processes per visible GPU (this many on a machine without one)
+    compile: str | None = None  # overrides train.compile for every trial
     run_root: str = "runs"
     device: str = "auto"
     heartbeat: int = 30
@@ -120,20 +124,27 @@ class Search:
             raise ConfigError(f"unknown sampler {s.sampler!r}: use one of {', '.join(SAMPLERS)}")
         if s.pruner not in PRUNERS:
             raise ConfigError(f"unknown pruner {s.pruner!r}: use one of {', '.join(PRUNERS)}")
-        if s.trials < 1 or s.workers < 1:
-            raise ConfigError("--trials and --workers must be at least 1")
+        check_process_counts(s)
         base = self.task.config(s.preset, search=True)
         flags: dict[str, Any] = {"seed": s.seed}
         flags["train"] = {"epochs": s.epochs} if s.epochs is not None else {}
         if s.diversity_samples:
             flags["train"]["diversity_samples"] = s.diversity_samples
+        if s.compile is not None:
+            flags["train"]["compile"] = s.compile
         self.base = self.space.base_config(apply_overrides(self.task, base, flags), lambda c, o: apply_overrides(self.task, c, o))
+        self.task.check_config(self.base)  # e.g. CUDA graphs for a task whose shapes vary: before any study exists
         self.study_name = s.study or "-".join([self.task.name, self.space.name] + ([s.preset] if s.preset else []))
         self.source = DataSource(Path(s.data_dir) if s.data_dir else None, Path(s.data_file) if s.data_file else None)
         self.task.check_source(self.source)
         self.make_pruner()  # bad pruner options fail here, before any storage is touched
         self._bound_key: str | None = None
         self._bound = None
+
+    def worker_devices(self) -> list[str | None]:
+        """CUDA_VISIBLE_DEVICES of each worker process this machine starts (None: CPU); its length is the count."""
+        visible = [] if self.settings.device == "cpu" else visible_gpus()
+        return worker_devices(process_count(self.settings, len(visible)), visible)
 
     # -- the study --------------------------------------------------------------------------
     @property
@@ -372,6 +383,7 @@ def record_result(trial, result) -> None:
     trial.set_user_attr("best_epoch", result.best_epoch)
     trial.set_user_attr("best_train_seconds", result.best_train_seconds)
     trial.set_user_attr("train_seconds", result.train_seconds)
+    trial.set_user_attr("compile_seconds", result.compile_seconds)
     trial.set_user_attr("seconds_to_target", result.seconds_to_target)
     trial.set_user_attr("params", result.params)
     trial.set_user_attr("samples_per_s", result.samples_per_s)
@@ -424,40 +436,74 @@ class TrialPruning:
         raise optuna.TrialPruned(f"pruned at epoch {reason['epoch']} by the {reason['rule']} rule")
 
 
-def run_workers(search: Search, argv: list[str] | None = None) -> list[int]:
-    """Start `workers` processes on this machine (one GPU each when there are GPUs); return exit codes."""
+def check_process_counts(s: SearchSettings) -> None:
+    """--trials, and --workers or --trials-per-gpu (not both): one-line errors."""
+    if s.workers is not None and s.trials_per_gpu is not None:
+        raise ConfigError("--workers and --trials-per-gpu both set the number of worker processes: pass one of them")
+    if s.trials < 1 or (s.workers is not None and s.workers < 1):
+        raise ConfigError("--trials and --workers must be at least 1")
+    if s.trials_per_gpu is not None and s.trials_per_gpu < 1:
+        raise ConfigError(f"--trials-per-gpu {s.trials_per_gpu}: run at least 1 trial per GPU")
+
+
+def process_count(s: SearchSettings, n_gpus: int) -> int:
+    """Worker processes on this machine: --workers, or --trials-per-gpu times the GPUs (times one without GPUs)."""
+    if s.trials_per_gpu is not None:
+        return s.trials_per_gpu * max(1, n_gpus)
+    return s.workers or 1
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, named as CUDA_VISIBLE_DEVICES names them (an index, a UUID or a MIG ID)."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is None:
+        try:
+            import torch
+
+            return [str(i) for i in range(torch.cuda.device_count())]
+        except Exception:
+            return []
+    ids = []
+    for name in (v.strip() for v in listed.split(",")):
+        if name.startswith("-"):  # CUDA ignores an invalid ID and all after it ("-1" hides every GPU)
+            break
+        if name:
+            ids.append(name)
+    return ids
+
+
+def worker_devices(n_workers: int, visible: Sequence[str]) -> list[str | None]:
+    """CUDA_VISIBLE_DEVICES for each of `n_workers` processes: round-robin over the `visible` GPU names
+    (worker i gets visible[i % len(visible)]), so K x len(visible) workers put K on each GPU and the first
+    len(visible) workers start on different GPUs. No GPUs: None for every worker (they share the CPU)."""
+    if not visible:
+        return [None] * n_workers
+    return [visible[i % len(visible)] for i in range(n_workers)]
+
+
+def run_workers(search: Search, argv: list[str] | None = None) -> list:
+    """Start the worker processes (`Search.worker_devices`), each pinned to its GPU; return the processes."""
     import multiprocessing as mp
 
-    n_gpus = _gpu_count()
+    devices = search.worker_devices()
     ctx = mp.get_context("spawn")
     procs = []
-    for i in range(search.settings.workers):
-        gpu = str(i % n_gpus) if n_gpus else None
-        p = ctx.Process(target=_worker_main, args=(search.settings, i, gpu, argv), name=f"headsearch-worker-{i}")
+    for i, gpu in enumerate(devices):
+        p = ctx.Process(target=_worker_main, args=(search.settings, i, gpu, len(devices), argv), name=f"headsearch-worker-{i}")
         p.start()
         procs.append(p)
     return procs
 
 
-def _gpu_count() -> int:
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([v for v in visible.split(",") if v.strip()])
-    try:
-        import torch
-
-        return torch.cuda.device_count()
-    except Exception:
-        return 0
-
-
-def _worker_main(settings: SearchSettings, index: int, gpu: str | None, argv) -> None:
+def _worker_main(settings: SearchSettings, index: int, gpu: str | None, n_processes: int, argv) -> None:
     if gpu is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = gpu  # before torch initialises CUDA in this process
+        # The parent's own name for the GPU (CUDA_VISIBLE_DEVICES "2,3" gives "2" and "3"), set before
+        # torch initialises CUDA in this process, which then sees it as cuda:0.
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
     else:  # CPU workers share the cores instead of each starting one thread per core
         import torch
 
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // settings.workers))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // n_processes))
     log_dir = Path(settings.run_root) / (Search(settings).study_name) / "workers"
     log_dir.mkdir(parents=True, exist_ok=True)
     with open(log_dir / f"worker-{index}.log", "a") as log:

@@ -48,6 +48,8 @@ class BoundTask(Protocol):
     def write_artifacts(self, run_dir: Path) -> None: ...
     def rebind(self, cfg: RunConfig) -> "BoundTask": ...  # same data (same data options and seed), new config
     def with_eval_limit(self, n: int | None) -> "BoundTask": ...  # validation/test cut to n samples
+    # Optional, for torch.compile (headsearch/training/fastpath.py): `static_shapes` (bool, default False),
+    # `shape_note` (why not), `warmup_shapes(batch, steps_per_epoch)` (one batch per shape an epoch sees).
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,8 @@ class Task:
     data_options: Mapping[str, Any]  # known data option -> default
     check_source: Callable[[DataSource], None]
     setup: Callable[..., BoundTask] = field(repr=False)  # (cfg, source, device, run_dir=None): run_dir reloads a run's artifacts
+    # Checks of a resolved config that need the task but not its data (run before data loads).
+    check_config: Callable[[RunConfig], None] = field(default=lambda cfg: None, repr=False)
 
     @property
     def primary(self) -> Metric:

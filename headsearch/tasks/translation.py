@@ -58,6 +58,10 @@ def cache_dir() -> Path:
 
 
 class BoundTranslation:
+    # Length-bucketed batches: each has its own sequence lengths (torch.compile runs with dynamic shapes).
+    static_shapes = False
+    shape_note = "translation batches vary in length"
+
     def __init__(self, cfg: RunConfig, source: DataSource, device, run_dir: Path | None = None):
         import numpy as np
         import torch
@@ -191,6 +195,13 @@ class BoundTranslation:
         (run_dir / "bleu_signature.txt").write_text(self.bleu_signature + "\n")
 
 
+def check_config(cfg: RunConfig) -> None:
+    """What can be refused before the corpus and tokenizers load."""
+    from headsearch.training.fastpath import check_compile
+
+    check_compile(cfg.train, BoundTranslation)
+
+
 def setup(cfg: RunConfig, source: DataSource, device, run_dir: Path | None = None) -> BoundTranslation:
     return BoundTranslation(cfg, source, device, run_dir)
 
@@ -210,5 +221,6 @@ TASK = register(
         data_options=DATA_OPTIONS,
         check_source=check_source,
         setup=setup,
+        check_config=check_config,
     )
 )

@@ -53,6 +53,8 @@ def check_source(source: DataSource) -> None:
 class BoundCifar:
     """CIFAR-10 resident on the device as uint8; augmentation runs batched on the device."""
 
+    static_shapes = True  # batches are (batch_size, 3, 32, 32) but an epoch's last; warmup_shapes covers that one
+
     def __init__(self, cfg: RunConfig, source: DataSource, device):
         import numpy as np
         import torch
@@ -109,15 +111,37 @@ class BoundCifar:
                 setattr(new, split, images)
         return new
 
+    @property
+    def channels_last(self) -> bool:
+        return self.cfg.train.uses_channels_last(self.device.type)
+
     def build_model(self):
+        """The ViT, channels-last when configured: `.to(device)` keeps that layout."""
+        import torch
+
         from headsearch.models import ViT
 
-        return ViT(self.cfg.arch, image_size=32, in_chans=3, num_classes=self.num_classes)
+        model = ViT(self.cfg.arch, image_size=32, in_chans=3, num_classes=self.num_classes)
+        return model.to(memory_format=torch.channels_last) if self.channels_last else model
+
+    def layout(self, x):
+        """Model-ready images in the configured memory layout (channels-last: the patch convolution runs NHWC)."""
+        import torch
+
+        return x.contiguous(memory_format=torch.channels_last) if self.channels_last else x
 
     def train_batches(self, epoch: int):
         bs = self.cfg.train.batch_size
         for x, y in self.train.batches(bs, shuffle=True, generator=self.generator):
-            yield self.augment(x, self.generator), y
+            yield self.layout(self.augment(x, self.generator)), y
+
+    def warmup_shapes(self, batch, steps_per_epoch: int) -> list:
+        """`batch` and, when an epoch reaches the last, partial batch, a batch of that size (its first rows):
+        both shapes compile before the timed epochs."""
+        x, y = batch
+        rest = self.n_train % self.cfg.train.batch_size
+        reaches_last = steps_per_epoch * self.cfg.train.batch_size > self.n_train
+        return [batch, (x[:rest], y[:rest])] if rest and reaches_last and rest != len(y) else [batch]
 
     def loss(self, model, batch, label_smoothing: float):
         import torch.nn.functional as F
@@ -133,7 +157,7 @@ class BoundCifar:
         correct = torch.zeros((), device=self.device)
         loss_sum = torch.zeros((), device=self.device)
         for x, y in images.batches(int(self.cfg.data["eval_batch_size"]), shuffle=False):
-            logits = model(self.augment.normalize(x)).float()
+            logits = model(self.layout(self.augment.normalize(x))).float()
             correct += (logits.argmax(-1) == y).sum()
             loss_sum += F.cross_entropy(logits, y, reduction="sum")
         n = len(images)

@@ -28,6 +28,7 @@ def train_run(
 
     task = get_task(cfg.task)
     task.check_source(source)
+    task.check_config(cfg)
     run_dir = Path(out) if out is not None else default_run_dir(task.name)
     check_run_dir(run_dir)
     dev = resolve_device(device)

@@ -15,8 +15,9 @@ def resolve_config(
     *,
     epochs: int | None = None,
     seed: int | None = None,
+    compile_mode: str | None = None,
 ) -> RunConfig:
-    """Seed defaults < preset < config file < command-line flags.
+    """Seed defaults < preset < config file < command-line flags (epochs, seed, compile mode).
 
     The file may be a full run config (task/seed/arch/train/data, as written into run directories and
     by `export`) or hold architecture fields only.
@@ -27,8 +28,9 @@ def resolve_config(
         d = load_yaml(config_path)
         cfg = apply_overrides(task, cfg, d if is_run_config(d) else {"arch": d})
     flags: dict[str, Any] = {}
-    if epochs is not None:
-        flags["train"] = {"epochs": epochs}
+    train = {k: v for k, v in (("epochs", epochs), ("compile", compile_mode)) if v is not None}
+    if train:
+        flags["train"] = train
     if seed is not None:
         flags["seed"] = seed
     return apply_overrides(task, cfg, flags) if flags else cfg

@@ -23,6 +23,7 @@ import torch
 from headsearch.config import RunConfig, TrainConfig
 from headsearch.errors import Diverged
 from headsearch.tasks import BoundTask, Task
+from headsearch.training.fastpath import check_compile, compile_model, kept_loss, mark_step, warm_up, warmup_batches
 from headsearch.training.rundir import save_checkpoint, write_atomic
 
 CHECKPOINT = "model.safetensors"
@@ -68,6 +69,7 @@ class TrainResult:
     seconds_to_target: float | None = None  # training seconds when the validation metric first reached target
     train_seconds: float = 0.0
     wall_seconds: float = 0.0
+    compile_seconds: float = 0.0  # torch.compile warm-up before training; outside every other timing
     samples: int = 0  # training samples processed
     samples_per_s: float = 0.0  # samples / train_seconds
     best_metrics: dict[str, float] = field(default_factory=dict)
@@ -150,6 +152,7 @@ def fit(
 ) -> TrainResult:
     """Train `bound`'s model under `cfg`; evaluate each epoch; test the best checkpoint at the end."""
     t = cfg.train
+    check_compile(t, bound)  # before anything is built or trained
     seed_everything(cfg.seed)
     model = bound.build_model().to(device)
     result = TrainResult(status="completed", primary_metric=task.primary.name,
@@ -160,7 +163,7 @@ def fit(
     warmup = round(t.warmup_epochs * spe)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_multiplier(s, total, warmup, t.schedule, t.min_lr_ratio))
-    step_model = torch.compile(model) if t.compile else model
+    step_model = compile_model(model, t, bound)  # evaluation uses `model`: same weights, no compiling
     amp = lambda: autocast_context(t, device)  # noqa: E731
     for cb in callbacks:
         cb.on_start(spe, t.epochs)
@@ -185,6 +188,10 @@ def fit(
             raise Diverged(step=bad_step, epoch=epoch, loss=float(bad_loss))
 
     try:
+        if step_model is not model:
+            model.train()
+            result.compile_seconds = warm_up(step_model, optimizer, bound, warmup_batches(cfg, bound, spe), t, device, amp)
+            start = time.perf_counter()  # wall time, like training time, starts after the warm-up
         for epoch in range(1, t.epochs + 1):
             model.train()
             synchronize(device)
@@ -194,6 +201,7 @@ def fit(
             for i, batch in enumerate(bound.train_batches(epoch)):
                 if i >= spe:
                     break
+                mark_step(t)
                 with amp():
                     loss, n = bound.loss(step_model, batch, t.label_smoothing)
                 optimizer.zero_grad(set_to_none=True)
@@ -204,7 +212,7 @@ def fit(
                 scheduler.step()
                 step += 1
                 seen += n
-                detached = loss.detach().float()
+                detached = kept_loss(loss, t)
                 newly_bad = (~torch.isfinite(detached)) & (first_bad < 0)
                 first_bad = torch.where(newly_bad, step, first_bad)
                 bad_loss = torch.where(newly_bad, detached, bad_loss)
