@@ -114,15 +114,20 @@ def make_case(model, batches, loss_fn, device, compile_model: bool, compile_s: d
 
 
 def image_batches(device, steps: int, bs: int = 256) -> list:
-    """`steps` batches of real CIFAR-10 test images, normalised, resident on the device."""
+    """`steps` batches of real CIFAR-10 test images, normalised, resident on the device.
+
+    Reads test.npz alone, so a GPU machine needs only that shard (and spa.txt) for this benchmark.
+    """
+    import numpy as np
     import torch
 
-    from headsearch.tasks.cifar_data import GpuAugment, load_cifar10
+    from headsearch.tasks.cifar_data import GpuAugment
 
-    arrays = load_cifar10(DATA / "cifar10")
     n = bs * steps
-    x = torch.from_numpy(arrays.test_x[:n]).to(device).permute(0, 3, 1, 2).contiguous()  # (N, 3, 32, 32) uint8
-    y = torch.from_numpy(arrays.test_y[:n].astype("int64")).to(device)
+    with np.load(DATA / "cifar10" / "test.npz", allow_pickle=False) as f:
+        x_nhwc, labels = f["x"][:n], f["y"][:n].astype(np.int64)
+    x = torch.from_numpy(x_nhwc).to(device).permute(0, 3, 1, 2).contiguous()  # (N, 3, 32, 32) uint8
+    y = torch.from_numpy(labels).to(device)
     images = GpuAugment().normalize(x)
     return [(images[i : i + bs], y[i : i + bs]) for i in range(0, n, bs)]
 
