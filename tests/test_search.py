@@ -782,3 +782,12 @@ def test_live_display_ends_its_last_line_on_a_non_terminal():
         pass
     assert buf.getvalue().endswith("\n"), repr(buf.getvalue()[-80:])
 
+
+
+def test_a_study_resumes_with_compile_changed_but_not_with_the_seed_changed(tmp_path, spa_file):
+    from headsearch.errors import HeadsearchError
+
+    Search(make_settings(tmp_path, spa_file)).open()
+    Search(make_settings(tmp_path, spa_file, compile="default")).open()  # how trials run, not what they compute
+    with pytest.raises(HeadsearchError, match="different base_config"):
+        Search(make_settings(tmp_path, spa_file, seed=7)).open()

@@ -214,7 +214,7 @@ class Search:
                 study.set_metric_names([o.name for o in self.objectives])
         else:
             for key in ("task", "objectives", "base_config", "space"):
-                if json.dumps(stored[key], sort_keys=True) != json.dumps(mine[key], sort_keys=True):
+                if _comparable(key, stored[key]) != _comparable(key, mine[key]):
                     raise HeadsearchError(
                         f"study {self.study_name} exists in {self.settings.storage} with a different {key}:"
                         f" pass another --study to start a new search (or the original settings to resume)"
@@ -370,6 +370,17 @@ class Search:
         for cb in callbacks:
             getattr(cb, "on_trial_end", lambda *a: None)(trial.number, "COMPLETE")
         return "COMPLETE"
+
+
+# How a trial runs, not what it computes: a study may be resumed with --compile on or off.
+EXECUTION_ONLY = {"train": ("compile", "channels_last")}
+
+
+def _comparable(key: str, value: Any) -> str:
+    if key == "base_config" and isinstance(value, dict):
+        value = {section: ({k: v for k, v in fields.items() if k not in EXECUTION_ONLY.get(section, ())}
+                           if isinstance(fields, dict) else fields) for section, fields in value.items()}
+    return json.dumps(value, sort_keys=True)
 
 
 def arch_summary(cfg: RunConfig) -> str:
