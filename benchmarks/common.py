@@ -2,7 +2,7 @@
 
 Timings follow one discipline: the thing measured and its reference run in the same process,
 alternating (the start order rotates each round, so neither side always runs on a warm or cold
-cache), each timed round is synchronised with the device, and the figure is the median of the rounds.
+cache), each timed round is synchronised with the device, and the figure is the median of the rounds (a ratio: the median of the rounds' ratios).
 """
 from __future__ import annotations
 
@@ -69,6 +69,12 @@ def alternate(cases: Mapping[str, Callable[[], int]], repeats: int, device, warm
             if r >= warmup:
                 rates[name].append(units / (time.perf_counter() - t0))
     return rates
+
+
+def paired_ratio(rates: Mapping[str, Sequence[float]], num: str, den: str) -> float:
+    """Median over rounds of rates[num][i] / rates[den][i]: each ratio pairs two runs of the same round,
+    so a machine that slows down for a while moves both sides and not the ratio."""
+    return statistics.median(a / b for a, b in zip(rates[num], rates[den]))
 
 
 def median(values: Sequence[float]) -> float:
