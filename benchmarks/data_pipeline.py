@@ -8,7 +8,7 @@ workers, then copy each batch to the device:
 - "torchvision PIL": seed 001's own pipeline (PIL images, ToTensor, Normalize);
 - "torchvision v2": the faster tensor API (uint8 tensors, v2.RandomResizedCrop, ToDtype, Normalize).
 
-    python benchmarks/data_pipeline.py --quick     # CPU: 10,000 images a round, about 2 minutes
+    python benchmarks/data_pipeline.py --quick     # CPU: 10,000 images a round, under a minute
     python benchmarks/data_pipeline.py             # GPU: the 50,000 training images
 """
 from __future__ import annotations
