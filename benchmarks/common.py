@@ -27,6 +27,11 @@ if str(ROOT) not in sys.path:  # run as `python benchmarks/x.py` from a checkout
     sys.path.insert(0, str(ROOT))
 
 
+def search_space(quick: bool) -> str:
+    """The space benchmark searches use: deep-head on a CPU-sized slice of CIFAR-10 with --quick."""
+    return str(ROOT / "benchmarks" / "spaces" / "deep-head-quick.yaml") if quick else "deep-head"
+
+
 def parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--quick", action="store_true", help="small sizes: a few minutes on a CPU")

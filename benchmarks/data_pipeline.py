@@ -65,9 +65,8 @@ def device_resident(x, y, device):
     def epoch() -> int:
         seen = 0
         for xb, yb in images.batches(BATCH, shuffle=True, generator=generator):
-            batch = augment(xb, generator)
+            augment(xb, generator)
             seen += len(yb)
-        del batch
         return seen
 
     return epoch

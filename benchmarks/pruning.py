@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import DATA, ROOT, markdown_table, parser, report, resolve_device
+from common import DATA, markdown_table, parser, report, resolve_device, search_space
 
 PRUNERS = ("none", "median", "hyperband")
 
@@ -33,7 +33,7 @@ def main() -> None:
     device = resolve_device(args.device)
     trials = args.trials or (10 if args.quick else 24)
     epochs = args.epochs or (5 if args.quick else 20)
-    space = str(ROOT / "benchmarks" / "spaces" / "deep-head-quick.yaml") if args.quick else "deep-head"
+    space = search_space(args.quick)
     pruners = [x.strip() for x in args.pruners.split(",") if x.strip()]
 
     work = args.keep or Path(tempfile.mkdtemp(prefix="headsearch-bench-pruning-"))

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import DATA, ROOT, markdown_table, parser, report, resolve_device
+from common import DATA, ROOT, markdown_table, parser, report, resolve_device, search_space
 
 
 def main() -> None:
@@ -56,7 +56,7 @@ def run_search(k: int, work: Path, trials: int, epochs: int, device, quick: bool
     from optuna.trial import TrialState
 
     storage = f"sqlite:///{work / 'studies.db'}"
-    space = str(ROOT / "benchmarks" / "spaces" / "deep-head-quick.yaml") if quick else "deep-head"
+    space = search_space(quick)
     cmd = [sys.executable, "-m", "headsearch", "run", "--task", "vit-cifar10", "--space", space,
            "--trials", str(trials), "--epochs", str(epochs), "--pruner", "none", "--sampler", "random",
            "--storage", storage, "--study", f"throughput-k{k}", "--data-dir", str(DATA / "cifar10"),

@@ -21,7 +21,7 @@ from typing import Callable
 
 from common import DATA, alternate, markdown_table, median, paired_ratio, parser, report, resolve_device, spread, synchronize
 
-VIT_VARIANTS = {  # name -> ArchConfig overrides of the seed ViT
+VARIANTS = {  # name -> ArchConfig overrides of the classic model (ViT and Seq2Seq)
     "skip output (Deep Head)": {"skip": "output"},
     "skip scores (RealFormer)": {"skip": "scores"},
     "HAM A (hadamard)": {"fusion": "hadamard"},
@@ -46,15 +46,15 @@ def main() -> None:
     rows, notes = [], []
 
     vit = vit_cases(device, steps, args.compile)
-    rows += ratio_rows("ViT seed (4 x 4 heads, d 48), batch 256", vit["ours"], vit["reference"], repeats, device, "img")
-    rows += overhead_rows("ViT seed", vit["ours"], vit["variants"], max(3, repeats // 3), device, "img")
-    rows += ratio_rows("ViT 6 x 4 heads (d 64)", vit["uniform"], vit["uniform_reference"], max(3, repeats // 2), device, "img")
+    rows += ratio_rows("ViT seed (4 x 4 heads, d 48), batch 256", vit["ours"], vit["reference"], repeats, device)
+    rows += overhead_rows("ViT seed", vit["ours"], vit["variants"], max(3, repeats // 3), device)
+    rows += ratio_rows("ViT 6 x 4 heads (d 64)", vit["uniform"], vit["uniform_reference"], max(3, repeats // 2), device)
     rows += ratio_rows("ViT 64->32->16->8->4->2 heads (d 64)", vit["schedule"], vit["schedule_reference"],
-                       max(3, repeats // 2), device, "img", base=vit["uniform"])
+                       max(3, repeats // 2), device, base=vit["uniform"])
     mt = translation_cases(device, args.quick, args.compile)
     label = f"Seq2Seq {mt['desc']}"
-    rows += ratio_rows(label, mt["ours"], mt["reference"], repeats, device, "tok")
-    rows += overhead_rows("Seq2Seq", mt["ours"], mt["variants"], max(3, repeats // 3), device, "tok")
+    rows += ratio_rows(label, mt["ours"], mt["reference"], repeats, device)
+    rows += overhead_rows("Seq2Seq", mt["ours"], mt["variants"], max(3, repeats // 3), device)
 
     compile_times = {**vit["compile_s"], **mt["compile_s"]}
     if compile_times:
@@ -157,7 +157,7 @@ def vit_cases(device, steps: int, compile_model: bool) -> dict:
     return {
         "ours": case(seed, False, "ViT"),
         "reference": case(seed, True, "ViT reference"),
-        "variants": {k: case(dataclasses.replace(seed, **v), False, k) for k, v in VIT_VARIANTS.items()},
+        "variants": {k: case(dataclasses.replace(seed, **v), False, k) for k, v in VARIANTS.items()},
         "uniform": case(uniform, False, "ViT 6x4"),
         "uniform_reference": case(uniform, True, "ViT 6x4 reference"),
         "schedule": case(halving, False, "ViT 64->2"),
@@ -168,8 +168,6 @@ def vit_cases(device, steps: int, compile_model: bool) -> dict:
 
 def translation_cases(device, quick: bool, compile_model: bool) -> dict:
     """The tiny preset's model (quick) or a small one (full) on real, length-bucketed Tatoeba batches."""
-    import dataclasses as dc
-
     import torch.nn.functional as F
 
     from headsearch.models import Seq2Seq
@@ -181,11 +179,11 @@ def translation_cases(device, quick: bool, compile_model: bool) -> dict:
     cfg = task.config("tiny")
     batch_size = 64 if quick else 128
     if not quick:  # "a small config": 4+4 layers of width 256
-        cfg = dc.replace(cfg, arch=dc.replace(cfg.arch, d_model=256, enc_layers=4, enc_heads=8, dec_layers=4,
+        cfg = dataclasses.replace(cfg, arch=dataclasses.replace(cfg.arch, d_model=256, enc_layers=4, enc_heads=8, dec_layers=4,
                                                 dec_heads=8, d_ff=1024))
     # Attention dropout as nn.Transformer applies it (its one dropout also drops attention weights).
-    arch = dc.replace(cfg.arch, attn_dropout=cfg.arch.dropout)
-    cfg = dc.replace(cfg, arch=arch, train=dc.replace(cfg.train, batch_size=batch_size))
+    arch = dataclasses.replace(cfg.arch, attn_dropout=cfg.arch.dropout)
+    cfg = dataclasses.replace(cfg, arch=arch, train=dataclasses.replace(cfg.train, batch_size=batch_size))
     bound = task.setup(cfg, DataSource(None, DATA / "spa-eng" / "spa.txt"), device)
     n_batches = 16 if quick else 50
     batches = [b for _, b in zip(range(n_batches), bound.train_batches(1))]
@@ -210,13 +208,13 @@ def translation_cases(device, quick: bool, compile_model: bool) -> dict:
         "batches": n_batches,
         "ours": case(arch, False, "Seq2Seq"),
         "reference": case(arch, True, "Seq2Seq reference"),
-        "variants": {k: case(dc.replace(arch, **v), False, f"Seq2Seq {k}") for k, v in VIT_VARIANTS.items()},
+        "variants": {k: case(dataclasses.replace(arch, **v), False, f"Seq2Seq {k}") for k, v in VARIANTS.items()},
         "compile_s": compile_s,
     }
 
 
 # ---------------------------------------------------------------------------------------------- rows
-def ratio_rows(label: str, ours: Case, ref: Case, repeats: int, device, unit: str, base: Case | None = None) -> list:
+def ratio_rows(label: str, ours: Case, ref: Case, repeats: int, device, base: Case | None = None) -> list:
     """headsearch's classic attention against the reference, alternating; overhead against `base` if given."""
     cases = {"ours": ours.run, "ref": ref.run}
     if base is not None:
@@ -231,7 +229,7 @@ def ratio_rows(label: str, ours: Case, ref: Case, repeats: int, device, unit: st
     ]
 
 
-def overhead_rows(label: str, classic: Case, variants: dict[str, Case], repeats: int, device, unit: str) -> list:
+def overhead_rows(label: str, classic: Case, variants: dict[str, Case], repeats: int, device) -> list:
     """Each variant alternating with classic attention; overhead = classic rate / variant rate.
 
     The classic row is repeated from these rounds, so each overhead reads against the rate beside it.

@@ -199,17 +199,21 @@ def pg_url() -> str:
     return PG_URL
 
 
+def delete_study_if_present(name: str, storage: str) -> None:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            optuna.delete_study(study_name=name, storage=storage)
+    except KeyError:
+        pass
+
+
 @pytest.fixture
 def pg_study(pg_url):
     """A study name unique to this test run; the study is deleted afterwards."""
     name = f"headsearch-test-{uuid.uuid4().hex[:12]}"
     yield name
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            optuna.delete_study(study_name=name, storage=pg_url)
-    except KeyError:
-        pass
+    delete_study_if_present(name, pg_url)
 
 
 # ------------------------------------------------------------------ a real multi-objective search
@@ -583,12 +587,7 @@ def two_pg_workers(tmp_path_factory, spa_file, tokenizer_cache, pg_url):
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
     results = [(p.returncode, err) for p in procs for _, err in [p.communicate(timeout=240)]]
     yield name, [p.pid for p in procs], results
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            optuna.delete_study(study_name=name, storage=pg_url)
-    except KeyError:
-        pass
+    delete_study_if_present(name, pg_url)
 
 
 @pytest.mark.slow

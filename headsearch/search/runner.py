@@ -416,7 +416,6 @@ class TrialPruning:
     def on_step(self, *a) -> None: ...
 
     def on_epoch_end(self, record) -> None:
-        import optuna
         from optuna.trial import TrialState
 
         epoch, value = record.epoch, float(record.metrics[self.metric])
