@@ -20,7 +20,6 @@ import math
 import numbers
 import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Sequence
@@ -29,6 +28,7 @@ import numpy as np
 import torch
 
 from headsearch.errors import ConfigError, DataError
+from headsearch.io import write_atomic
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -239,7 +239,8 @@ def load_or_train_tokenizers(
     toks = (train_tokenizer(train_src, vocab_size, min_frequency), train_tokenizer(train_tgt, vocab_size, min_frequency))
     folder.mkdir(parents=True, exist_ok=True)
     for tok, f in zip(toks, files):
-        _save_atomically(tok, f)
+        # Parallel workers of a search may train the same tokenizer at once: readers must never see half a file.
+        write_atomic(f, tok.to_str())
     return toks
 
 
@@ -257,18 +258,6 @@ def _tokenizer_cache_key(src: Sequence[str], tgt: Sequence[str], vocab_size: int
             h.update(len(b).to_bytes(8, "little"))
             h.update(b)
     return h.hexdigest()
-
-
-def _save_atomically(tok: "Tokenizer", dest: Path) -> None:
-    # Parallel workers of a search may train the same tokenizer at once: readers must never see half a file.
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        tok.save(tmp)
-        os.replace(tmp, dest)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def encode(tok: "Tokenizer", texts: Sequence[str], max_len: int | None = None) -> list[list[int]]:

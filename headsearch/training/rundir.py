@@ -8,30 +8,14 @@ import platform
 import shlex
 import socket
 import sys
-import tempfile
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Mapping
 
 from headsearch.errors import HeadsearchError
+from headsearch.io import write_atomic
 
 LIBRARIES = ("headsearch", "torch", "torchvision", "numpy", "optuna", "sacrebleu", "tokenizers", "safetensors", "datasets")
-
-
-def write_atomic(path: Path, data: str | bytes) -> None:
-    """Write to a temporary file in the same folder, then rename: readers never see half a file."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; run files are meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def save_checkpoint(state_dict: Mapping[str, Any], path: Path, metadata_: Mapping[str, str] | None = None) -> None:

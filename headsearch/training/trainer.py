@@ -24,7 +24,8 @@ from headsearch.config import RunConfig, TrainConfig
 from headsearch.errors import Diverged
 from headsearch.tasks import BoundTask, Task
 from headsearch.training.fastpath import check_compile, compile_model, kept_loss, mark_step, warm_up, warmup_batches
-from headsearch.training.rundir import save_checkpoint, write_atomic
+from headsearch.io import write_atomic
+from headsearch.training.rundir import save_checkpoint
 
 CHECKPOINT = "model.safetensors"
 
