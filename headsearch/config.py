@@ -302,21 +302,60 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], base: "TrainConfig | None" = None) -> "TrainConfig":
-        _reject_unknown("train", d, cls)
-        merged = base.to_dict() if base is not None else {}
-        merged.update(d)
-        return cls(**merged)
+        return merge_from_dict(cls, "train", d, base)
+
+
+def merge_from_dict(cls: type, section: str, d: Mapping[str, Any], base: Any = None) -> Any:
+    """`cls(**(base's fields updated by d))`, rejecting keys `cls` does not have: the `from_dict` of
+    every frozen config section (a task's data options too)."""
+    if not isinstance(d, Mapping):
+        raise ConfigError(f"config section {section!r} must be a mapping of keys to values")
+    _reject_unknown(section, d, cls)
+    merged = base.to_dict() if base is not None else {}
+    merged.update(d)
+    return cls(**merged)
+
+
+class DataOptions:
+    """The dict/YAML side of a task's frozen data-options dataclass (a mixin, no state of its own)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], base: Any = None) -> Any:
+        return merge_from_dict(cls, "data", d, base)
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    """Everything that determines a training run: task, seed, architecture, training and data options."""
+    """Everything that determines a training run: task, seed, architecture, training and data options.
+
+    `data` is the task's data-options dataclass (`Task.data_options`); a plain mapping is kept as is
+    for code that builds a config without a task.
+    """
 
     task: str
     arch: ArchConfig = field(default_factory=ArchConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    data: Mapping[str, Any] = field(default_factory=dict)
+    data: Any = field(default_factory=dict)
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.task, str) or not self.task:
+            raise ConfigError(f"task = {self.task!r} must be a task name (see `headsearch tasks`)")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ConfigError(f"seed = {self.seed!r} must be a non-negative integer")
+        for name, cls in (("arch", ArchConfig), ("train", TrainConfig)):
+            value = getattr(self, name)
+            if isinstance(value, Mapping):
+                object.__setattr__(self, name, cls.from_dict(value))
+            elif not isinstance(value, cls):
+                raise ConfigError(f"{name} = {value!r} must be a mapping of {name} fields")
+        if isinstance(self.data, Mapping):
+            object.__setattr__(self, "data", dict(self.data))
+        elif not hasattr(self.data, "to_dict"):
+            raise ConfigError(f"data = {self.data!r} must be a mapping of data options")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -324,7 +363,7 @@ class RunConfig:
             "seed": self.seed,
             "arch": self.arch.to_dict(),
             "train": self.train.to_dict(),
-            "data": dict(self.data),
+            "data": dict(self.data) if isinstance(self.data, Mapping) else self.data.to_dict(),
         }
 
     def replace(self, **changes: Any) -> "RunConfig":

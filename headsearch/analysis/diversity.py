@@ -324,7 +324,7 @@ def run_batches(model: nn.Module, batches: Iterable[Mapping[str, Any]], tap: Att
 def head_diversity(model: nn.Module, batches: Iterable[Mapping[str, Any]]) -> list[LayerDiversity]:
     """Diversity metrics of every attention module of `model`, in forward order.
 
-    `batches`: dicts {"inputs": tuple of model inputs, "masks": {...}} (see `diversity_batches`).
+    `batches`: dicts {"inputs": tuple of model inputs, "masks": {...}} (see `analysis_batches`).
     The model runs in eval mode under torch.no_grad(); its training flag is restored afterwards.
     """
     stats: dict[str, _LayerStats] = {}
@@ -342,43 +342,20 @@ def head_diversity(model: nn.Module, batches: Iterable[Mapping[str, Any]]) -> li
     return [stats[name].result(name) for name, _ in layers]
 
 
-# -- task adapter -------------------------------------------------------------------------------
+# -- the batches every measurement uses ---------------------------------------------------------
 
 
-def diversity_batches(bound: Any, split: str = "val", samples: int | None = 256, batch_size: int = 64) -> list[dict]:
-    """The first `samples` items of a bound task's `split` as analysis batches (deterministic).
-
-    ViT (vit-cifar10): {"inputs": (images,), "masks": {}, "targets": labels}, images normalised.
-    Translation: {"inputs": (src, tgt_in), "masks": {"src": src != PAD, "tgt": tgt_in != PAD},
-    "targets": tgt_out}, batched by length with the task's own unshuffled `BucketBatcher` (targets cut
-    to max_len - 1 tokens, as `evaluate` does). `targets` is what `importance.loss_fn_for` needs.
-    `samples=None` takes the whole split.
-    """
+def analysis_batches(bound: Any, split: str = "val", samples: int | None = 256, batch_size: int = 64) -> list[dict]:
+    """The first `samples` items of a bound task's `split` as analysis batches (deterministic, unshuffled):
+    dicts {"inputs": tuple of model inputs, "masks": {...}, "targets": ...} made by the task
+    (`BoundTask.analysis_batches`). `samples=None` takes the whole split."""
     if split not in ("val", "test"):
         raise ValueError(f"split = {split!r}: use 'val' or 'test'")
     if samples is not None and samples < 1:
         raise ValueError(f"samples = {samples} must be at least 1")
     if batch_size < 1:
         raise ValueError(f"batch_size = {batch_size} must be at least 1")
-    limited = bound.with_eval_limit(samples)
-    if hasattr(limited, "eval_sets"):  # translation
-        td = limited.td
-        data = limited.eval_sets[split]
-        tgt = [ids[: limited.max_len - 1] for ids in data["tgt"]]
-        batcher = td.BucketBatcher(data["src"], tgt, batch_size)
-        out = []
-        for b in batcher.batches(shuffle=False, device=limited.device):
-            out.append({
-                "inputs": (b.src, b.tgt_in),
-                "masks": {"src": b.src != td.PAD_ID, "tgt": b.tgt_in != td.PAD_ID},
-                "targets": b.tgt_out,
-            })
-        return out
-    if hasattr(limited, "augment") and hasattr(limited, split):  # images
-        images = getattr(limited, split)
-        return [{"inputs": (limited.augment.normalize(x),), "masks": {}, "targets": y}
-                for x, y in images.batches(batch_size, shuffle=False)]
-    raise TypeError(f"diversity_batches does not know the bound task {type(bound).__name__}")
+    return bound.analysis_batches(split, samples, batch_size)
 
 
 def diversity_summary(layers: list[LayerDiversity]) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""Head importance, single-head ablation and pruning curves (DESIGN.md §6).
+"""Head importance, single-head ablation and pruning curves (docs/design.md §6).
 
 After Michel, Levy and Neubig 2019, "Are Sixteen Heads Really Better than One?" (NeurIPS,
 arXiv:1905.10650): every head's output is multiplied by a gate xi (the `Attention.head_mask`,
@@ -18,9 +18,10 @@ the skip carries onward.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -67,6 +68,22 @@ class HeadImportance:
         }
 
 
+@contextlib.contextmanager
+def head_masks(model: nn.Module) -> Iterator[list[tuple[str, nn.Module]]]:
+    """The model's attention modules, in eval mode, for setting `head_mask`s: on exit (also after an
+    error) every module gets its own mask back and the model its training flag."""
+    layers = attention_layers(model)
+    saved = [attn.head_mask for _, attn in layers]
+    was_training = model.training
+    try:
+        model.eval()
+        yield layers
+    finally:
+        for (_, attn), mask in zip(layers, saved):
+            attn.head_mask = mask
+        model.train(was_training)
+
+
 def _param_device(module: nn.Module) -> torch.device:
     for p in module.parameters():
         return p.device
@@ -80,30 +97,26 @@ def head_importance(model: nn.Module, batches: Iterable[Any], loss_fn: LossFn) -
     after an error), runs the model in eval mode with grad enabled, and for each batch takes the
     gradient of `loss_fn(model, batch) -> (loss summed over tokens, n_tokens)` with respect to the
     masks only (the parameters' .grad are untouched). Batches are dicts as made by
-    `diversity_batches` (their "masks" decide which queries count for the entropy); a batch that
+    `analysis_batches` (their "masks" decide which queries count for the entropy); a batch that
     is not such a dict still gets importances, with all positions counted for the entropy.
     The entropy is read through forward hooks, which make every module take its explicit-softmax
     path (the fused kernel agrees to float32 rounding, ~1e-7); the gradients are those of that path.
     """
-    layers = attention_layers(model)
-    if not layers:
+    if not attention_layers(model):
         raise ValueError(f"{type(model).__name__} has no headsearch Attention module")
-    names = [name for name, _ in layers]
-    index = {name: i for i, name in enumerate(names)}
-    saved = [attn.head_mask for _, attn in layers]
-    was_training = model.training
-    grad_sums = [torch.zeros(attn.n_heads, dtype=torch.float64) for _, attn in layers]
-    ent_sums = [torch.zeros(attn.n_heads, dtype=torch.float64) for _, attn in layers]
-    ent_counts = [0] * len(layers)
-    total = 0
+    with head_masks(model) as layers:
+        names = [name for name, _ in layers]
+        index = {name: i for i, name in enumerate(names)}
+        grad_sums = [torch.zeros(attn.n_heads, dtype=torch.float64) for _, attn in layers]
+        ent_sums = [torch.zeros(attn.n_heads, dtype=torch.float64) for _, attn in layers]
+        ent_counts = [0] * len(layers)
+        total = 0
 
-    def on_call(name: str, rec: dict[str, Tensor]) -> None:
-        s, n = entropy_sums(rec["weights"], rec["query_mask"])
-        ent_sums[index[name]] += s.cpu()
-        ent_counts[index[name]] += n
+        def on_call(name: str, rec: dict[str, Tensor]) -> None:
+            s, n = entropy_sums(rec["weights"], rec["query_mask"])
+            ent_sums[index[name]] += s.cpu()
+            ent_counts[index[name]] += n
 
-    try:
-        model.eval()
         gates = []
         for _, attn in layers:
             gate = torch.ones(attn.n_heads, device=_param_device(attn), requires_grad=True)
@@ -124,10 +137,6 @@ def head_importance(model: nn.Module, batches: Iterable[Any], loss_fn: LossFn) -
             raise ValueError("head_importance needs at least one batch")
         if total <= 0:
             raise ValueError("the batches held no tokens (loss_fn returned n_tokens = 0)")
-    finally:
-        for (_, attn), mask in zip(layers, saved):
-            attn.head_mask = mask
-        model.train(was_training)
 
     raw = [(g / total).numpy() for g in grad_sums]
     importance = [r / (np.linalg.norm(r) + 1e-20) for r in raw]
@@ -149,11 +158,7 @@ def ablation(model: nn.Module, evaluate: Callable[[], Mapping[str, float]], metr
     Returns {"metric", "baseline" (no head masked), "names", "per_head": [[value per head] per module]}.
     The model is evaluated in eval mode under torch.no_grad(); masks and mode are restored afterwards.
     """
-    layers = attention_layers(model)
-    saved = [attn.head_mask for _, attn in layers]
-    was_training = model.training
-    try:
-        model.eval()
+    with head_masks(model) as layers:
         for _, attn in layers:
             attn.head_mask = None
         baseline = _evaluate(model, evaluate, metric)
@@ -167,10 +172,6 @@ def ablation(model: nn.Module, evaluate: Callable[[], Mapping[str, float]], metr
                 row.append(_evaluate(model, evaluate, metric))
             attn.head_mask = None
             per_head.append(row)
-    finally:
-        for (_, attn), mask in zip(layers, saved):
-            attn.head_mask = mask
-        model.train(was_training)
     return {"metric": metric, "baseline": baseline, "names": [n for n, _ in layers], "per_head": per_head}
 
 
@@ -208,11 +209,8 @@ def pruning_curve(
             raise ValueError(f"{name}: importance has {len(vec)} heads, the module {attn.n_heads}")
     order = importance.order()
     total = len(order)
-    saved = [attn.head_mask for _, attn in layers]
-    was_training = model.training
     curve: list[dict[str, Any]] = []
-    try:
-        model.eval()
+    with head_masks(model):
         value = None
         previous = -1
         for k, n_pruned in enumerate(pruning_steps(total, step_fraction)):
@@ -235,35 +233,4 @@ def pruning_curve(
                 metric: value,
                 "pruned": [[li, h] for li, h in pruned],
             })
-    finally:
-        for (_, attn), mask in zip(layers, saved):
-            attn.head_mask = mask
-        model.train(was_training)
     return curve
-
-
-def loss_fn_for(bound: Any) -> LossFn:
-    """The summed cross-entropy of a bound task, for `head_importance`, on `diversity_batches` batches.
-
-    vit-cifar10: sum over images (n = images). Translation: sum over non-pad target tokens
-    (n = those tokens). No label smoothing: importance is measured on the plain likelihood.
-    """
-    if hasattr(bound, "eval_sets"):  # translation
-        pad = bound.td.PAD_ID
-
-        def translation_loss(model: nn.Module, batch: Mapping[str, Any]):
-            logits = model(*batch["inputs"]).float()  # (B, T, V)
-            targets = batch["targets"]
-            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=pad, reduction="sum")
-            return loss, int((targets != pad).sum())
-
-        return translation_loss
-    if hasattr(bound, "augment"):  # images
-
-        def image_loss(model: nn.Module, batch: Mapping[str, Any]):
-            logits = model(*batch["inputs"]).float()  # (B, classes)
-            targets = batch["targets"]
-            return F.cross_entropy(logits, targets, reduction="sum"), int(targets.numel())
-
-        return image_loss
-    raise TypeError(f"loss_fn_for does not know the bound task {type(bound).__name__}")

@@ -7,8 +7,9 @@ from typing import Any
 
 
 from headsearch.errors import HeadsearchError
+from headsearch.io import write_atomic
 from headsearch.jsonsafe import json_safe
-from headsearch.tasks import DataSource, get_task
+from headsearch.tasks import DataSource, PatchAttention, TokenAttention, get_task, resolve_config
 
 ANALYSIS_DIR = "analysis"
 
@@ -28,9 +29,7 @@ def load_run(run_dir: Path, source: DataSource, device, samples: int | None = No
         )
     d = load_yaml(run_dir / "config.yaml")
     task = get_task(str(d.get("task")))
-    from headsearch.training.resolve import resolve_config
-
-    cfg = resolve_config(task.name, run_dir / "config.yaml")
+    cfg = resolve_config(task, config=d)
     task.check_source(source)
     bound = task.setup(cfg, source, device, run_dir=run_dir).with_eval_limit(samples)
     model = bound.build_model().to(device)
@@ -46,13 +45,13 @@ def load_run(run_dir: Path, source: DataSource, device, samples: int | None = No
 
 def analyze_run(run_dir: Path, source: DataSource, out_dir: Path | None = None, *, samples: int = 256,
                 ablate: bool = True, device: str | None = None, progress=None) -> dict[str, Any]:
-    """Compute everything, write analysis.json and PNG figures into `out_dir` (default RUN_DIR/analysis),
-    and upload the figures to the run's trial when it belongs to a study. Returns the analysis dict."""
+    """Compute everything and write analysis.json and PNG figures into `out_dir` (default RUN_DIR/analysis).
+    Returns the analysis dict; its "figures" and "analysis_json" name the files written."""
     import torch
 
     from headsearch.analysis import figures, maps
-    from headsearch.analysis.diversity import diversity_batches, head_diversity
-    from headsearch.analysis.importance import ablation, head_importance, loss_fn_for, pruning_curve
+    from headsearch.analysis.diversity import analysis_batches, head_diversity
+    from headsearch.analysis.importance import ablation, head_importance, pruning_curve
     from headsearch.training.trainer import resolve_device
 
     step = progress or (lambda message: None)
@@ -63,10 +62,10 @@ def analyze_run(run_dir: Path, source: DataSource, out_dir: Path | None = None, 
     metric = task.primary.name
 
     step("diversity")
-    batches = diversity_batches(bound, "val", samples)
+    batches = analysis_batches(bound, "val", samples)
     diversity = head_diversity(model, batches)
     step("importance")
-    importance = head_importance(model, batches, loss_fn_for(bound))
+    importance = head_importance(model, batches, bound.summed_loss)
 
     def evaluate() -> dict[str, float]:
         with torch.no_grad():
@@ -87,10 +86,7 @@ def analyze_run(run_dir: Path, source: DataSource, out_dir: Path | None = None, 
         figures.importance_figure(importance.names, importance.importance, importance.entropy, out_dir / "head_importance.png"),
         figures.pruning_curve_figure(curve, metric, out_dir / "pruning_curve.png"),
     ]
-    if task.name == "vit-cifar10":
-        paths += figures.vit_attention_figures(maps.vit_maps(model, bound, samples=4), out_dir)
-    else:
-        paths += figures.cross_attention_figures(maps.translation_maps(model, bound, samples=3), out_dir)
+    paths += attention_figures(bound.attention_views(model), out_dir)
 
     layers = []
     for i, layer in enumerate(diversity):
@@ -112,43 +108,20 @@ def analyze_run(run_dir: Path, source: DataSource, out_dir: Path | None = None, 
         "pruning_curve": curve, "figures": [str(p) for p in paths],
     }
     result = json_safe(result)
-    (out_dir / "analysis.json").write_text(json.dumps(result, indent=1) + "\n")
-    result["uploaded"] = upload_to_trial(Path(run_dir), paths + [out_dir / "analysis.json"])
+    write_atomic(out_dir / "analysis.json", json.dumps(result, indent=1) + "\n")
+    result["analysis_json"] = str(out_dir / "analysis.json")
     return result
 
 
-def upload_to_trial(run_dir: Path, paths: list[Path]) -> str | None:
-    """When the run is a search trial (study.json beside it), attach the files to its study as artifacts.
+def attention_figures(views: list, out_dir: Path) -> list[Path]:
+    """The figures of a task's attention views: patch-grid maps for image models, token-to-token maps."""
+    from headsearch.analysis import figures, maps
 
-    Optuna keeps artifact records in a trial's attributes, which are frozen once the trial finished,
-    so they go to the study, named `trial<N>-<file>`.
-    """
-    import shutil
-    import tempfile
-
-    info_path = run_dir / "study.json"
-    if not info_path.is_file():
-        return None
-    import optuna
-    from optuna.artifacts import FileSystemArtifactStore, upload_artifact
-
-    from headsearch.search.storage import open_storage
-
-    info = json.loads(info_path.read_text())
-    storage = open_storage(info["storage"], heartbeat=None)
-    study = optuna.load_study(study_name=info["study"], storage=storage)
-    store_dir = _artifact_dir(info["storage"])
-    store_dir.mkdir(parents=True, exist_ok=True)
-    store = FileSystemArtifactStore(str(store_dir))
-    with tempfile.TemporaryDirectory() as tmp:
-        for p in paths:
-            named = Path(tmp) / f"trial{info['trial']}-{Path(p).name}"
-            shutil.copyfile(p, named)
-            upload_artifact(artifact_store=store, file_path=str(named), study_or_trial=study, storage=storage)
-    return f"{info['study']} trial {info['trial']} ({store_dir})"
-
-
-def _artifact_dir(storage_url: str) -> Path:
-    from headsearch.search.plots import default_artifact_dir
-
-    return Path(default_artifact_dir(storage_url))
+    patches = [v for v in views if isinstance(v, PatchAttention)]
+    tokens = [v for v in views if isinstance(v, TokenAttention)]
+    paths = []
+    for view in patches:
+        paths += figures.vit_attention_figures(maps.patch_maps(view), out_dir)
+    if tokens:
+        paths += figures.cross_attention_figures(tokens, out_dir)
+    return paths

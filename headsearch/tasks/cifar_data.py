@@ -30,12 +30,12 @@ import torch
 import torch.nn.functional as F
 
 from headsearch.errors import ConfigError, DataError
+from headsearch.tasks.vit_cifar10 import AUGMENTATIONS  # the task names what it accepts
 
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 # The figures of seed 001's augmentation table (widely copied across CIFAR code). The true per-channel
 # std of the training pixels is (0.2470, 0.2435, 0.2616); these stay so results compare with the seed.
 CIFAR_STD = (0.2023, 0.1994, 0.2010)
-AUGMENTATIONS = ("flip", "resized_crop", "pad_crop")
 
 NUM_CLASSES = 10
 IMAGE_SHAPE = (32, 32, 3)  # HWC, as stored on disk

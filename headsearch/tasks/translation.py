@@ -1,37 +1,75 @@
-"""translation-en-es: seed 000's English->Spanish encoder-decoder, scored with sacrebleu, CER and WER.
+"""translation-en-es: the English->Spanish encoder-decoder of Deep Head (Cruz et al.), scored with sacrebleu, CER and WER.
 
-Data: opus_books en-es through `datasets` (the seed's corpus) or any local tab-separated parallel
+Data: opus_books en-es through `datasets` (the corpus Deep Head used) or any local tab-separated parallel
 file via --data-file (e.g. the Tatoeba English-Spanish pairs, CC-BY 2.0 FR, tatoeba.org / manythings.org/anki).
 """
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
-from headsearch.config import ArchConfig, RunConfig, TrainConfig
+from headsearch.config import ArchConfig, DataOptions, RunConfig, TrainConfig, _coerce
 from headsearch.errors import ConfigError, DataError
-from headsearch.tasks import DataSource, Metric, Task, register
+from headsearch.io import write_atomic
+from headsearch.tasks.base import DataSource, Metric, Task, TokenAttention, limited, rebound, seeded_subset
+from headsearch.tasks.registry import register
 
-DATA_OPTIONS = {
-    "val_size": 2000,  # pairs (an int) or a fraction (a float in (0, 1)) of the corpus, seeded
-    "test_size": 5000,
-    "train_limit": None,  # train on a seeded subset of this many pairs
-    "max_len": 350,  # tokens per side including SOS/EOS (the seed's seq len); longer training pairs are dropped
-    "vocab_size": 30000,  # per language; the WordLevel trainer keeps the most frequent words
-    "min_frequency": 2,
-    "eval_batch_size": 256,
-}
+SPECIAL_TOKENS = 4  # [UNK] [PAD] [SOS] [EOS]
+
+
+def _split_size(name: str, value) -> int | float:
+    """A count of pairs (a whole number >= 0) or a fraction of the corpus in (0, 1)."""
+    if isinstance(value, bool):
+        raise ConfigError(f"data.{name} = {value!r} must be a count of pairs or a fraction in (0, 1)")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"data.{name} = {value!r} must be a count of pairs or a fraction in (0, 1)") from None
+    if 0 < number < 1:
+        return number
+    if number.is_integer() and number >= 0:
+        return int(number)
+    raise ConfigError(f"data.{name} = {value!r} must be a whole number of pairs (>= 0) or a fraction in (0, 1)")
+
+
+@dataclass(frozen=True)
+class TranslationData(DataOptions):
+    """Data options of translation-en-es, checked on construction (before the corpus loads)."""
+
+    val_size: int | float = 2000  # pairs (an int) or a fraction (a float in (0, 1)) of the corpus, seeded
+    test_size: int | float = 5000
+    train_limit: int | None = None  # train on a seeded subset of this many pairs
+    max_len: int = 350  # tokens per side including SOS/EOS (Deep Head's seq len); longer training pairs are dropped
+    vocab_size: int = 30000  # per language; the WordLevel trainer keeps the most frequent words
+    min_frequency: int = 2
+    eval_batch_size: int = 256
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "val_size", _split_size("val_size", self.val_size))
+        object.__setattr__(self, "test_size", _split_size("test_size", self.test_size))
+        _coerce(self, ints=("train_limit", "max_len", "vocab_size", "min_frequency", "eval_batch_size"), optional=("train_limit",))
+        if self.train_limit is not None and self.train_limit < 1:
+            raise ConfigError(f"data.train_limit = {self.train_limit} must be at least 1, or null for every pair")
+        if self.max_len < 4:
+            raise ConfigError(f"data.max_len = {self.max_len} is too short: it counts SOS/EOS, use at least 4")
+        if self.vocab_size <= SPECIAL_TOKENS:
+            raise ConfigError(f"data.vocab_size = {self.vocab_size} must exceed the {SPECIAL_TOKENS} special tokens")
+        if self.min_frequency < 1:
+            raise ConfigError(f"data.min_frequency = {self.min_frequency} must be at least 1")
+        if self.eval_batch_size < 1:
+            raise ConfigError(f"data.eval_batch_size = {self.eval_batch_size} must be at least 1")
 
 
 def default_config() -> RunConfig:
-    """Seed 000's baseline: d_model 512, 6+6 layers, 8 heads, d_ff 2048, dropout 0.1, ReLU, Adam lr 1e-4."""
+    """Deep Head's baseline: d_model 512, 6+6 layers, 8 heads, d_ff 2048, dropout 0.1, ReLU, Adam lr 1e-4."""
     return RunConfig(
         task="translation-en-es",
         arch=ArchConfig(d_model=512, enc_layers=6, enc_heads=8, dec_layers=6, dec_heads=8, d_ff=2048,
                         dropout=0.1, activation="relu"),
         train=TrainConfig(epochs=20, batch_size=32, optimizer="adam", lr=1e-4, eps=1e-9, label_smoothing=0.1),
-        data=dict(DATA_OPTIONS),
+        data=TranslationData(),
     )
 
 
@@ -58,12 +96,9 @@ def cache_dir() -> Path:
 
 
 class BoundTranslation:
-    # Length-bucketed batches: each has its own sequence lengths (torch.compile runs with dynamic shapes).
-    static_shapes = False
-    shape_note = "translation batches vary in length"
+    """The tokenised corpus: length-bucketed training batches, whole validation and test splits."""
 
     def __init__(self, cfg: RunConfig, source: DataSource, device, run_dir: Path | None = None):
-        import numpy as np
         import torch
 
         from headsearch.tasks import translation_data as td
@@ -71,16 +106,9 @@ class BoundTranslation:
         self.cfg, self.device, opts = cfg, torch.device(device), cfg.data
         self.td = td
         corpus = td.read_parallel_tsv(source.data_file) if source.data_file else td.load_opus_books("en-es")
-        split = td.split_indices(len(corpus.src), opts["val_size"], opts["test_size"], cfg.seed)
-        train_idx = split["train"]
-        if opts["train_limit"]:
-            limit = int(opts["train_limit"])
-            if not 0 < limit <= len(train_idx):
-                raise ConfigError(f"train_limit = {limit} must be between 1 and {len(train_idx)}")
-            train_idx = np.sort(np.random.default_rng(cfg.seed + 1).permutation(train_idx)[:limit])
-        max_len = int(opts["max_len"])
-        if max_len < 4:
-            raise ConfigError(f"max_len = {max_len} is too short: it counts SOS/EOS, use at least 4")
+        split = td.split_indices(len(corpus.src), opts.val_size, opts.test_size, cfg.seed)
+        train_idx = seeded_subset(split["train"], opts.train_limit, cfg.seed, "training pairs")
+        self.max_len = max_len = opts.max_len
 
         pick = lambda texts, idx: [texts[i] for i in idx]  # noqa: E731
         if run_dir is not None and (Path(run_dir) / "tokenizer_src.json").exists():
@@ -92,7 +120,7 @@ class BoundTranslation:
         else:
             self.src_tok, self.tgt_tok = td.load_or_train_tokenizers(
                 pick(corpus.src, train_idx), pick(corpus.tgt, train_idx),
-                int(opts["vocab_size"]), int(opts["min_frequency"]), cache_dir() / "tokenizers",
+                opts.vocab_size, opts.min_frequency, cache_dir() / "tokenizers",
             )
         src_ids = td.encode(self.src_tok, pick(corpus.src, train_idx))
         tgt_ids = td.encode(self.tgt_tok, pick(corpus.tgt, train_idx))
@@ -101,7 +129,6 @@ class BoundTranslation:
             raise DataError(f"no training pair fits in max_len = {max_len} tokens: raise max_len")
         self.batcher = td.BucketBatcher([src_ids[i] for i in keep], [tgt_ids[i] for i in keep], cfg.train.batch_size)
         self.n_train = len(keep)
-        self.max_len = max_len
         # Validation and test keep every pair (a shorter test set would flatter the model): sources
         # longer than max_len are truncated, references are scored whole.
         self.eval_sets = {name: self._eval_set(corpus, split[name]) for name in ("val", "test")}
@@ -115,34 +142,39 @@ class BoundTranslation:
         return {"src": src, "refs": [corpus.tgt[i] for i in idx], "src_text": [corpus.src[i] for i in idx],
                 "tgt": self.td.encode(self.tgt_tok, [corpus.tgt[i] for i in idx])}
 
+    def _eval_batcher(self, split: str, batch_size: int):
+        """Unshuffled length buckets over a whole split, targets cut to max_len - 1 tokens."""
+        data = self.eval_sets[split]
+        return self.td.BucketBatcher(data["src"], [ids[: self.max_len - 1] for ids in data["tgt"]], batch_size)
+
+    # -- the same data under another config ------------------------------------------------------
     def rebind(self, cfg: RunConfig) -> "BoundTranslation":
         """The same tokenised data under another architecture/training config (a search trial)."""
-        import copy
-
-        new = copy.copy(self)
-        new.cfg = cfg
-        new.last_outputs = {}
+        new = rebound(self, cfg, last_outputs={})
         if cfg.train.batch_size != self.cfg.train.batch_size:
             new.batcher = self.td.BucketBatcher(self.batcher.src_ids, self.batcher.tgt_ids, cfg.train.batch_size)
         return new
 
     def with_eval_limit(self, n: int | None) -> "BoundTranslation":
         """A copy whose validation and test sets keep their first `n` pairs (analysis on a sample)."""
-        import copy
+        return limited(self, n, lambda data, k: {field: values[:k] for field, values in data.items()})
 
-        new = copy.copy(self)
-        if n:
-            new.eval_sets = {k: {f: v[:n] for f, v in d.items()} for k, d in self.eval_sets.items()}
-        return new
-
+    # -- training --------------------------------------------------------------------------------
     def build_model(self):
         from headsearch.models import Seq2Seq
 
         return Seq2Seq(self.cfg.arch, self.src_tok.get_vocab_size(), self.tgt_tok.get_vocab_size(),
                        self.max_len, self.td.PAD_ID)
 
+    def batches_per_epoch(self) -> int:
+        return len(self.batcher)
+
     def train_batches(self, epoch: int):
         return self.batcher.batches(shuffle=True, seed=self.cfg.seed * 100003 + epoch, device=self.device)
+
+    def warmup_batches(self, steps_per_epoch: int) -> list:
+        """The first batch of a fresh epoch 1 (lengths vary: the compiled model is dynamic in them)."""
+        return [next(iter(self.train_batches(1)))]
 
     def loss(self, model, batch, label_smoothing: float):
         import torch.nn.functional as F
@@ -160,12 +192,10 @@ class BoundTranslation:
         from headsearch.tasks.text_metrics import cer, corpus_bleu, wer
 
         td, data = self.td, self.eval_sets[split]
-        tgt = [ids[: self.max_len - 1] for ids in data["tgt"]]
-        batcher = td.BucketBatcher(data["src"], tgt, int(self.cfg.data["eval_batch_size"]))
         hyps: list[str] = [""] * len(data["refs"])
         loss_sum = torch.zeros((), device=self.device)
         tokens = 0
-        for batch in batcher.batches(shuffle=False, device=self.device):
+        for batch in self._eval_batcher(split, self.cfg.data.eval_batch_size).batches(shuffle=False, device=self.device):
             logits = model(batch.src, batch.tgt_in).float()
             loss_sum += F.cross_entropy(logits.flatten(0, 1), batch.tgt_out.flatten(), ignore_index=td.PAD_ID, reduction="sum")
             tokens += batch.n_tokens
@@ -180,9 +210,9 @@ class BoundTranslation:
         return {"bleu": bleu, "cer": cer(hyps, data["refs"]), "wer": wer(hyps, data["refs"]), "loss": loss_sum.item() / max(tokens, 1)}
 
     def write_artifacts(self, run_dir: Path) -> None:
-        self.src_tok.save(str(run_dir / "tokenizer_src.json"))
-        self.tgt_tok.save(str(run_dir / "tokenizer_tgt.json"))
-        (run_dir / "split.json").write_text(json.dumps(self.split))
+        write_atomic(run_dir / "tokenizer_src.json", self.src_tok.to_str())
+        write_atomic(run_dir / "tokenizer_tgt.json", self.tgt_tok.to_str())
+        write_atomic(run_dir / "split.json", json.dumps(self.split))
 
     def write_outputs(self, run_dir: Path) -> None:
         """Test-set translations next to sources and references, for reading what the metric scored."""
@@ -191,15 +221,48 @@ class BoundTranslation:
         data = self.eval_sets["test"]
         lines = ["source\treference\thypothesis"]
         lines += [f"{s}\t{r}\t{h}" for s, r, h in zip(data["src_text"], data["refs"], self.last_outputs["test"])]
-        (run_dir / "test_translations.tsv").write_text("\n".join(lines) + "\n")
-        (run_dir / "bleu_signature.txt").write_text(self.bleu_signature + "\n")
+        write_atomic(run_dir / "test_translations.tsv", "\n".join(lines) + "\n")
+        write_atomic(run_dir / "bleu_signature.txt", self.bleu_signature + "\n")
 
+    # -- analysis --------------------------------------------------------------------------------
+    def analysis_batches(self, split: str, samples: int | None, batch_size: int) -> list[dict]:
+        """The first `samples` pairs of `split` in unshuffled length buckets: {"inputs": (src, tgt_in),
+        "masks": {"src": src != PAD, "tgt": tgt_in != PAD}, "targets": tgt_out}."""
+        pad = self.td.PAD_ID
+        batcher = self.with_eval_limit(samples)._eval_batcher(split, batch_size)
+        return [{"inputs": (b.src, b.tgt_in), "masks": {"src": b.src != pad, "tgt": b.tgt_in != pad}, "targets": b.tgt_out}
+                for b in batcher.batches(shuffle=False, device=self.device)]
 
-def check_config(cfg: RunConfig) -> None:
-    """What can be refused before the corpus and tokenizers load."""
-    from headsearch.training.fastpath import check_compile
+    def summed_loss(self, model, batch):
+        """Cross-entropy summed over the non-pad target tokens (no label smoothing), and their count."""
+        import torch.nn.functional as F
 
-    check_compile(cfg.train, BoundTranslation)
+        pad = self.td.PAD_ID
+        logits = model(*batch["inputs"]).float()  # (B, T, V)
+        targets = batch["targets"]
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=pad, reduction="sum")
+        return loss, int((targets != pad).sum())
+
+    def attention_views(self, model, samples: int = 3) -> list[TokenAttention]:
+        """Cross-attention while the model produces its own (greedy) translation of a few test sentences."""
+        import torch
+
+        td = self.td
+        views = []
+        for src_ids in self.eval_sets["test"]["src"][:samples]:
+            src = torch.tensor([src_ids + [td.EOS_ID]], device=self.device)
+            with torch.no_grad():
+                hyp = model.greedy_decode(src, td.SOS_ID, td.EOS_ID, max_new_tokens=min(self.max_len - 1, 2 * src.shape[1] + 10))[0]
+                hyp = [t for t in hyp.tolist() if t != td.PAD_ID]
+                tgt_in = torch.tensor([[td.SOS_ID] + hyp[:-1] if hyp and hyp[-1] == td.EOS_ID else [td.SOS_ID] + hyp],
+                                      device=self.device)
+                _, weights = model(src, tgt_in, need_weights=True)
+            views.append(TokenAttention(
+                source_tokens=[self.src_tok.id_to_token(i) or "[UNK]" for i in src[0].tolist()],
+                output_tokens=[self.tgt_tok.id_to_token(i) or "[UNK]" for i in (hyp if hyp else [td.EOS_ID])][: tgt_in.shape[1]],
+                layers=[w.self_attn[0].float().cpu().numpy() for w in weights["decoder_cross"]],
+            ))
+        return views
 
 
 def setup(cfg: RunConfig, source: DataSource, device, run_dir: Path | None = None) -> BoundTranslation:
@@ -209,7 +272,7 @@ def setup(cfg: RunConfig, source: DataSource, device, run_dir: Path | None = Non
 TASK = register(
     Task(
         name="translation-en-es",
-        description="English->Spanish encoder-decoder (seed 000): sacrebleu BLEU, CER, WER",
+        description="English->Spanish encoder-decoder (Deep Head, Cruz et al.): sacrebleu BLEU, CER, WER",
         metrics=(
             Metric("bleu", "maximize", "corpus BLEU (sacrebleu)"),
             Metric("cer", "minimize", "character error rate"),
@@ -218,9 +281,10 @@ TASK = register(
         ),
         default_config=default_config,
         presets=PRESETS,
-        data_options=DATA_OPTIONS,
+        data_options=TranslationData,
         check_source=check_source,
         setup=setup,
-        check_config=check_config,
+        static_shapes=False,
+        shape_note="translation batches vary in length",
     )
 )

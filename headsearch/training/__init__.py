@@ -1,12 +1,22 @@
 """Training: `train_run` is the library entry point behind `headsearch train`; `train_bound` trains
-on already-loaded data (each search trial)."""
+on already-loaded data (each search trial); `preflight` checks what can be checked before data loads."""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Sequence
 
 from headsearch.config import RunConfig
-from headsearch.tasks import DataSource, get_task
+from headsearch.tasks import DataSource, Task, get_task
+
+
+def preflight(task: Task, cfg: RunConfig, source: DataSource) -> None:
+    """Every check of a run that needs neither its data nor a directory: the data source, the task's
+    own config checks, and the fast path's (CUDA graphs need a static-shape task)."""
+    from headsearch.training.fastpath import check_compile
+
+    task.check_source(source)
+    task.check_config(cfg)
+    check_compile(cfg.train, task)
 
 
 def train_run(
@@ -27,8 +37,7 @@ def train_run(
     from headsearch.training.trainer import resolve_device
 
     task = get_task(cfg.task)
-    task.check_source(source)
-    task.check_config(cfg)
+    preflight(task, cfg, source)
     run_dir = Path(out) if out is not None else default_run_dir(task.name)
     check_run_dir(run_dir)
     dev = resolve_device(device)

@@ -24,18 +24,17 @@ from headsearch.errors import ConfigError
 WARMUP_CALLS = {"default": 1, "max-autotune": 1, "reduce-overhead": 3}
 
 
-def check_compile(t: TrainConfig, bound: Any) -> None:
-    """Refuse CUDA graphs for a task whose batches change shape (`bound`: a bound task or its class).
+def check_compile(t: TrainConfig, task: Any) -> None:
+    """Refuse CUDA graphs for a task whose batches change shape.
 
-    A bound task says `static_shapes = True` when every training batch has the same shape (up to the
-    epoch's last, partial one); `shape_note` says why not otherwise.
+    A task declares `static_shapes = True` when every training batch has the same shape (up to the
+    epoch's last, partial one, which its `warmup_batches` covers); `shape_note` says why not otherwise.
     """
-    if t.compile == "reduce-overhead" and not getattr(bound, "static_shapes", False):
-        why = getattr(bound, "shape_note", "this task's batches vary in shape")
-        raise ConfigError(f"compile: reduce-overhead uses CUDA graphs, which need static shapes; {why}: use compile: default")
+    if t.compile == "reduce-overhead" and not task.static_shapes:
+        raise ConfigError(f"compile: reduce-overhead uses CUDA graphs, which need static shapes; {task.shape_note}: use compile: default")
 
 
-def compile_model(model: Any, t: TrainConfig, bound: Any) -> Any:
+def compile_model(model: Any, t: TrainConfig, task: Any) -> Any:
     """The compiled model (sharing `model`'s parameters), or `model` itself when compile is off.
 
     Static-shape tasks leave `dynamic` to torch (specialise, and go dynamic only if a shape changes);
@@ -45,7 +44,7 @@ def compile_model(model: Any, t: TrainConfig, bound: Any) -> Any:
         return model
     import torch
 
-    dynamic = None if getattr(bound, "static_shapes", False) else True
+    dynamic = None if task.static_shapes else True
     return torch.compile(model, mode=t.compile, dynamic=dynamic)
 
 
@@ -66,18 +65,6 @@ def kept_loss(loss: Any, t: TrainConfig) -> Any:
     """
     detached = loss.detach().float()
     return detached.clone() if t.compile == "reduce-overhead" else detached
-
-
-def warmup_batches(cfg: Any, bound: Any, steps_per_epoch: int) -> list:
-    """One training batch of each shape the timed epochs will see.
-
-    The batch comes from a rebound copy of the task, whose data order restarts from the seed, so the
-    run's own batches are untouched. A task with a `warmup_shapes(batch, steps_per_epoch)` method adds
-    the other shapes (the ViT: the epoch's last, partial batch).
-    """
-    first = next(iter(bound.rebind(cfg).train_batches(1)))
-    shapes = getattr(bound, "warmup_shapes", None)
-    return shapes(first, steps_per_epoch) if shapes is not None else [first]
 
 
 def warm_up(step_model: Any, optimizer: Any, bound: Any, batches: Sequence, t: TrainConfig, device: Any,

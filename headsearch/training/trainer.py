@@ -23,7 +23,7 @@ import torch
 from headsearch.config import RunConfig, TrainConfig
 from headsearch.errors import Diverged
 from headsearch.tasks import BoundTask, Task
-from headsearch.training.fastpath import check_compile, compile_model, kept_loss, mark_step, warm_up, warmup_batches
+from headsearch.training.fastpath import check_compile, compile_model, kept_loss, mark_step, warm_up
 from headsearch.io import write_atomic
 from headsearch.training.rundir import save_checkpoint
 
@@ -87,10 +87,16 @@ class TrainResult:
 
 
 class Callback:
-    """Hooks into training. Raising from `on_epoch_end` stops the run (a pruner raises TrialPruned)."""
+    """Hooks into training. Raising from `on_epoch_end` stops the run (a pruner raises TrialPruned).
+
+    `on_evaluate` runs after each validation, before the epoch's record is kept and written: a
+    callback may add measurements of the model to it (the diversity tracker of `headsearch.analysis`
+    fills `record.diversity`), outside the training time.
+    """
 
     def on_start(self, steps_per_epoch: int, epochs: int) -> None: ...
     def on_step(self, info: StepInfo) -> None: ...
+    def on_evaluate(self, model: torch.nn.Module, bound: BoundTask, record: EpochRecord) -> None: ...
     def on_epoch_end(self, record: EpochRecord) -> None: ...
 
 
@@ -137,7 +143,7 @@ def synchronize(device: torch.device) -> None:
 
 
 def steps_per_epoch(bound: BoundTask, t: TrainConfig) -> int:
-    n = len(bound.batcher) if hasattr(bound, "batcher") else math.ceil(bound.n_train / t.batch_size)
+    n = bound.batches_per_epoch()
     return min(n, t.max_steps_per_epoch) if t.max_steps_per_epoch else n
 
 
@@ -153,7 +159,7 @@ def fit(
 ) -> TrainResult:
     """Train `bound`'s model under `cfg`; evaluate each epoch; test the best checkpoint at the end."""
     t = cfg.train
-    check_compile(t, bound)  # before anything is built or trained
+    check_compile(t, task)  # before anything is built or trained
     seed_everything(cfg.seed)
     model = bound.build_model().to(device)
     result = TrainResult(status="completed", primary_metric=task.primary.name,
@@ -164,17 +170,12 @@ def fit(
     warmup = round(t.warmup_epochs * spe)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_multiplier(s, total, warmup, t.schedule, t.min_lr_ratio))
-    step_model = compile_model(model, t, bound)  # evaluation uses `model`: same weights, no compiling
+    step_model = compile_model(model, t, task)  # evaluation uses `model`: same weights, no compiling
     amp = lambda: autocast_context(t, device)  # noqa: E731
     for cb in callbacks:
         cb.on_start(spe, t.epochs)
 
     best_state: dict[str, torch.Tensor] | None = None
-    diversity_batches = None
-    if t.diversity_samples:
-        from headsearch.analysis.diversity import diversity_batches as make_batches
-
-        diversity_batches = make_batches(bound, "val", t.diversity_samples)  # the same fixed samples every epoch
     first_bad = torch.full((), -1, dtype=torch.long, device=device)  # step of the first non-finite loss
     bad_loss = torch.zeros((), device=device)  # and that loss
     start = time.perf_counter()
@@ -191,7 +192,7 @@ def fit(
     try:
         if step_model is not model:
             model.train()
-            result.compile_seconds = warm_up(step_model, optimizer, bound, warmup_batches(cfg, bound, spe), t, device, amp)
+            result.compile_seconds = warm_up(step_model, optimizer, bound, bound.warmup_batches(spe), t, device, amp)
             start = time.perf_counter()  # wall time, like training time, starts after the warm-up
         for epoch in range(1, t.epochs + 1):
             model.train()
@@ -233,14 +234,15 @@ def fit(
             model.eval()
             with torch.no_grad(), amp():
                 metrics = bound.evaluate(model, "val")
-            diversity = measure_diversity(model, diversity_batches) if diversity_batches else {}
             record = EpochRecord(epoch, step, float(loss_sum) / max(seen, 1), scheduler.get_last_lr()[0],
-                                 result.train_seconds, time.perf_counter() - start, seen / epoch_seconds, metrics, diversity)
+                                 result.train_seconds, time.perf_counter() - start, seen / epoch_seconds, metrics)
+            for cb in callbacks:
+                cb.on_evaluate(model, bound, record)
             result.history.append(record)
             value = metrics[task.primary.name]
             if result.best_value is None or task.primary.better(value, result.best_value):
                 result.best_epoch, result.best_value, result.best_metrics = epoch, value, dict(metrics)
-                result.best_diversity = dict(diversity)
+                result.best_diversity = dict(record.diversity)
                 result.best_train_seconds, result.best_wall_seconds = record.train_seconds, record.wall_seconds
                 best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
                 if run_dir is not None:
@@ -275,18 +277,10 @@ def fit(
     model.eval()
     with torch.no_grad(), amp():
         result.test_metrics = bound.evaluate(model, "test")
-    if run_dir is not None and hasattr(bound, "write_outputs"):
+    if run_dir is not None:
         bound.write_outputs(run_dir)
     _finish(result, run_dir, start)
     return result
-
-
-def measure_diversity(model: torch.nn.Module, batches) -> dict[str, float]:
-    """The model-level diversity scalars (mean over layers), outside the training time."""
-    from headsearch.analysis.diversity import diversity_summary, head_diversity
-
-    summary = diversity_summary(head_diversity(model, batches))
-    return {k: (float(v) if math.isfinite(v) else None) for k, v in summary.items()}
 
 
 def _finish(result: TrainResult, run_dir: Path | None, start: float) -> None:
