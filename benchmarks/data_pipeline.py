@@ -1,11 +1,11 @@
 """Benchmark 2: the device-resident CIFAR-10 pipeline against torchvision DataLoader pipelines.
 
 All three deliver the same thing to the training step: shuffled batches of 256 normalised float
-images on the device, augmented with seed 001's RandomResizedCrop(32, scale=(0.8, 1)) and a
-horizontal flip. headsearch keeps the uint8 images on the device and augments whole batches there
-(`DeviceImages` + `GpuAugment`); the references decode and augment image by image in DataLoader
-workers, then copy each batch to the device:
-- "torchvision PIL": seed 001's own pipeline (PIL images, ToTensor, Normalize);
+images on the device, augmented with the HAM paper's RandomResizedCrop(32, scale=(0.8, 1)) and a
+horizontal flip (Martínez-Marín et al.; docs/design.md §4.1). headsearch keeps the uint8 images on
+the device and augments whole batches there (`DeviceImages` + `GpuAugment`); the references decode
+and augment image by image in DataLoader workers, then copy each batch to the device:
+- "torchvision PIL": the HAM paper's own pipeline (PIL images, ToTensor, Normalize);
 - "torchvision v2": the faster tensor API (uint8 tensors, v2.RandomResizedCrop, ToDtype, Normalize).
 
     python benchmarks/data_pipeline.py --quick     # CPU: 10,000 images a round, under a minute

@@ -8,7 +8,7 @@ architectures in every search, so the difference in epochs and in best quality i
 Target (issue 5): at least 2x fewer epochs than no pruning, for a best quality within 0.5 points.
 
     python benchmarks/pruning.py --quick     # CPU: three searches of 10 trials x 5 epochs on 1,500 images, about 6 minutes
-    python benchmarks/pruning.py             # GPU: 24 trials x 20 epochs of the seed ViT on the full data
+    python benchmarks/pruning.py             # GPU: 24 trials x 20 epochs of the reference ViT on the full data
 """
 from __future__ import annotations
 

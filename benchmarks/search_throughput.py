@@ -7,7 +7,7 @@ whole command (start-up, data loading, every process); "steady" counts from the 
 to the last trial's end, as the study's timestamps record them.
 
     python benchmarks/search_throughput.py --quick         # CPU: 6 trials x 1 epoch on 1,500 images, K = 1, 2 (about 2 minutes)
-    python benchmarks/search_throughput.py                 # GPU: 16 trials x 3 epochs of the seed ViT, K = 1, 2, 4, 8
+    python benchmarks/search_throughput.py                 # GPU: 16 trials x 3 epochs of the reference ViT, K = 1, 2, 4, 8
 """
 from __future__ import annotations
 

@@ -2,9 +2,9 @@
 
 A step is what the trainer does: forward under the trainer's autocast, loss, backward, the trainer's
 optimizer (fused AdamW on CUDA). Inputs are real: CIFAR-10 test images (normalised, batch 256 as
-in seed 001) and length-bucketed English-Spanish batches. Each headsearch model is timed against a
-reference of the same sizes built from `nn.TransformerEncoderLayer` / `nn.Transformer`
-(benchmarks/references.py), alternating in one process, median of the rounds.
+in the HAM paper, docs/design.md §4.1) and length-bucketed English-Spanish batches. Each headsearch
+model is timed against a reference of the same sizes built from `nn.TransformerEncoderLayer` /
+`nn.Transformer` (benchmarks/references.py), alternating in one process, median of the rounds.
 
 The ratio column is time per step against the reference: classic attention must stay at or below
 1.05. The overhead column is each skip / fusion variant against headsearch's classic attention.
@@ -171,12 +171,12 @@ def translation_cases(device, quick: bool, compile_model: bool) -> dict:
     import torch.nn.functional as F
 
     from headsearch.models import Seq2Seq
-    from headsearch.tasks import DataSource, get_task
+    from headsearch.tasks import DataSource, get_task, resolve_config
     from headsearch.tasks.translation_data import PAD_ID
     from references import ReferenceSeq2Seq
 
     task = get_task("translation-en-es")
-    cfg = task.config("tiny")
+    cfg = resolve_config(task, preset="tiny")
     batch_size = 64 if quick else 128
     if not quick:  # "a small config": 4+4 layers of width 256
         cfg = dataclasses.replace(cfg, arch=dataclasses.replace(cfg.arch, d_model=256, enc_layers=4, enc_heads=8, dec_layers=4,

@@ -82,16 +82,17 @@ def _heads_tuple(name: str, heads: Any, layers: int) -> tuple[int, ...]:
 class ArchConfig:
     """A transformer architecture with per-layer head counts.
 
-    Defaults are seed 001's CIFAR-10 ViT (embed 48, 4 layers x 4 heads, MLP 192, GELU, no dropout).
+    Defaults are the CIFAR-10 ViT of Martínez-Marín et al. (HAM; docs/design.md §4.1): embed 48, 4 layers x 4
+    heads, MLP 192, GELU, no dropout.
     `enc_heads`/`dec_heads` take one head count per layer; an int means the same count everywhere.
-    `head_dim="split"` gives each head d_model / h dimensions (Deep Head, eq. 1), so the projection
+    `head_dim="split"` gives each head d_model / h dimensions (Deep Head, Cruz et al., eq. 1; docs/design.md §1), so the projection
     weights have the same shape whatever the schedule; an int fixes the head width instead and the
     attention width becomes h * head_dim (as timm allows).
-    `skip` connects successive attention layers of a stack (DESIGN.md §2): "output" adds and
+    `skip` connects successive attention layers of a stack (docs/design.md §2): "output" adds and
     normalises the merged head outputs (Deep Head), "scores" adds the pre-softmax scores (RealFormer,
     He et al. 2020); `skip_mean` makes the scores skip a running mean instead of a running sum.
     `fusion` fuses each head's self-attention with a soft (additive, Bahdanau) attention branch:
-    "hadamard" is HAM A, "add" is HAM B (seed 001). `soft_dim` is the soft branch's width d_a
+    "hadamard" is HAM A, "add" is HAM B (Martínez-Marín et al.; docs/design.md §3). `soft_dim` is the soft branch's width d_a
     (None = d_k); `soft_score="key"` scores keys alone (cheaper) instead of query-key pairs.
     """
 
@@ -232,7 +233,7 @@ def _compile_mode(value: Any) -> Any:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Optimisation settings. Each task supplies its seed's defaults."""
+    """Optimisation settings. Each task supplies the defaults of the paper it reproduces (docs/design.md §4)."""
 
     epochs: int = 10
     batch_size: int = 256
@@ -251,7 +252,7 @@ class TrainConfig:
     max_steps_per_epoch: int | None = None  # cut epochs short (smoke tests, quick benchmarks)
     compile: str = "off"  # torch.compile mode (COMPILE_MODES); true/false in old configs mean default/off
     channels_last: str = "auto"  # image tasks: NHWC activations and weights; "auto": on for CUDA, off on CPU
-    # After each epoch, measure the head-diversity layer scalars (seed 002 tracks them over
+    # After each epoch, measure the head-diversity layer scalars (the X-Raying article tracks them over
     # training) on this many validation samples; 0 = off.
     diversity_samples: int = 0
 

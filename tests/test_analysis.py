@@ -1,5 +1,6 @@
 """Head diversity, importance, ablation and pruning curves on hand-built cases with known answers."""
 import math
+from functools import partial
 from types import SimpleNamespace
 
 import numpy as np
@@ -7,17 +8,17 @@ import pytest
 import torch
 from torch import nn
 
-from headsearch.analysis.diversity import METRICS, diversity_batches, head_diversity, module_masks
+from headsearch.analysis.diversity import METRICS, analysis_batches, head_diversity, module_masks
 from headsearch.analysis.importance import (
     ablation,
     head_importance,
-    loss_fn_for,
     pruning_curve,
     pruning_steps,
 )
 from headsearch.config import ArchConfig
 from headsearch.models import Attention, Seq2Seq
 from headsearch.models.transformer import attention_layers
+from headsearch.tasks.translation import BoundTranslation
 
 torch.set_grad_enabled(True)
 PAD = 1
@@ -96,7 +97,8 @@ def _s2s_batch(src, tgt, extra_pad=0):
     return {"inputs": (s, ti), "masks": {"src": s != PAD, "tgt": ti != PAD}, "targets": to}
 
 
-FAKE_TRANSLATION = SimpleNamespace(eval_sets={}, td=SimpleNamespace(PAD_ID=PAD))
+# The translation task's summed loss (as head importance calls it) on hand-made batches with PAD = 1.
+translation_loss = partial(BoundTranslation.summed_loss, SimpleNamespace(td=SimpleNamespace(PAD_ID=PAD)))
 
 
 def _assert_same_diversity(a, b, rtol=1e-5, atol=1e-7):
@@ -172,7 +174,7 @@ def test_uniform_attention_entropy_counts_only_valid_keys_and_queries():
         attn.qkv_proj.bias[: 2 * attn.attn_dim] = 0
     src, tgt = _pairs(5)
     batch = _s2s_batch(src, tgt, extra_pad=2)
-    imp = head_importance(model, [batch], loss_fn_for(FAKE_TRANSLATION))
+    imp = head_importance(model, [batch], translation_loss)
     lengths = np.array([len(s) for s in src])
     expected = (lengths * np.log(lengths)).sum() / lengths.sum()  # mean over valid queries of log(T_valid)
     assert imp.names[0] == "encoder.blocks.0.attn"
@@ -207,7 +209,7 @@ def test_padding_changes_no_metric():
     tight, padded = _s2s_batch(src, tgt), _s2s_batch(src, tgt, extra_pad=3)
     assert padded["inputs"][0].shape[1] == tight["inputs"][0].shape[1] + 3
     _assert_same_diversity(head_diversity(model, [tight]), head_diversity(model, [padded]))
-    loss = loss_fn_for(FAKE_TRANSLATION)
+    loss = translation_loss
     a, b = head_importance(model, [tight], loss), head_importance(model, [padded], loss)
     assert a.n_tokens == b.n_tokens == sum(len(t) + 1 for t in tgt)
     for key in ("raw", "importance", "entropy"):
@@ -328,7 +330,7 @@ def test_pruning_curve_masks_least_important_heads_first():
     model = _seq2seq()
     src, tgt = _pairs(6)
     batch = _s2s_batch(src, tgt)
-    loss = loss_fn_for(FAKE_TRANSLATION)
+    loss = translation_loss
     imp = head_importance(model, [batch], loss)
     total = imp.total_heads
     assert total == 2 + 4 + 2 + 2
@@ -359,14 +361,14 @@ def test_pruning_curve_masks_least_important_heads_first():
 
 
 def test_real_tiny_vit_run_end_to_end(cifar_dir):
-    from headsearch.tasks import DataSource, apply_overrides, get_task
+    from headsearch.tasks import DataSource, apply_overrides, get_task, resolve_config
 
     task = get_task("vit-cifar10")
-    cfg = apply_overrides(task, task.config("tiny"), {"data": {"train_limit": 500, "val_size": 200, "test_limit": 200}})
+    cfg = apply_overrides(task, resolve_config(task, preset="tiny"), {"data": {"train_limit": 500, "val_size": 200, "test_limit": 200}})
     bound = task.setup(cfg, DataSource(data_dir=cifar_dir), torch.device("cpu"))
     torch.manual_seed(0)
     model = bound.build_model()
-    batches = diversity_batches(bound, "val", samples=48, batch_size=32)
+    batches = analysis_batches(bound, "val", samples=48, batch_size=32)
     assert [len(b["targets"]) for b in batches] == [32, 16]
     heads = cfg.arch.enc_heads
 
@@ -380,7 +382,7 @@ def test_real_tiny_vit_run_end_to_end(cifar_dir):
         assert layer.attention_diversity.shape == (h,) and np.all(np.isfinite(layer.attention_diversity))
         assert all(math.isfinite(v) for v in layer.scalars().values())
 
-    imp = head_importance(model, batches, loss_fn_for(bound))
+    imp = head_importance(model, batches, bound.summed_loss)
     assert imp.n_tokens == 48
     for vec, raw, ent, h in zip(imp.importance, imp.raw, imp.entropy, heads):
         assert vec.shape == raw.shape == ent.shape == (h,)
@@ -397,18 +399,18 @@ def test_real_tiny_vit_run_end_to_end(cifar_dir):
 
 
 def test_real_tiny_translation_adapter_masks_and_losses(spa_file, tmp_path, monkeypatch):
-    from headsearch.tasks import DataSource, apply_overrides, get_task
+    from headsearch.tasks import DataSource, apply_overrides, get_task, resolve_config
 
     monkeypatch.setenv("HEADSEARCH_CACHE", str(tmp_path))
     task = get_task("translation-en-es")
-    cfg = apply_overrides(task, task.config("tiny"), {
+    cfg = apply_overrides(task, resolve_config(task, preset="tiny"), {
         "arch": {"d_model": 32, "enc_layers": 1, "enc_heads": 2, "dec_layers": 1, "dec_heads": 2, "d_ff": 64},
         "data": {"train_limit": 200, "val_size": 40, "test_size": 20, "max_len": 16, "vocab_size": 300},
     })
     bound = task.setup(cfg, DataSource(data_file=spa_file), torch.device("cpu"))
     torch.manual_seed(0)
     model = bound.build_model()
-    batches = diversity_batches(bound, "val", samples=24, batch_size=8)
+    batches = analysis_batches(bound, "val", samples=24, batch_size=8)
     assert sum(len(b["targets"]) for b in batches) == 24
     for b in batches:
         src, tgt_in = b["inputs"]
@@ -424,7 +426,7 @@ def test_real_tiny_translation_adapter_masks_and_losses(spa_file, tmp_path, monk
     for layer in layers:
         assert all(math.isfinite(v) for v in layer.scalars().values())
 
-    imp = head_importance(model, batches, loss_fn_for(bound))
+    imp = head_importance(model, batches, bound.summed_loss)
     assert imp.n_tokens == n_tgt
     assert all(np.all(np.isfinite(v)) and v.shape == (2,) for v in imp.raw + imp.entropy)
     small = bound.with_eval_limit(6)

@@ -4,11 +4,10 @@ import yaml
 
 from headsearch.config import ArchConfig, RunConfig, TrainConfig, load_yaml, parse_yaml
 from headsearch.errors import ConfigError
-from headsearch.tasks import apply_overrides, get_task
-from headsearch.training.resolve import resolve_config
+from headsearch.tasks import apply_overrides, get_task, flag_overrides, resolve_config
 
 
-def test_defaults_are_seed_001_vit():
+def test_defaults_are_the_ham_papers_vit():
     a = ArchConfig()
     assert (a.d_model, a.enc_layers, a.enc_heads, a.d_ff, a.activation, a.patch_size) == (48, 4, (4, 4, 4, 4), 192, "gelu", 4)
     assert a.head_width(4) == 12 and a.attn_dim(4) == 48
@@ -98,7 +97,7 @@ def test_old_yaml_booleans_and_new_modes_round_trip():
     assert TrainConfig.from_dict(parse_yaml("compile: false\n")).compile == "off"
     t = TrainConfig(compile="reduce-overhead", channels_last="on")
     assert TrainConfig.from_dict(parse_yaml(yaml.safe_dump(t.to_dict()))) == t
-    cfg = resolve_config("vit-cifar10", compile_mode="max-autotune")
+    cfg = resolve_config("vit-cifar10", overrides=flag_overrides(compile="max-autotune"))
     assert cfg.train.compile == "max-autotune"
     assert "compile: max-autotune" in cfg.to_yaml()
 
@@ -113,33 +112,33 @@ def test_channels_last_is_on_for_cuda_only_when_auto():
 
 
 def test_run_config_round_trips_through_a_file(tmp_path):
-    cfg = resolve_config("vit-cifar10", preset="tiny", epochs=3, seed=7)
-    assert cfg.train.epochs == 3 and cfg.seed == 7 and cfg.data["train_limit"] == 20000
+    cfg = resolve_config("vit-cifar10", preset="tiny", overrides=flag_overrides(epochs=3, seed=7))
+    assert cfg.train.epochs == 3 and cfg.seed == 7 and cfg.data.train_limit == 20000
     path = tmp_path / "config.yaml"
     path.write_text(cfg.to_yaml())
-    assert resolve_config("vit-cifar10", path) == cfg
+    assert resolve_config("vit-cifar10", config=path) == cfg
     assert isinstance(cfg, RunConfig)
 
 
 def test_seed_defaults_per_task():
-    vit = get_task("vit-cifar10").config()
+    vit = resolve_config("vit-cifar10")
     assert (vit.train.lr, vit.train.weight_decay, vit.train.batch_size, vit.train.epochs) == (1e-2, 1e-2, 256, 400)
-    tr = get_task("translation-en-es").config()
+    tr = resolve_config("translation-en-es")
     assert (tr.arch.d_model, tr.arch.enc_layers, tr.arch.dec_layers, tr.arch.d_ff) == (512, 6, 6, 2048)
     assert (tr.train.lr, tr.train.eps, tr.train.label_smoothing, tr.train.batch_size) == (1e-4, 1e-9, 0.1, 32)
-    assert tr.data["max_len"] == 350 and tr.data["min_frequency"] == 2
+    assert tr.data.max_len == 350 and tr.data.min_frequency == 2
 
 
 def test_overrides_reject_wrong_task_and_unknown_sections():
     task = get_task("vit-cifar10")
     with pytest.raises(ConfigError, match="pass --task translation-en-es"):
-        apply_overrides(task, task.config(), {"task": "translation-en-es", "arch": {}})
+        apply_overrides(task, resolve_config(task), {"task": "translation-en-es", "arch": {}})
     with pytest.raises(ConfigError, match="unknown config section"):
-        apply_overrides(task, task.config(), {"model": {}})
+        apply_overrides(task, resolve_config(task), {"model": {}})
     with pytest.raises(ConfigError, match="unknown data option"):
-        apply_overrides(task, task.config(), {"data": {"max_len": 3}})
+        apply_overrides(task, resolve_config(task), {"data": {"max_len": 3}})
     with pytest.raises(ConfigError, match="no preset 'huge'"):
-        task.config("huge")
+        resolve_config(task, preset="huge")
 
 
 def test_load_yaml_errors(tmp_path):
@@ -153,3 +152,64 @@ def test_load_yaml_errors(tmp_path):
     scalar.write_text("42\n")
     with pytest.raises(ConfigError, match="must hold a mapping"):
         load_yaml(scalar)
+
+
+# -- typed data options and RunConfig ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("task, data, message", [
+    ("vit-cifar10", {"val_size": -1}, r"data.val_size = -1 must be in \[0, 50000\)"),
+    ("vit-cifar10", {"train_limit": 0}, "data.train_limit = 0 must be between 1 and 45000"),
+    ("vit-cifar10", {"val_size": 10000, "train_limit": 45000}, "must be between 1 and 40000"),
+    ("vit-cifar10", {"test_limit": 20000}, "data.test_limit = 20000 must be between 1 and 10000"),
+    ("vit-cifar10", {"augment": "flip"}, "data.augment = 'flip' must be a list"),
+    ("vit-cifar10", {"augment": ["flip", "rotate"]}, r"unknown augmentation\(s\) \['rotate'\]"),
+    ("vit-cifar10", {"eval_batch_size": 0}, "data.eval_batch_size = 0 must be at least 1"),
+    ("vit-cifar10", {"train_limit": "many"}, "train_limit = 'many' must be an integer"),
+    ("translation-en-es", {"val_size": 1.5}, r"data.val_size = 1.5 must be a whole number of pairs \(>= 0\) or a fraction"),
+    ("translation-en-es", {"test_size": "x"}, "data.test_size = 'x' must be a count of pairs or a fraction"),
+    ("translation-en-es", {"max_len": 3}, "data.max_len = 3 is too short"),
+    ("translation-en-es", {"vocab_size": 4}, "must exceed the 4 special tokens"),
+    ("translation-en-es", {"min_frequency": 0}, "data.min_frequency = 0 must be at least 1"),
+    ("translation-en-es", {"train_limit": -5}, "data.train_limit = -5 must be at least 1"),
+])
+def test_data_options_are_checked_when_the_config_is_resolved(task, data, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve_config(task, overrides={"data": data})
+
+
+def test_data_options_are_typed_and_round_trip():
+    cfg = resolve_config("translation-en-es", overrides={"data": {"val_size": 0.1, "test_size": 300.0, "train_limit": "2000"}})
+    assert (cfg.data.val_size, cfg.data.test_size, cfg.data.train_limit) == (0.1, 300, 2000)
+    assert isinstance(cfg.data.test_size, int) and isinstance(cfg.data.train_limit, int)
+    vit = resolve_config("vit-cifar10", overrides={"data": {"augment": ["pad_crop"]}})
+    assert vit.data.augment == ("pad_crop",) and vit.to_dict()["data"]["augment"] == ["pad_crop"]
+    for cfg in (cfg, vit):
+        assert resolve_config(cfg.task, config=parse_yaml(cfg.to_yaml())) == cfg
+
+
+def test_run_config_checks_its_own_fields():
+    with pytest.raises(ConfigError, match="seed = -1 must be a non-negative integer"):
+        RunConfig(task="vit-cifar10", seed=-1)
+    with pytest.raises(ConfigError, match="seed = True must be a non-negative integer"):
+        RunConfig(task="vit-cifar10", seed=True)
+    with pytest.raises(ConfigError, match="task = '' must be a task name"):
+        RunConfig(task="")
+    with pytest.raises(ConfigError, match="arch = 3 must be a mapping"):
+        RunConfig(task="vit-cifar10", arch=3)
+    with pytest.raises(ConfigError, match="data = 3 must be a mapping"):
+        RunConfig(task="vit-cifar10", data=3)
+    assert RunConfig(task="vit-cifar10", arch={"d_model": 64}).arch.d_model == 64  # a mapping becomes the dataclass
+
+
+def test_resolution_order_is_defaults_preset_search_config_flags(tmp_path):
+    plain = resolve_config("vit-cifar10", preset="tiny")
+    search = resolve_config("vit-cifar10", preset="tiny", search=True)
+    assert (plain.train.epochs, plain.data.train_limit) == (6, 20000)
+    assert (search.train.epochs, search.data.train_limit, search.data.augment) == (4, 6000, ("flip",))
+    path = tmp_path / "c.yaml"
+    path.write_text("task: vit-cifar10\narch: {}\ntrain: {epochs: 9}\n")
+    assert resolve_config("vit-cifar10", preset="tiny", config=path).train.epochs == 9
+    flagged = resolve_config("vit-cifar10", preset="tiny", config=path, overrides=flag_overrides(epochs=2, seed=3, compile=None))
+    assert (flagged.train.epochs, flagged.seed, flagged.train.compile) == (2, 3, "off")
+    assert flag_overrides(epochs=None, seed=None) == {}

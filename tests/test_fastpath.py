@@ -4,6 +4,7 @@ trainer does around it (warm-up shapes, RNG, copies of kept tensors, refusals) i
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,10 +13,10 @@ import pytest
 import torch
 
 from headsearch.errors import ConfigError
-from headsearch.tasks import DataSource, apply_overrides, cifar_data, get_task, translation_data
-from headsearch.tasks.vit_cifar10 import BoundCifar
+from headsearch.tasks import DataSource, Task, apply_overrides, cifar_data, get_task, translation_data, resolve_config
 from headsearch.training import train_run, trainer
-from headsearch.training.fastpath import check_compile, kept_loss, mark_step, warm_up, warmup_batches
+from headsearch.training import preflight
+from headsearch.training.fastpath import check_compile, kept_loss, mark_step, warm_up
 from headsearch.training.trainer import autocast_context, fit, make_optimizer, steps_per_epoch
 
 VIT = get_task("vit-cifar10")
@@ -41,13 +42,13 @@ def vit_config(train=None, data=None, arch=None):
     over["arch"].update(arch or {})
     over["train"].update(train or {})
     over["data"].update(data or {})
-    return apply_overrides(VIT, VIT.config(), over)
+    return apply_overrides(VIT, resolve_config(VIT), over)
 
 
 def translation_config(train=None):
     over = json.loads(json.dumps(TINY_TRANSLATION))
     over["train"].update(train or {})
-    return apply_overrides(TRANSLATION, TRANSLATION.config(), over)
+    return apply_overrides(TRANSLATION, resolve_config(TRANSLATION), over)
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +132,7 @@ def test_warm_up_leaves_weights_gradients_and_the_global_rng_as_they_were(cifar)
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     rng = torch.get_rng_state()
     # The eager model stands in for the compiled one: what is checked is what the warm-up does around it.
-    seconds = warm_up(model, optimizer, bound, warmup_batches(cfg, bound, 5), cfg.train, torch.device("cpu"),
+    seconds = warm_up(model, optimizer, bound, bound.warmup_batches(5), cfg.train, torch.device("cpu"),
                       lambda: autocast_context(cfg.train, torch.device("cpu")))
     assert seconds > 0
     assert torch.equal(torch.get_rng_state(), rng)
@@ -142,19 +143,19 @@ def test_warm_up_leaves_weights_gradients_and_the_global_rng_as_they_were(cifar)
 
 def test_warm_up_shapes_cover_the_last_partial_batch_only_when_an_epoch_reaches_it(cifar):
     bound = VIT.setup(vit_config(), cifar, "cpu")  # 300 images in batches of 64: 4 full and one of 44
-    assert [len(y) for _, y in warmup_batches(bound.cfg, bound, 5)] == [64, 44]
-    assert [len(y) for _, y in warmup_batches(bound.cfg, bound, 4)] == [64]  # max_steps_per_epoch 4: no partial batch
+    assert [len(y) for _, y in bound.warmup_batches(5)] == [64, 44]
+    assert [len(y) for _, y in bound.warmup_batches(4)] == [64]  # max_steps_per_epoch 4: no partial batch
     even = VIT.setup(vit_config(data={"train_limit": 256}), cifar, "cpu")
-    assert [len(y) for _, y in warmup_batches(even.cfg, even, 4)] == [64]
+    assert [len(y) for _, y in even.warmup_batches(4)] == [64]
     small = VIT.setup(vit_config({"batch_size": 512}), cifar, "cpu")  # one batch, itself partial
-    assert [len(y) for _, y in warmup_batches(small.cfg, small, 1)] == [300]
+    assert [len(y) for _, y in small.warmup_batches(1)] == [300]
 
 
 def test_the_warm_up_batch_leaves_the_vit_runs_data_order_untouched(cifar):
     cfg = vit_config()
     bound = VIT.setup(cfg, cifar, "cpu")
     untouched = VIT.setup(cfg, cifar, "cpu")
-    warm = warmup_batches(cfg, bound, steps_per_epoch(bound, cfg.train))
+    warm = bound.warmup_batches(steps_per_epoch(bound, cfg.train))
     run = list(bound.train_batches(1))
     assert same_batches(run, untouched.train_batches(1))
     assert torch.equal(warm[0][0], run[0][0])  # the warm-up saw the run's first batch (same shape, same values)
@@ -164,7 +165,7 @@ def test_the_warm_up_batch_leaves_the_translation_runs_data_order_untouched(tran
     cfg = translation_config({"compile": "default"})
     bound = translation_bound.rebind(cfg)
     before = list(bound.train_batches(1))
-    warm = warmup_batches(cfg, bound, steps_per_epoch(bound, cfg.train))
+    warm = bound.warmup_batches(steps_per_epoch(bound, cfg.train))
     assert len(warm) == 1 and torch.equal(warm[0].src, before[0].src)
     assert same_batches(bound.train_batches(1), before)
     assert same_batches(bound.train_batches(2), translation_bound.rebind(cfg).train_batches(2))
@@ -178,7 +179,7 @@ def test_reduce_overhead_for_translation_is_refused_before_anything_loads_or_tra
     expected = ("compile: reduce-overhead uses CUDA graphs, which need static shapes; translation batches vary in length:"
                 " use compile: default")
     with pytest.raises(ConfigError) as e:
-        TRANSLATION.check_config(cfg)
+        preflight(TRANSLATION, cfg, DataSource(data_file=spa_file))
     assert str(e.value) == expected
     # train_run: before the corpus loads and before the run directory exists.
     monkeypatch.setattr(translation_data, "read_parallel_tsv", lambda *a, **k: pytest.fail("the corpus was read"))
@@ -186,18 +187,18 @@ def test_reduce_overhead_for_translation_is_refused_before_anything_loads_or_tra
         train_run(cfg, DataSource(data_file=spa_file), tmp_path / "run", device="cpu")
     assert not (tmp_path / "run").exists()
     # fit itself, for library callers: before the model is built.
-    unbuildable = SimpleNamespace(static_shapes=False, shape_note="translation batches vary in length",
-                                  build_model=lambda: pytest.fail("the model was built"))
+    unbuildable = SimpleNamespace(build_model=lambda: pytest.fail("the model was built"))
     with pytest.raises(ConfigError, match="need static shapes"):
         fit(TRANSLATION, cfg, unbuildable, device=torch.device("cpu"))
 
 
 def test_static_shape_tasks_and_other_modes_are_not_refused():
-    check_compile(vit_config({"compile": "reduce-overhead"}).train, BoundCifar)
+    check_compile(vit_config({"compile": "reduce-overhead"}).train, VIT)
     for mode in ("off", "default", "max-autotune"):
-        TRANSLATION.check_config(translation_config({"compile": mode}))
-    with pytest.raises(ConfigError, match="batches vary in shape: use compile: default"):  # a task that says nothing about its shapes
-        check_compile(vit_config({"compile": "reduce-overhead"}).train, object())
+        check_compile(translation_config({"compile": mode}).train, TRANSLATION)
+    silent = dataclasses.replace(VIT, static_shapes=False, shape_note=Task.shape_note)  # a task that says nothing about its shapes
+    with pytest.raises(ConfigError, match="batches vary in shape: use compile: default"):
+        check_compile(vit_config({"compile": "reduce-overhead"}).train, silent)
 
 
 def test_under_cuda_graphs_the_kept_loss_is_a_copy():
@@ -222,7 +223,7 @@ def test_channels_last_gives_the_same_logits_for_the_same_weights(cifar):
     model_on.load_state_dict(model_off.state_dict())
     assert model_on.patch_embed.weight.is_contiguous(memory_format=torch.channels_last)
     assert model_off.patch_embed.weight.is_contiguous()
-    x = off.val.x[:64]
+    x = off.eval_sets["val"].x[:64]
     x_on = on.layout(on.augment.normalize(x))
     assert x_on.is_contiguous(memory_format=torch.channels_last)
     with torch.no_grad():

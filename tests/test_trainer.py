@@ -17,10 +17,9 @@ from safetensors.torch import load_file
 import headsearch
 from headsearch.errors import Diverged
 from headsearch.models import ViT
-from headsearch.tasks import DataSource, apply_overrides, cifar_data, get_task
+from headsearch.tasks import DataSource, apply_overrides, cifar_data, get_task, resolve_config
 from headsearch.tasks.translation_data import read_parallel_tsv
 from headsearch.training import train_run
-from headsearch.training.resolve import resolve_config
 from headsearch.training.trainer import Callback, lr_multiplier
 
 VIT = get_task("vit-cifar10")
@@ -43,7 +42,7 @@ def vit_config(**changes) -> "headsearch.config.RunConfig":
             over[key].update(value)
         else:
             over[key] = value
-    return apply_overrides(VIT, VIT.config(), over)
+    return apply_overrides(VIT, resolve_config(VIT), over)
 
 
 def read_json(path: Path):
@@ -99,7 +98,7 @@ def test_run_directory_holds_exactly_the_run_files(vit_run):
 
 def test_config_yaml_round_trips_to_an_equal_run_config(vit_run):
     cfg, run_dir, _ = vit_run
-    assert resolve_config("vit-cifar10", run_dir / "config.yaml") == cfg
+    assert resolve_config("vit-cifar10", config=run_dir / "config.yaml") == cfg
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["train"]["max_steps_per_epoch"] == 5
 
 
@@ -287,7 +286,7 @@ TRANSLATION_TINY = {
 
 @pytest.fixture(scope="module")
 def translation_run(spa_file, tmp_path_factory):
-    cfg = apply_overrides(TRANSLATION, TRANSLATION.config(), TRANSLATION_TINY)
+    cfg = apply_overrides(TRANSLATION, resolve_config(TRANSLATION), TRANSLATION_TINY)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HEADSEARCH_CACHE", str(tmp_path_factory.mktemp("cache")))
         run_dir, result = train_run(cfg, DataSource(data_file=spa_file), tmp_path_factory.mktemp("tr") / "run",

@@ -1,4 +1,5 @@
-"""Head diversity metrics (seed 002, "X-raying multi-head attention"; DESIGN.md §5).
+"""Head diversity metrics (the "X-Raying Multi-head Attention" article, after Li et al.
+2018 and Lee et al. 2019; docs/design.md §5).
 
 One pass of a model in eval mode over a fixed set of evaluation batches, observed through forward
 hooks on the `Attention` modules' identity hook points (`hook_q`, `hook_context`, `hook_head_out`)
@@ -16,14 +17,14 @@ Per attention module, with N the number of valid query positions seen (all batch
 Q_i, C_i, O_i are (N, d_k): head i's vectors at the valid query positions of every batch. The Gram
 matrices Q^T Q and C^T C are summed over batches (in float64) before the absolute value / norm is
 taken, so the metrics are those of the whole set, whatever the batching; dividing by N makes them
-independent of how many samples were used (the seed's definition sums over the batch). Attention
+independent of how many samples were used (the article's definition sums over the batch). Attention
 diversity is computed per (sample, key) and then averaged, so it too does not depend on batching.
 
 Validity: padded positions are excluded as queries from every metric and as keys from attention
 diversity (their probabilities are 0 anyway when the model masks them). Which mask applies where is
 decided by the module's qualified name (`module_masks`). Note the decoder self-attention is causal:
 A[b, q, k] = 0 for q < k counts as a real value of the variance over queries (it is the model's
-attention there), as in the seed.
+attention there), as in the X-Raying article.
 """
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
 """One multi-head attention module for every variant headsearch explores.
 
-- per-layer head count h with d_k = d_model / h (Deep Head, eq. 1) or a fixed head width;
-- a skip connection from the previous attention layer of the same stack (DESIGN.md §2):
+- per-layer head count h with d_k = d_model / h (Deep Head, Cruz et al., eq. 1) or a fixed head width;
+- a skip connection from the previous attention layer of the same stack (docs/design.md §2):
   "output" (Deep Head: merged head outputs added and layer-normalised) or
   "scores" (RealFormer, He et al. 2020, arXiv:2012.11747: pre-softmax scores added as a residual);
-- fusion of each head's self-attention with an additive soft-attention branch (seed 001, HAM A/B);
+- fusion of each head's self-attention with an additive soft-attention branch (HAM A/B,
+  Martínez-Marín et al.; docs/design.md §3);
 - a head mask multiplying each head's output (Michel et al. 2019, "Are Sixteen Heads Really Better
   than One?", arXiv:1905.10650), settable from outside so importance is a gradient w.r.t. it;
 - optional attention probabilities for analysis.
@@ -30,7 +31,7 @@ class AttentionOutput(NamedTuple):
 
 
 def map_score_heads(scores: Tensor, n_heads: int) -> Tensor:
-    """Map skip scores from h_prev to `n_heads` heads (DESIGN.md §2).
+    """Map skip scores from h_prev to `n_heads` heads (docs/design.md §2.2).
 
     Decreasing: head j receives the mean of the h_prev / h consecutive heads j*g .. j*g+g-1.
     Increasing: head j receives head j // g (each previous head repeated g times).
@@ -46,8 +47,8 @@ def map_score_heads(scores: Tensor, n_heads: int) -> Tensor:
 class AdditiveEnergy(torch.autograd.Function):
     """e[b,h,i,j] = sum_a w[h,a] * tanh(qq[b,h,i,a] + kk[b,h,j,a]), computed over chunks of queries.
 
-    Materialising the whole (B, H, Tq, Tk, A) tanh tensor (about 100 MB per layer for the seed ViT at
-    batch 128, and several of them in backward) makes allocation, not arithmetic, the cost on a CPU.
+    Materialising the whole (B, H, Tq, Tk, A) tanh tensor (about 100 MB per layer for the reference ViT
+    at batch 128, and several of them in backward) makes allocation, not arithmetic, the cost on a CPU.
     Chunks of `chunk` queries keep the temporaries cache-sized; backward recomputes the tanh instead
     of storing it. `tests/test_attention.py` checks it against the direct formula and with gradcheck.
     """
@@ -95,7 +96,7 @@ class SoftAttention(nn.Module):
     """Additive ("soft", Bahdanau et al. 2015, arXiv:1409.0473) attention inside each head.
 
     e_ij = w^T tanh(W1 k_j + W2 q_i), alpha_ij = softmax_j(e_ij + mask), out_i = sum_j alpha_ij v_j,
-    with W1, W2: d_k -> d_a and w: d_a -> 1, no biases, separate weights per head (DESIGN.md §3).
+    with W1, W2: d_k -> d_a and w: d_a -> 1, no biases, separate weights per head (docs/design.md §3).
     `score="key"` drops the W2 q_i term (each key scored alone): cheaper, and still masked per query,
     so it stays causal in a decoder.
     """

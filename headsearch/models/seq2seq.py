@@ -1,8 +1,9 @@
 """Encoder-decoder Transformer (Vaswani et al. 2017, arXiv:1706.03762) with per-layer encoder heads.
 
-Defaults follow seed 000's repository (d_model 512, 6+6 layers, d_ff 2048, dropout 0.1, pre-LN,
-ReLU, sinusoidal positions, embeddings scaled by sqrt(d_model), Xavier init), with masks that
-really mask: that repository filled them with `-1**9`, which is -1, so padding leaked everywhere.
+Defaults follow the repository of Deep Head (Cruz et al.; docs/design.md §4.2): d_model 512, 6+6
+layers, d_ff 2048, dropout 0.1, pre-LN, ReLU, sinusoidal positions, embeddings scaled by
+sqrt(d_model), Xavier init; with masks that really mask: that repository filled them with `-1**9`,
+which is -1, so padding leaked everywhere (docs/design.md §4.3).
 """
 from __future__ import annotations
 

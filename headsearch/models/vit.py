@@ -1,7 +1,8 @@
 """Vision Transformer (Dosovitskiy et al. 2021, arXiv:2010.11929) for small images.
 
-Defaults follow seed 001: 32x32 CIFAR-10 in 4x4 patches (64 tokens + CLS), embed 48, 4 pre-LN
-layers, MLP 192, GELU, truncated-normal init with std 0.02, classification from the CLS token.
+Defaults follow the ViT of Martínez-Marín et al. (HAM; docs/design.md §4.1): 32x32 CIFAR-10 in 4x4
+patches (64 tokens + CLS), embed 48, 4 pre-LN layers, MLP 192, GELU, truncated-normal init with
+std 0.02, classification from the CLS token.
 """
 from __future__ import annotations
 

@@ -33,8 +33,9 @@ from headsearch.errors import ConfigError, DataError
 from headsearch.tasks.vit_cifar10 import AUGMENTATIONS  # the task names what it accepts
 
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
-# The figures of seed 001's augmentation table (widely copied across CIFAR code). The true per-channel
-# std of the training pixels is (0.2470, 0.2435, 0.2616); these stay so results compare with the seed.
+# The figures of the augmentation table of Martínez-Marín et al. (HAM), widely copied across CIFAR code.
+# The true per-channel std of the training pixels is (0.2470, 0.2435, 0.2616); these stay so results
+# compare with that paper (docs/design.md §4.1).
 CIFAR_STD = (0.2023, 0.1994, 0.2010)
 
 NUM_CLASSES = 10
@@ -305,7 +306,8 @@ class DeviceImages:
 
 
 class GpuAugment:
-    """Seed 001's training augmentation, batched on the device: each op draws per-image random parameters.
+    """The HAM paper's training augmentation (docs/design.md §4.1), batched on the device: each op
+    draws per-image random parameters.
 
     Images are converted to float once, augmented in pixel units (so padding is black, as when
     torchvision pads the raw image), then normalised. Ops run in the order given:

@@ -5,6 +5,7 @@ Registering is cheap: torch and the data libraries are only imported when a task
 """
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -50,6 +51,10 @@ def apply_overrides(task: Task, cfg: RunConfig, overrides: Mapping[str, Any]) ->
     for section in ("arch", "train", "data"):
         if section in overrides and not isinstance(overrides[section] or {}, Mapping):
             raise ConfigError(f"config section {section!r} must be a mapping of keys to values")
+    unknown_data = sorted(set(overrides.get("data") or {}) - {f.name for f in fields(task.data_options)})
+    if unknown_data:
+        raise ConfigError(f"unknown data option(s) {', '.join(unknown_data)} for task {task.name}: known are"
+                          f" {', '.join(f.name for f in fields(task.data_options))}")
     return RunConfig(
         task=task.name,
         arch=ArchConfig.from_dict(overrides.get("arch") or {}, base=cfg.arch),

@@ -7,7 +7,7 @@ two-word sentence weigh as much as a forty-word one, and sentence BLEU is mostly
   Translation", ACL 2002. Computed by sacrebleu (Post, "A Call for Clarity in Reporting BLEU Scores",
   WMT 2018) on detokenized text with its standard tokenization, and reported with sacrebleu's
   signature so the number can be compared with other papers.
-  (The seed repository passed bare strings to a BLEU metric that expects lists of words, which scores
+  (The Deep Head repository (Cruz et al.) passed bare strings to a BLEU metric that expects lists of words, which scores
   character n-grams, and on a single sentence. We do not do that.)
 * CER / WER — Levenshtein edit distance (insertions + deletions + substitutions) summed over the
   corpus, divided by the total reference length in characters / whitespace-separated words.

@@ -2,14 +2,14 @@
 
 Two sources of sentence pairs:
 
-* `load_opus_books` — opus_books en-es from the Hugging Face hub, the corpus of the seed ("Deep Head")
-  repository. Needs the network.
+* `load_opus_books` — opus_books en-es from the Hugging Face hub, the corpus of the Deep Head
+  repository (Cruz et al.). Needs the network.
 * `read_parallel_tsv` — any local tab-separated parallel file, one pair per line. The copy used for
   tests and examples is the Tatoeba English–Spanish file `spa.txt` from manythings.org/anki
   (sentences from tatoeba.org), released under CC-BY 2.0 (France): credit tatoeba.org and
   manythings.org/anki wherever that data is used or shipped.
 
-Tokenizers are word-level (one id per whitespace/punctuation-separated word, as in the seed) and one
+Tokenizers are word-level (one id per whitespace/punctuation-separated word, as in the Deep Head repository) and one
 per language. The four special tokens have the same ids in every tokenizer (`UNK_ID` … `EOS_ID`), so
 models and batches can use the constants without asking the tokenizer.
 """
@@ -110,7 +110,7 @@ def _decode_line(raw: bytes, lineno: int, path: Path) -> str:
 
 
 def load_opus_books(pair: str = "en-es") -> ParallelCorpus:
-    """opus_books (Tiedemann, OPUS) from the Hugging Face hub: the seed repository's corpus. Needs the network."""
+    """opus_books (Tiedemann, OPUS) from the Hugging Face hub: the Deep Head repository's corpus. Needs the network."""
     langs = pair.split("-")
     if len(langs) != 2 or not all(langs):
         raise ConfigError(f"bad language pair {pair!r}: write it as source-target, e.g. 'en-es'")

@@ -1,0 +1,55 @@
+"""The layering of docs/architecture.md holds: every import between headsearch's subpackages, those
+inside functions included, goes from a lower layer to a higher one (never back, so no cycles)."""
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "headsearch"
+# Highest first: a layer may import only the layers before it.
+LAYERS = ["core", "models", "tasks", "training", "analysis", "search", "cli"]
+
+
+def layer_of(module: str) -> str | None:
+    """headsearch.search.runner -> search; headsearch.config -> core; other packages -> None."""
+    parts = module.split(".")
+    if parts[0] != "headsearch":
+        return None
+    if len(parts) > 1 and (PACKAGE / parts[1]).is_dir():
+        return parts[1]
+    return "cli" if parts[1:2] == ["__main__"] else "core"
+
+
+def imports(path: Path) -> list[str]:
+    """Every module a file imports, at any depth of the file (relative imports resolved)."""
+    module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    package = package.removesuffix(".__init__")
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
+            found += [base] + [f"{base}.{a.name}" for a in node.names]
+    return found
+
+
+def test_imports_follow_the_layers():
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+        src = layer_of(module)
+        for target in imports(path):
+            dst = layer_of(target)
+            if dst is not None and dst != src and LAYERS.index(dst) > LAYERS.index(src):
+                wrong.append(f"{path.relative_to(PACKAGE.parent)} ({src}) imports {target} ({dst})")
+    assert not wrong, "imports against docs/architecture.md's layers:\n" + "\n".join(sorted(set(wrong)))
+
+
+def test_the_checker_sees_imports_inside_functions():
+    layers = {layer_of(t) for t in imports(PACKAGE / "training" / "__init__.py")}
+    assert "tasks" in layers  # module level
+    assert layer_of("headsearch.training.fastpath") == "training"  # imported inside preflight()
+    assert "headsearch.training.fastpath" in imports(PACKAGE / "training" / "__init__.py")
