@@ -40,7 +40,7 @@ def main() -> None:
 
     cases = {
         "headsearch (device-resident)": device_resident(x, y, device),
-        "torchvision PIL (seed 001)": dataloader(x, y, device, workers, "pil"),
+        "torchvision PIL (HAM paper)": dataloader(x, y, device, workers, "pil"),
         "torchvision v2 (uint8 tensors)": dataloader(x, y, device, workers, "v2"),
     }
     rates = alternate(cases, repeats, device)

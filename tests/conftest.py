@@ -1,10 +1,45 @@
-"""Shared fixtures. Tests run on the CPU on small slices of the real data in ../shared/data."""
+"""Shared fixtures. Tests run on the CPU on small slices of the real data in ../shared/data.
+
+A resource a test needs that is missing (the data, PostgreSQL, psycopg2, optuna-dashboard) fails the
+test in CI (the CI environment variable set, as CI services set CI=true) and skips it elsewhere, with
+the reason either way: CI must run every test.
+"""
+from __future__ import annotations
+
+import copy
 import os
+import uuid
+import warnings
 from pathlib import Path
+from typing import Any, NoReturn
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+WIDE = {"COLUMNS": "240"}  # Rich wraps its tables at 80 columns when the output is not a terminal
+PG_URL = os.environ.get("HEADSEARCH_TEST_PG", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")
+
+# The translation model, data and steps that make a trial take a fraction of a second on one CPU thread.
+TINY_TRANSLATION = {
+    "arch": {"d_model": 32, "enc_layers": 2, "dec_layers": 1, "dec_heads": 2, "d_ff": 64},
+    "train": {"epochs": 1, "max_steps_per_epoch": 5},
+    "data": {"train_limit": 1000, "val_size": 40, "test_size": 40, "max_len": 16, "vocab_size": 1000},
+}
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def unavailable(reason: str) -> NoReturn:
+    """A resource this test needs is missing: fail in CI, skip elsewhere, saying which."""
+    if in_ci():
+        pytest.fail(f"{reason} (CI is set: tests may not skip for a missing resource)", pytrace=False)
+    pytest.skip(reason)
+
+
+# ------------------------------------------------------------------------------------------ data
 
 
 def _shared_data() -> Path:
@@ -15,7 +50,7 @@ def _shared_data() -> Path:
 def cifar_dir() -> Path:
     d = _shared_data() / "cifar10"
     if not (d / "test.npz").exists():
-        pytest.skip(f"real CIFAR-10 npz shards not found at {d} (set HEADSEARCH_TEST_DATA)")
+        unavailable(f"real CIFAR-10 npz shards not found at {d} (set HEADSEARCH_TEST_DATA)")
     return d
 
 
@@ -23,5 +58,150 @@ def cifar_dir() -> Path:
 def spa_file() -> Path:
     f = _shared_data() / "spa-eng" / "spa.txt"
     if not f.exists():
-        pytest.skip(f"English-Spanish corpus not found at {f} (set HEADSEARCH_TEST_DATA)")
+        unavailable(f"English-Spanish corpus not found at {f} (set HEADSEARCH_TEST_DATA)")
     return f
+
+
+@pytest.fixture(scope="session")
+def tokenizer_cache(tmp_path_factory) -> Path:
+    """One HEADSEARCH_CACHE for the session: runs on the same training pairs share their tokenizers."""
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture
+def cache_env(monkeypatch, tokenizer_cache) -> Path:
+    monkeypatch.setenv("HEADSEARCH_CACHE", str(tokenizer_cache))
+    return tokenizer_cache
+
+
+@pytest.fixture(scope="session")
+def tiny_translation() -> dict[str, Any]:
+    """TINY_TRANSLATION (arch, train and data sections), shared by the session: copy it before changing it."""
+    return copy.deepcopy(TINY_TRANSLATION)
+
+
+@pytest.fixture
+def one_thread():
+    """Torch on one thread: on a 2-core machine shared with other work, two threads make the tiny
+    models here ~10x slower than one."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def write_yaml(path: Path, data: Any) -> Path:
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@pytest.fixture(name="write_yaml")
+def write_yaml_fixture():
+    """`write_yaml(path, data) -> path`: data as YAML, keys in their order."""
+    return write_yaml
+
+
+# ------------------------------------------------------------------------------------------ the CLI
+
+
+class Cli:
+    """`headsearch` in-process through Typer's CliRunner (stdout and stderr kept apart, 240 columns)."""
+
+    def __call__(self, args, **kwargs):
+        from typer.testing import CliRunner
+
+        from headsearch.cli.main import app
+
+        return CliRunner().invoke(app, [str(a) for a in args], env=WIDE, **kwargs)
+
+    @staticmethod
+    def error_line(result, *fragments: str, code: int = 2) -> str:
+        """Assert the command failed as bad input does: exit `code` (not an uncaught exception), no
+        traceback, and stderr exactly one line "error: ..." holding every fragment. Returns the line."""
+        assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr, result.exception)
+        assert isinstance(result.exception, SystemExit), result.exception
+        assert "Traceback" not in result.output
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+        for f in fragments:
+            assert f in lines[0], lines[0]
+        return lines[0]
+
+
+@pytest.fixture
+def cli() -> Cli:
+    """`cli(args) -> result`: headsearch in-process; `cli.error_line(result, *fragments)` checks a bad-input exit."""
+    return Cli()
+
+
+@pytest.fixture
+def invoke(cli) -> Cli:
+    """The same as `cli` (`invoke(args) -> result`)."""
+    return cli
+
+
+# ------------------------------------------------------------------------------------------ storages
+
+
+def delete_study_if_present(name: str, storage: str) -> None:
+    import optuna
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            optuna.delete_study(study_name=name, storage=storage)
+    except KeyError:
+        pass
+
+
+@pytest.fixture(scope="session")
+def pg_url() -> str:
+    """A reachable PostgreSQL ($HEADSEARCH_TEST_PG) with Optuna's tables already there (the race of
+    creating them from several workers at once on a fresh database has its own test)."""
+    import importlib.util
+
+    if importlib.util.find_spec("psycopg2") is None:
+        unavailable("psycopg2 is not installed (pip install -e '.[dev]')")
+    import optuna
+    import sqlalchemy as sa
+
+    try:
+        engine = sa.create_engine(PG_URL, poolclass=sa.pool.NullPool, connect_args={"connect_timeout": 3})
+        with engine.connect() as conn:
+            conn.execute(sa.text("select 1"))
+    except Exception as e:
+        unavailable(f"PostgreSQL not reachable at {PG_URL} (set HEADSEARCH_TEST_PG): {str(e).splitlines()[0]}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        optuna.storages.RDBStorage(PG_URL)
+    return PG_URL
+
+
+@pytest.fixture(scope="session")
+def pg_study_names(pg_url):
+    """`new()` -> a study name unique to this test run; every such study is deleted at the end."""
+    names: list[str] = []
+
+    def new() -> str:
+        names.append(f"headsearch-test-{uuid.uuid4().hex[:12]}")
+        return names[-1]
+
+    yield new
+    for name in names:
+        delete_study_if_present(name, pg_url)
+
+
+@pytest.fixture
+def pg_study(pg_study_names) -> str:
+    """A study name unique to this test; the study is deleted at the end of the session."""
+    return pg_study_names()
+
+
+@pytest.fixture(scope="session")
+def optuna_dashboard() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("optuna_dashboard") is None:
+        unavailable("optuna-dashboard is not installed (pip install -e '.[dev]')")

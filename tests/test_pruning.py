@@ -1,11 +1,15 @@
-"""Learning-curve pruning: hand-worked median/percentile/rung decisions, a simulated search, and
-decision-for-decision agreement with Optuna's MedianPruner/PercentilePruner."""
+"""Learning-curve pruning: hand-worked median/percentile/rung decisions, a simulated search,
+decision-for-decision agreement with Optuna's MedianPruner/PercentilePruner, which trials a trial is
+compared with (`comparison_curves`), and Optuna's pruners built by `make_optuna_pruner`, judged by
+their decisions on studies with known trials."""
 import json
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import optuna
 import pytest
+from optuna.trial import TrialState
 
 from headsearch.errors import ConfigError
 from headsearch.search.pruning import (
@@ -15,6 +19,7 @@ from headsearch.search.pruning import (
     PercentileRule,
     PruneDecision,
     RungRule,
+    comparison_curves,
     make_curve_pruner,
     make_optuna_pruner,
 )
@@ -358,16 +363,179 @@ def test_bad_configs(make, message):
         make()
 
 
-def test_make_optuna_pruner():
-    assert isinstance(make_optuna_pruner("none", epochs=4), optuna.pruners.NopPruner)
-    m = make_optuna_pruner("median", epochs=4, n_startup_trials=3, n_warmup_epochs=2)
-    assert isinstance(m, optuna.pruners.MedianPruner)
-    # Optuna's warm-up is step < n_warmup_steps; epochs 1..2 protected -> n_warmup_steps 3
-    assert (m._percentile, m._n_startup_trials, m._n_warmup_steps, m._interval_steps, m._n_min_trials) == (50.0, 3, 3, 1, 3)
-    p = make_optuna_pruner("percentile", epochs=4)
-    assert type(p) is optuna.pruners.PercentilePruner
-    assert (p._percentile, p._n_startup_trials, p._n_warmup_steps, p._n_min_trials) == (25.0, 5, 1, 5)
-    h = make_optuna_pruner("hyperband", epochs=27, min_epochs=1, reduction_factor=3)
-    assert isinstance(h, optuna.pruners.HyperbandPruner)
-    assert (h._min_resource, h._max_resource, h._reduction_factor) == (1, 27, 3)
-    assert make_optuna_pruner("hyperband", epochs=10)._reduction_factor == 3
+def study_with(curves, direction="maximize", pruner=None, name="known"):
+    """An in-memory single-objective study holding one COMPLETE trial per curve ({step: value})."""
+    study = optuna.create_study(direction=direction, pruner=pruner, study_name=name)
+    for curve in curves:
+        study.add_trial(optuna.trial.create_trial(value=0.0, intermediate_values=curve))
+    return study
+
+
+def judged(study, curve) -> list[bool]:
+    """Ask a trial of `study`, report `curve` step by step; its should_prune() after each step."""
+    trial = study.ask()
+    out = []
+    for step, value in curve.items():
+        trial.report(value, step)
+        out.append(trial.should_prune())
+    return out
+
+
+def test_make_optuna_pruner_median_warmup_startup_and_min_trials():
+    def pruner():
+        return make_optuna_pruner("median", epochs=4, n_startup_trials=3, n_warmup_epochs=2)
+
+    assert isinstance(pruner(), optuna.pruners.MedianPruner)
+    good = {1: 0.9, 2: 0.9, 3: 0.9, 4: 0.9}
+    bad = {1: 0.0, 2: 0.0, 3: 0.0, 4: 0.0}
+    # 3 complete trials: epochs 1..2 are the warm-up (Optuna's n_warmup_steps 3); epoch 3 is judged.
+    assert judged(study_with([good] * 3, pruner=pruner()), bad) == [False, False, True, True]
+    # 2 complete trials < n_startup_trials 3: never judged
+    assert judged(study_with([good] * 2, pruner=pruner()), bad) == [False] * 4
+    # 3 complete trials but only 2 reached epoch 3: too few values there (n_min_trials 3); all 3 at epoch 4
+    short = {1: 0.9, 2: 0.9, 4: 0.9}
+    assert judged(study_with([good, good, short], pruner=pruner()), bad) == [False, False, False, True]
+    # a tie with the median is kept
+    assert judged(study_with([good] * 3, pruner=pruner()), good) == [False] * 4
+
+
+def test_make_optuna_pruner_percentile_defaults():
+    pruner = make_optuna_pruner("percentile", epochs=4)  # percentile 25, 5 startup trials, no warm-up
+    assert type(pruner) is optuna.pruners.PercentilePruner
+    five = [{1: v} for v in FIVE]  # maximize keeps the top 25%: threshold np.percentile(FIVE, 75) = .4
+    assert judged(study_with(five, pruner=pruner), {1: 0.39}) == [True]  # epoch 1 is judged: no warm-up
+    assert judged(study_with(five, pruner=pruner), {1: 0.4}) == [False]
+    assert judged(study_with(five[:4], pruner=pruner), {1: 0.0}) == [False]  # 4 < 5 startup trials
+    minimize = make_optuna_pruner("percentile", epochs=4, percentile=25.0)  # minimize: threshold .2
+    assert judged(study_with(five, "minimize", minimize), {1: 0.21}) == [True]
+    assert judged(study_with(five, "minimize", minimize), {1: 0.2}) == [False]
+
+
+def same_decisions(ours, reference, direction, seed, n_trials=40, epochs=9):
+    """Run the same random curves through two single-objective studies of the same name, one with
+    each pruner; assert every should_prune() agrees. Returns how many trials were pruned."""
+    rng = np.random.default_rng(seed)
+    a = optuna.create_study(direction=direction, pruner=ours, study_name="same")
+    b = optuna.create_study(direction=direction, pruner=reference, study_name="same")
+    pruned = 0
+    for _ in range(n_trials):
+        ta, tb = a.ask(), b.ask()
+        state = TrialState.COMPLETE
+        for epoch in range(1, epochs + 1):
+            v = float(rng.random())
+            ta.report(v, epoch)
+            tb.report(v, epoch)
+            da, db = ta.should_prune(), tb.should_prune()
+            assert da == db, (ta.number, epoch)
+            if da:
+                state = TrialState.PRUNED
+                break
+        pruned += state == TrialState.PRUNED
+        for study, trial in ((a, ta), (b, tb)):
+            study.tell(trial, 0.0 if state == TrialState.COMPLETE else None, state=state)
+    return pruned
+
+
+@pytest.mark.parametrize("direction", ["maximize", "minimize"])
+def test_make_optuna_pruner_hyperband_is_optunas_with_our_rungs(direction):
+    """Optuna's HyperbandPruner with min_resource = min_epochs, max_resource = the epochs, and the
+    reduction factor (default 3): decision for decision."""
+    ours = make_optuna_pruner("hyperband", epochs=9, min_epochs=1, reduction_factor=3)
+    assert isinstance(ours, optuna.pruners.HyperbandPruner)
+    reference = optuna.pruners.HyperbandPruner(min_resource=1, max_resource=9, reduction_factor=3)
+    assert same_decisions(ours, reference, direction, seed=1) >= 5
+    default = make_optuna_pruner("hyperband", epochs=9)
+    reference = optuna.pruners.HyperbandPruner(min_resource=1, max_resource=9, reduction_factor=3)
+    assert same_decisions(default, reference, direction, seed=2) >= 5
+    # ... and not the decisions of another reduction factor or budget
+    with pytest.raises(AssertionError):
+        same_decisions(make_optuna_pruner("hyperband", epochs=9, reduction_factor=2),
+                       optuna.pruners.HyperbandPruner(min_resource=1, max_resource=9, reduction_factor=3), direction, seed=1)
+    with pytest.raises(AssertionError):
+        same_decisions(make_optuna_pruner("hyperband", epochs=3),
+                       optuna.pruners.HyperbandPruner(min_resource=1, max_resource=9, reduction_factor=3), direction, seed=1)
+
+
+def test_make_optuna_pruner_none():
+    pruner = make_optuna_pruner("none", epochs=4)
+    assert isinstance(pruner, optuna.pruners.NopPruner)
+    assert judged(study_with([{1: 0.9}] * 5, pruner=pruner), {1: 0.0}) == [False]
+
+
+# ----------------------------------------------------------------- which trials are compared
+
+
+def known_trials(directions=("maximize", "minimize")):
+    """A multi-objective study: three complete trials at .5, .6, .7 on epoch 1, a trial pruned at epoch 1
+    with a terrible 0.0, a rejected trial (PRUNED, no values), and the running trial judged (number 5)."""
+    study = optuna.create_study(directions=list(directions))
+    for v in (0.5, 0.6, 0.7):
+        study.add_trial(optuna.trial.create_trial(state=TrialState.COMPLETE, values=[v, 10.0],
+                                                  intermediate_values={1: v, 2: v}))
+    study.add_trial(optuna.trial.create_trial(state=TrialState.PRUNED, intermediate_values={1: 0.0},
+                                              user_attrs={"pruned": {"rule": "median", "epoch": 1}}))
+    study.add_trial(optuna.trial.create_trial(state=TrialState.PRUNED, user_attrs={"rejected": "heads"}))
+    running = study.ask()
+    return study, running
+
+
+def test_comparison_curves_pick_complete_trials_for_median_and_percentile():
+    study, running = known_trials()
+    trials = study.get_trials(deepcopy=False)
+    complete = [{1: 0.5, 2: 0.5}, {1: 0.6, 2: 0.6}, {1: 0.7, 2: 0.7}]
+    assert comparison_curves(trials, "median", running.number) == complete
+    assert comparison_curves(trials, "percentile", running.number) == complete
+    # with the pruned trial: complete ones and the pruned one, not the rejected one nor the trial judged
+    assert comparison_curves(trials, "hyperband", running.number) == [*complete, {1: 0.0}]
+    assert comparison_curves(trials, "hyperband", 3) == complete  # trial 3 (the pruned one) not against itself
+    with pytest.raises(ConfigError, match="unknown pruner 'none'"):
+        comparison_curves(trials, "none", running.number)
+
+
+def test_a_pruned_trials_curve_does_not_move_the_median_but_counts_at_a_rung():
+    study, running = known_trials()
+    trials = study.get_trials(deepcopy=False)
+    curve = {1: 0.55}
+
+    # Median of the complete trials (.5 .6 .7) is .6: .55 is pruned. With the pruned trial's 0.0 among
+    # them the median would be .55 and the trial kept: the pruned curve takes no part.
+    median = MedianRule("maximize", n_startup_trials=3)
+    d = median.decide(1, curve, comparison_curves(trials, "median", running.number))
+    assert (d.prune, d.threshold, d.n_compared) == (True, 0.6, 3)
+    assert not median.decide(1, curve, [*comparison_curves(trials, "median", running.number), {1: 0.0}]).prune
+    # ... as Optuna's MedianPruner decides on the same trials (it reads the COMPLETE trials only)
+    single = optuna.create_study(direction="maximize", pruner=make_optuna_pruner("median", epochs=2, n_startup_trials=3))
+    for t in trials:
+        if t.state in (TrialState.COMPLETE, TrialState.PRUNED):
+            single.add_trial(optuna.trial.create_trial(state=t.state, value=t.values[0] if t.values else None,
+                                                       intermediate_values=t.intermediate_values, user_attrs=t.user_attrs))
+    assert judged(single, curve) == [True]
+
+    # At rung 1 (reduction factor 2) the pruned trial reached the rung and counts: 4 others, the top
+    # ceil(5/2) = 3 are kept, and .55 is third (.7, .6, .55, .5, 0). Without it: top 2 of 4, .55 pruned.
+    rung = RungRule("maximize", min_epochs=1, reduction_factor=2, n_startup_trials=1)
+    d = rung.decide(1, curve, comparison_curves(trials, "hyperband", running.number))
+    assert (d.prune, d.n_compared, d.threshold) == (False, 4, 0.55)
+    assert rung.decide(1, curve, comparison_curves(trials, "median", running.number)).prune
+
+
+@pytest.mark.parametrize("rule, pruned", [("median", True), ("hyperband", False)])
+def test_the_search_callback_judges_against_comparison_curves(rule, pruned):
+    """TrialPruning, the trainer callback of a multi-objective search, on the same study: it stores the
+    epoch's value through the storage and judges it against `comparison_curves`."""
+    from headsearch.search.runner import TrialPruning
+    from headsearch.training.trainer import Callback
+
+    study, running = known_trials()
+    kw = dict(n_startup_trials=1, reduction_factor=2) if rule == "hyperband" else dict(n_startup_trials=3)
+    callback = TrialPruning(study, running, "bleu", make_curve_pruner(rule, "maximize", **kw), rule, single_objective=False)
+    assert isinstance(callback, Callback)
+    record = SimpleNamespace(epoch=1, metrics={"bleu": 0.55})
+    if pruned:
+        with pytest.raises(optuna.TrialPruned):
+            callback.on_epoch_end(record)
+        assert running.user_attrs["pruned"]["threshold"] == 0.6 and running.user_attrs["pruned"]["n_compared"] == 3
+    else:
+        callback.on_epoch_end(record)
+        assert "pruned" not in running.user_attrs
+    assert study.trials[running.number].intermediate_values == {1: 0.55}

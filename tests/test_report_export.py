@@ -20,13 +20,11 @@ import pytest
 import yaml
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState, create_trial
-from typer.testing import CliRunner
 
-from headsearch.cli.main import app
-from headsearch.search.plots import axis_label, default_artifact_dir
+from headsearch.search.artifacts import default_artifact_dir, upload_plots
+from headsearch.search.objectives import CONVERGENCE, Objective, axis_label, objectives_of, resolve_objectives
 from headsearch.search.report import dominates, summarize
 
-WIDE = {"COLUMNS": "240"}
 EPOCHS = 3
 SPACE = {
     "schedule": {"families": ["uniform", "halving"], "heads": [1, 2, 4, 8, 16]},
@@ -45,19 +43,6 @@ ENQUEUED = [
     {"d_model": 24, "schedule": "uniform", "heads": 16, "skip": "none", "fusion": "none"},  # 16 does not divide 24
     {"d_model": 32, "schedule": "uniform", "heads": 8, "skip": "none", "fusion": "none"},  # = trial 0
 ]
-
-
-def invoke(args, **kwargs):
-    return CliRunner().invoke(app, [str(a) for a in args], env=WIDE, **kwargs)
-
-
-def assert_one_line_error(result, *fragments):
-    assert result.exit_code == 2, (result.exit_code, result.output)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert "Traceback" not in result.output
-    for f in fragments:
-        assert f in lines[0], lines[0]
 
 
 # ------------------------------------------------------------------------------ the real study
@@ -158,15 +143,15 @@ def test_summarize_counts_front_and_savings(real):
 
 
 @pytest.mark.slow
-def test_report_json_csv_and_table(real):
+def test_report_json_csv_and_table(real, cli):
     url = real["url"]
-    result = invoke(["report", "--storage", url, "--format", "json"])
+    result = cli(["report", "--storage", url, "--format", "json"])
     assert result.exit_code == 0, result.output
     d = json.loads(result.stdout)
     assert d["study"] == "vit-test" and d["counts"]["rejected"] >= 1
     assert {r["number"] for r in d["front"]} <= {t["number"] for t in d["trials"] if t["state"] == "complete"}
 
-    result = invoke(["report", "--storage", url, "--study", "vit-test", "--format", "csv"])
+    result = cli(["report", "--storage", url, "--study", "vit-test", "--format", "csv"])
     assert result.exit_code == 0, result.output
     lines = result.stdout.strip().splitlines()
     assert lines[0] == "number,state,arch,accuracy,time,epochs_run,duplicate_of,note"
@@ -174,17 +159,17 @@ def test_report_json_csv_and_table(real):
     assert lines[3].startswith("2,rejected,") and "does not divide" in lines[3]
     assert lines[4].split(",")[6] == "0"  # trial 3 duplicates trial 0
 
-    result = invoke(["report", "--storage", url])
+    result = cli(["report", "--storage", url])
     assert result.exit_code == 0, result.output
     for text in ("Pareto front", "parameter importances", "pruning:", "epochs saved", "all trials", "rejected"):
         assert text in result.stdout
 
 
 @pytest.mark.slow
-def test_report_plots_written_and_uploaded_as_artifacts(real, tmp_path):
+def test_report_plots_written_and_uploaded_as_artifacts(real, tmp_path, cli):
     url, study = real["url"], real["study"]
     out = tmp_path / "plots"
-    result = invoke(["report", "--storage", url, "--plots", out])
+    result = cli(["report", "--storage", url, "--plots", out])
     assert result.exit_code == 0, result.output
     pngs, htmls = sorted(out.glob("*.png")), sorted(out.glob("*.html"))
     names = {p.name for p in pngs + htmls}
@@ -214,7 +199,7 @@ def test_report_plots_written_and_uploaded_as_artifacts(real, tmp_path):
         assert m.mimetype == ("image/png" if m.filename.endswith(".png") else "text/html")
 
     # The same plots again: nothing new is uploaded.
-    result = invoke(["report", "--storage", url, "--plots", out, "--format", "json"])
+    result = cli(["report", "--storage", url, "--plots", out, "--format", "json"])
     assert result.exit_code == 0, result.output
     json.loads(result.stdout)  # the plot list went to stderr
     assert len(optuna.artifacts.get_all_artifact_meta(study)) == len(metas)
@@ -225,10 +210,10 @@ def study_has_no_pruned(study) -> bool:
 
 
 @pytest.mark.slow
-def test_export_then_train_reproduces_the_trial(real, tmp_path):
+def test_export_then_train_reproduces_the_trial(real, tmp_path, cli):
     """Acceptance: `headsearch train --config` on an exported trial gives the trial's metrics exactly."""
     url, study = real["url"], real["study"]
-    result = invoke(["export", "--storage", url, "--best", "accuracy", "--out", tmp_path / "best"])
+    result = cli(["export", "--storage", url, "--best", "accuracy", "--out", tmp_path / "best"])
     assert result.exit_code == 0, result.output
     (path,) = [Path(p) for p in result.stdout.split()]
     number = int(path.stem.split("-")[1])
@@ -243,7 +228,7 @@ def test_export_then_train_reproduces_the_trial(real, tmp_path):
     assert f"--config {path}" in text and "--data-dir" in text
 
     run_dir = tmp_path / "retrain"
-    result = invoke(["train", "--task", "vit-cifar10", "--config", path, "--data-dir", real["data"], "--out", run_dir,
+    result = cli(["train", "--task", "vit-cifar10", "--config", path, "--data-dir", real["data"], "--out", run_dir,
                      "--device", "cpu"])
     assert result.exit_code == 0, result.output
     final = json.loads((run_dir / "final.json").read_text())
@@ -254,9 +239,9 @@ def test_export_then_train_reproduces_the_trial(real, tmp_path):
     assert final["params"] == t.user_attrs["params"]
 
     # --trial and --pareto write the same kind of file; the front's duplicates are written once.
-    result = invoke(["export", "--storage", url, "--trial", 0, "--out", tmp_path / "one"])
+    result = cli(["export", "--storage", url, "--trial", 0, "--out", tmp_path / "one"])
     assert result.exit_code == 0 and (tmp_path / "one" / "trial-00000.yaml").is_file()
-    result = invoke(["export", "--storage", url, "--pareto", "--out", tmp_path / "front"])
+    result = cli(["export", "--storage", url, "--pareto", "--out", tmp_path / "front"])
     assert result.exit_code == 0, result.output
     rep = summarize(url, "vit-test")
     assert sorted(p.name for p in (tmp_path / "front").iterdir()) == [f"trial-{r.number:05d}.yaml" for r in rep.front]
@@ -274,8 +259,7 @@ def _get_json(url: str):
 
 
 @pytest.mark.slow
-def test_dashboard_serves_the_study(real):
-    pytest.importorskip("optuna_dashboard")
+def test_dashboard_serves_the_study(real, optuna_dashboard):
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "headsearch", "dashboard", "--storage", real["url"], "--port", str(port),
                              "--study", "vit-test"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -308,7 +292,7 @@ def test_dashboard_serves_the_study(real):
 
 
 @pytest.mark.parametrize("command", ["report", "export", "dashboard"])
-def test_unreadable_storage_exits_2_and_creates_nothing(command, tmp_path, monkeypatch):
+def test_unreadable_storage_exits_2_and_creates_nothing(command, tmp_path, monkeypatch, cli):
     monkeypatch.chdir(tmp_path)
     extra = ["--trial", "0", "--out", tmp_path / "out"] if command == "export" else []
     cases = [
@@ -321,15 +305,15 @@ def test_unreadable_storage_exits_2_and_creates_nothing(command, tmp_path, monke
     not_a_db.write_text("hello\n")
     cases.append((f"sqlite:///{not_a_db}", "not a SQLite database"))
     for url, fragment in cases:
-        assert_one_line_error(invoke([command, "--storage", url, *extra]), fragment)
+        cli.error_line(cli([command, "--storage", url, *extra]), fragment)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
     assert not_a_db.read_text() == "hello\n"
 
 
-def test_empty_optuna_database_is_not_a_study(tmp_path):
+def test_empty_optuna_database_is_not_a_study(tmp_path, cli):
     url = f"sqlite:///{tmp_path / 'empty.db'}"
     optuna.storages.RDBStorage(url)  # Optuna's tables, no study
-    assert_one_line_error(invoke(["report", "--storage", url]), "holds no studies")
+    cli.error_line(cli(["report", "--storage", url]), "holds no studies")
 
 
 def _hand_made(url: str, name: str = "hand", directions=("maximize", "minimize")) -> optuna.Study:
@@ -392,7 +376,7 @@ def test_summarize_hand_made_study_states_duplicates_and_savings(tmp_path):
 
 
 def test_single_objective_report_plots_and_importance_reasons(tmp_path):
-    from headsearch.search.plots import upload_plots, write_plots
+    from headsearch.search.plots import write_plots
     from headsearch.search.report import load_study
 
     url = f"sqlite:///{tmp_path / 'one.db'}"
@@ -419,66 +403,91 @@ def test_single_objective_report_plots_and_importance_reasons(tmp_path):
 def test_axis_labels_name_metrics_units_and_directions():
     assert axis_label("time", "minimize") == "time to best validation (training seconds), lower is better"
     assert axis_label("accuracy", "maximize") == "validation accuracy, higher is better"
+    assert axis_label("epochs", "minimize") == "epochs to best validation (epochs), lower is better"
+    assert axis_label("params") == "parameters (count)"
     assert default_artifact_dir("sqlite:///runs/x.db") == Path("runs/x-artifacts")
     assert default_artifact_dir("journal:/tmp/j/search.log") == Path("/tmp/j/search-artifacts")
     assert default_artifact_dir("postgresql://u@h/db") == Path("headsearch-artifacts")
 
 
-def test_study_selection_errors(tmp_path):
+def test_study_selection_errors(tmp_path, cli):
     url = f"sqlite:///{tmp_path / 'two.db'}"
     _hand_made(url, "first")
     _hand_made(url, "second")
-    assert_one_line_error(invoke(["report", "--storage", url]), "several studies", "first, second")
-    assert_one_line_error(invoke(["report", "--storage", url, "--study", "nope"]),
+    cli.error_line(cli(["report", "--storage", url]), "several studies", "first, second")
+    cli.error_line(cli(["report", "--storage", url, "--study", "nope"]),
                           "unknown study nope in", "studies there are first, second")
-    assert_one_line_error(invoke(["dashboard", "--storage", url, "--study", "nope"]), "unknown study nope")
-    assert_one_line_error(invoke(["report", "--storage", url, "--study", "first", "--format", "xml"]), "--format")
-    result = invoke(["report", "--storage", url, "--study", "first", "--format", "csv"])
+    cli.error_line(cli(["dashboard", "--storage", url, "--study", "nope"]), "unknown study nope")
+    cli.error_line(cli(["report", "--storage", url, "--study", "first", "--format", "xml"]), "--format")
+    result = cli(["report", "--storage", url, "--study", "first", "--format", "csv"])
     assert result.exit_code == 0 and result.stdout.count("\n") == 9
 
 
-def test_export_bad_selection_exits_2_and_creates_nothing(tmp_path):
+def test_export_bad_selection_exits_2_and_creates_nothing(tmp_path, cli):
     url = f"sqlite:///{tmp_path / 'hand.db'}"
     _hand_made(url)
     out = tmp_path / "out"
     base = ["export", "--storage", url, "--out", out]
-    assert_one_line_error(invoke(base), "exactly one of --trial N, --pareto, --best METRIC")
-    assert_one_line_error(invoke([*base, "--trial", 0, "--pareto"]), "exactly one of")
-    assert_one_line_error(invoke([*base, "--trial", 4]), "trial 4", "was pruned", "complete")
-    assert_one_line_error(invoke([*base, "--trial", 5]), "trial 5", "rejected")
-    assert_one_line_error(invoke([*base, "--trial", 6]), "trial 6", "failed")
-    assert_one_line_error(invoke([*base, "--trial", 7]), "trial 7", "has not started")
-    assert_one_line_error(invoke([*base, "--trial", 99]), "has no trial 99", "0 to 7")
-    assert_one_line_error(invoke([*base, "--best", "bleu"]), "--best bleu", "accuracy, time")
+    cli.error_line(cli(base), "exactly one of --trial N, --pareto, --best METRIC")
+    cli.error_line(cli([*base, "--trial", 0, "--pareto"]), "exactly one of")
+    cli.error_line(cli([*base, "--trial", 4]), "trial 4", "was pruned", "complete")
+    cli.error_line(cli([*base, "--trial", 5]), "trial 5", "rejected")
+    cli.error_line(cli([*base, "--trial", 6]), "trial 6", "failed")
+    cli.error_line(cli([*base, "--trial", 7]), "trial 7", "has not started")
+    cli.error_line(cli([*base, "--trial", 99]), "has no trial 99", "0 to 7")
+    cli.error_line(cli([*base, "--best", "bleu"]), "--best bleu", "accuracy, time")
     assert not out.exists()
 
     # --best on an objective (time, lower is better) and on a validation metric that is not one (loss: all tie).
-    result = invoke([*base, "--best", "time"])
+    result = cli([*base, "--best", "time"])
     assert result.exit_code == 0 and result.stdout.split() == [str(out / "trial-00000.yaml")]
-    result = invoke([*base, "--best", "loss"])
+    result = cli([*base, "--best", "loss"])
     assert result.exit_code == 0 and result.stdout.split() == [str(out / "trial-00000.yaml")]
-    result = invoke([*base, "--best", "accuracy"])
+    result = cli([*base, "--best", "accuracy"])
     assert result.stdout.split() == [str(out / "trial-00001.yaml")]  # 1 and its duplicate 3 tie: the earlier
-    result = invoke([*base, "--pareto"])
+    result = cli([*base, "--pareto"])
     assert result.stdout.split() == [str(out / "trial-00000.yaml"), str(out / "trial-00001.yaml")]
     header = (out / "trial-00001.yaml").read_text().splitlines()[:4]
     assert header[0] == "# headsearch export: study hand, trial 1 (complete)"
     assert header[3] == "# objectives: accuracy = 0.6 (maximize), time = 20 (minimize)"
 
 
-def test_dashboard_without_optuna_dashboard_says_how_to_install(tmp_path, monkeypatch):
+def test_dashboard_without_optuna_dashboard_says_how_to_install(tmp_path, monkeypatch, cli):
     import importlib.util
 
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "optuna_dashboard" else real_find_spec(name, *a))
-    result = invoke(["dashboard", "--storage", f"sqlite:///{tmp_path / 'x.db'}"])
-    assert_one_line_error(result, "optuna-dashboard is not installed: pip install 'headsearch[dashboard]'")
+    result = cli(["dashboard", "--storage", f"sqlite:///{tmp_path / 'x.db'}"])
+    cli.error_line(result, "optuna-dashboard is not installed: pip install 'headsearch[dashboard]'")
     assert not (tmp_path / "x.db").exists()
 
 
-def test_help_lists_the_study_commands():
-    result = invoke(["--help"])
+def test_help_lists_the_study_commands(cli):
+    result = cli(["--help"])
     for name in ("report", "export", "dashboard"):
         assert name in result.stdout
-    assert "--format" in invoke(["report", "--help"]).stdout
+    assert "--format" in cli(["report", "--help"]).stdout
+
+
+def test_the_objectives_table_reads_results_and_stored_trials(tmp_path):
+    from headsearch.tasks import get_task
+
+    task = get_task("vit-cifar10")
+    assert resolve_objectives(task, None) == [Objective("accuracy", "maximize"), Objective("time", "minimize")]
+    objectives = resolve_objectives(task, ["loss", "time", "epochs", "params"])
+    assert [(o.name, o.direction, o.unit) for o in objectives] == [
+        ("loss", "minimize", ""), ("time", "minimize", "seconds"), ("epochs", "minimize", "epochs"),
+        ("params", "minimize", "parameters")]
+    assert set(CONVERGENCE) == {"time", "epochs", "params"}
+    # From a training result (what a trial tells Optuna) and from the trial's record (report, export).
+    from types import SimpleNamespace
+
+    result = SimpleNamespace(best_metrics={"accuracy": 0.5, "loss": 1.25}, best_train_seconds=12.5, best_epoch=3, params=900)
+    assert [o.value(result) for o in objectives] == [1.25, 12.5, 3.0, 900.0]
+    study = _hand_made(f"sqlite:///{tmp_path / 'hand.db'}")
+    first = study.trials[0]
+    assert [o.trial_value(first) for o in objectives] == [1.0, 10.0, 4, 1000]
+    assert objectives_of(study) == [Objective("accuracy", "maximize"), Objective("time", "minimize")]
+    assert study.user_attrs["headsearch"]["objectives"] == [o.stored() for o in objectives_of(study)]
+    assert objectives_of(study)[1].unit == "seconds" and objectives_of(study)[1].label.startswith("time to best")

@@ -12,11 +12,11 @@ work, two threads make these tiny models ~10x slower than one. In-process search
 thread (fixture `one_thread`) and subprocesses get OMP_NUM_THREADS=1.
 
 PostgreSQL: tests that need it use $HEADSEARCH_TEST_PG (default
-postgresql+psycopg2://postgres@127.0.0.1:5432/test) and are skipped when it cannot be reached.
+postgresql+psycopg2://postgres@127.0.0.1:5432/test, fixture `pg_url` in conftest.py); when it cannot
+be reached they fail in CI and are skipped elsewhere.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -32,55 +32,70 @@ import optuna
 import pytest
 import yaml
 from optuna.trial import TrialState
-from typer.testing import CliRunner
 
-from headsearch.cli.main import app
 from headsearch.errors import HeadsearchError
 from headsearch.search.pruning import MedianRule
-from headsearch.search.runner import Search, SearchSettings, process_count, visible_gpus, worker_devices
+from headsearch.search.runner import Search, SearchSettings
 from headsearch.search.storage import open_storage
+from headsearch.search.workers import planned_devices, process_count, visible_gpus, worker_devices
 
 TASK = "translation-en-es"
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 
-# A space that makes each trial a fraction of a second: the fixed section shrinks model, data and steps.
-SPACE = {
+# The searched part of the space; its `fixed` section is the tiny translation model, data and steps of
+# conftest.py (3 epochs of 10 steps here), which make each trial a fraction of a second.
+SEARCHED = {
     "schedule": {"families": ["uniform", "halving", "doubling"], "heads": [1, 2, 4, 8]},
     "skip": ["none", "output", "scores"],
     "fusion": ["none", "add"],
-    "fixed": {
-        "arch": {"d_model": 32, "enc_layers": 2, "dec_layers": 1, "dec_heads": 2, "d_ff": 64},
-        "train": {"epochs": 3, "max_steps_per_epoch": 10},
-        "data": {"train_limit": 1000, "val_size": 40, "test_size": 40, "max_len": 16, "vocab_size": 1000},
-    },
 }
-
-PG_URL = os.environ.get("HEADSEARCH_TEST_PG", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")
+TRAIN = {"epochs": 3, "max_steps_per_epoch": 10}
 
 
 # ----------------------------------------------------------------------------------------- helpers
 
 
-def write_space(path: Path, *, ranges=None, train=None, **top) -> Path:
-    """SPACE with `ranges`, extra fixed train values and top-level keys replaced."""
-    d = json.loads(json.dumps(SPACE))
-    d["fixed"]["train"].update(train or {})
+def space_dict(tiny: dict, *, ranges=None, train=None, **top) -> dict:
+    """The space: SEARCHED with `ranges`, extra fixed train values and top-level keys replaced."""
+    d = json.loads(json.dumps({**SEARCHED, "fixed": tiny}))
+    d["fixed"]["train"] = {**TRAIN, **(train or {})}
     if ranges:
         d["ranges"] = ranges
     d.update(top)
-    path.write_text(yaml.safe_dump(d, sort_keys=False))
-    return path
+    return d
+
+
+@pytest.fixture(scope="session")
+def write_space(tiny_translation):
+    """`write_space(path, ranges=None, train=None, **top) -> path`: the space (`space_dict`) as YAML."""
+
+    def write(path: Path, **kw) -> Path:
+        path.write_text(yaml.safe_dump(space_dict(tiny_translation, **kw), sort_keys=False))
+        return path
+
+    return write
 
 
 def sqlite_url(path: Path) -> str:
     return f"sqlite:///{path}"
 
 
-def make_settings(tmp_path: Path, spa_file: Path, space: Path | None = None, **kw) -> SearchSettings:
-    base = dict(task=TASK, space=str(space or write_space(tmp_path / "space.yaml")), storage=sqlite_url(tmp_path / "h.db"),
+def settings_for(tmp_path: Path, spa_file: Path, space: Path, **kw) -> SearchSettings:
+    base = dict(task=TASK, space=str(space), storage=sqlite_url(tmp_path / "h.db"),
                 study="s", data_file=str(spa_file), run_root=str(tmp_path / "runs"), device="cpu")
     base.update(kw)
     return SearchSettings(**base)
+
+
+@pytest.fixture
+def make_settings(tmp_path, spa_file, write_space):
+    """`make_settings(space=None, **settings)`: SearchSettings of a search in tmp_path (sqlite storage
+    h.db, study "s", the CPU) on the default space unless `space` (a path) is given."""
+
+    def make(space: Path | None = None, **kw) -> SearchSettings:
+        return settings_for(tmp_path, spa_file, space or write_space(tmp_path / "space.yaml"), **kw)
+
+    return make
 
 
 def load(storage: str, study: str) -> optuna.Study:
@@ -155,73 +170,12 @@ def running_after_a_complete_trial(poller: StoragePoller):
     return (trials, running[0]) if running else None
 
 
-# ---------------------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module")
-def tokenizer_cache(tmp_path_factory) -> Path:
-    """One HEADSEARCH_CACHE for the module: every trial here uses the same training pairs and tokenizers."""
-    return tmp_path_factory.mktemp("cache")
-
-
-@pytest.fixture
-def cache_env(monkeypatch, tokenizer_cache) -> Path:
-    monkeypatch.setenv("HEADSEARCH_CACHE", str(tokenizer_cache))
-    return tokenizer_cache
-
-
-@pytest.fixture
-def one_thread():
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="session")
-def pg_url() -> str:
-    """A reachable PostgreSQL with Optuna's tables already there (the race of creating them from several
-    workers at once on a fresh database has its own test), else skip."""
-    pytest.importorskip("psycopg2")
-    import sqlalchemy as sa
-
-    try:
-        engine = sa.create_engine(PG_URL, poolclass=sa.pool.NullPool, connect_args={"connect_timeout": 3})
-        with engine.connect() as conn:
-            conn.execute(sa.text("select 1"))
-    except Exception as e:
-        pytest.skip(f"PostgreSQL not reachable at {PG_URL}: {str(e).splitlines()[0]}")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        optuna.storages.RDBStorage(PG_URL)
-    return PG_URL
-
-
-def delete_study_if_present(name: str, storage: str) -> None:
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            optuna.delete_study(study_name=name, storage=storage)
-    except KeyError:
-        pass
-
-
-@pytest.fixture
-def pg_study(pg_url):
-    """A study name unique to this test run; the study is deleted afterwards."""
-    name = f"headsearch-test-{uuid.uuid4().hex[:12]}"
-    yield name
-    delete_study_if_present(name, pg_url)
-
-
 # ------------------------------------------------------------------ a real multi-objective search
 
 
 @pytest.mark.slow
-def test_search_budget_curves_pruning_and_resume(tmp_path, spa_file, cache_env, one_thread):
-    settings = make_settings(tmp_path, spa_file, trials=8, pruner_startup_trials=2)
+def test_search_budget_curves_pruning_and_resume(tmp_path, spa_file, cache_env, one_thread, make_settings):
+    settings = make_settings(trials=8, pruner_startup_trials=2)
     Search(settings).run_worker()
 
     study = load(settings.storage, "s")
@@ -290,7 +244,7 @@ def test_search_budget_curves_pruning_and_resume(tmp_path, spa_file, cache_env, 
     assert {t.number: (t.state, t.values) for t in study.get_trials(deepcopy=False)} == before
 
     # Raising the budget to 10 adds exactly two trials and changes none of the others.
-    Search(make_settings(tmp_path, spa_file, trials=10, pruner_startup_trials=2)).run_worker()
+    Search(make_settings(trials=10, pruner_startup_trials=2)).run_worker()
     study = load(settings.storage, "s")
     after = study.get_trials(deepcopy=False)
     assert len(after) == 10 and len(finished(study)) == 10
@@ -301,8 +255,8 @@ def test_search_budget_curves_pruning_and_resume(tmp_path, spa_file, cache_env, 
 
 
 @pytest.mark.slow
-def test_single_objective_uses_optunas_pruner_and_tpe(tmp_path, spa_file, cache_env, one_thread):
-    settings = make_settings(tmp_path, spa_file, trials=6, objectives=("bleu",), pruner_startup_trials=2)
+def test_single_objective_uses_optunas_pruner_and_tpe(tmp_path, spa_file, cache_env, one_thread, make_settings):
+    settings = make_settings(trials=6, objectives=("bleu",), pruner_startup_trials=2)
     search = Search(settings)
     assert not search.multi_objective
     assert search.sampler_name() == "tpe"
@@ -339,14 +293,33 @@ def test_single_objective_uses_optunas_pruner_and_tpe(tmp_path, spa_file, cache_
             assert reason["value"] == pytest.approx(t.intermediate_values[n])
 
 
+# ------------------------------------------------------------------------ head diversity
+
+
+def test_track_diversity_records_each_trials_scalars(cache_env, one_thread, make_settings):
+    settings = make_settings(trials=2, pruner="none", diversity_samples=8)
+    Search(settings).run_worker()
+    study = load(settings.storage, "s")
+    assert study.user_attrs["headsearch"]["base_config"]["train"]["diversity_samples"] == 8
+    complete = by_state(study, TrialState.COMPLETE)
+    assert len(complete) == 2
+    for t in complete:
+        diversity = t.user_attrs["diversity"]  # at the best epoch (report correlates it with the objectives)
+        assert diversity and all(v is None or isinstance(v, float) for v in diversity.values())
+        if "duplicate_of" not in t.user_attrs:
+            records = [json.loads(line) for line in (Path(t.user_attrs["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+            assert all(set(r["diversity"]) == set(diversity) for r in records)
+            assert records[t.user_attrs["best_epoch"] - 1]["diversity"] == diversity
+
+
 # ------------------------------------------------------------------------ rejected combinations
 
 
 @pytest.mark.slow
-def test_invalid_combinations_are_rejected_untrained(tmp_path, spa_file, cache_env, one_thread):
+def test_invalid_combinations_are_rejected_untrained(tmp_path, spa_file, cache_env, one_thread, make_settings, write_space):
     space = write_space(tmp_path / "space.yaml", ranges={"d_model": [30, 32]},
                         schedule={"families": ["uniform", "halving", "doubling"], "heads": [4, 8]})
-    settings = make_settings(tmp_path, spa_file, space, trials=6, pruner="none")
+    settings = make_settings(space, trials=6, pruner="none")
     search = Search(settings)
     # Seed 0's first draws all take d_model 32: queue one trial of each d_model (the rest are sampled).
     opened = search.open()
@@ -375,9 +348,9 @@ def test_invalid_combinations_are_rejected_untrained(tmp_path, spa_file, cache_e
 
 
 @pytest.mark.slow
-def test_diverged_trials_fail_and_do_not_count(tmp_path, spa_file, cache_env, one_thread):
+def test_diverged_trials_fail_and_do_not_count(tmp_path, spa_file, cache_env, one_thread, make_settings, write_space):
     space = write_space(tmp_path / "space.yaml", ranges={"lr": [1.0e-4, 1.0e30]})
-    settings = make_settings(tmp_path, spa_file, space, trials=4, pruner="none", timeout=150)
+    settings = make_settings(space, trials=4, pruner="none", timeout=150)
     start = time.monotonic()
     Search(settings).run_worker()
     assert time.monotonic() - start < 150, "the worker ran to its safety timeout instead of filling its budget"
@@ -395,11 +368,11 @@ def test_diverged_trials_fail_and_do_not_count(tmp_path, spa_file, cache_env, on
         assert t.params["lr"] == 1.0e-4 and t.state == TrialState.COMPLETE
 
 
-def test_a_space_where_every_trial_diverges_stops_with_an_error(tmp_path, spa_file, cache_env, one_thread):
+def test_a_space_where_every_trial_diverges_stops_with_an_error(tmp_path, spa_file, cache_env, one_thread, make_settings, write_space):
     """FAIL trials do not fill the budget; so that the loop cannot spin, a worker refuses to go on once
     max(5, 2 * trials) trials failed -- also when started again."""
     space = write_space(tmp_path / "space.yaml", train={"lr": 1.0e30})
-    settings = make_settings(tmp_path, spa_file, space, trials=2, pruner="none", timeout=120)
+    settings = make_settings(space, trials=2, pruner="none", timeout=120)
     with pytest.raises(HeadsearchError, match="5 trials failed"):
         Search(settings).run_worker()
     study = load(settings.storage, "s")
@@ -410,8 +383,8 @@ def test_a_space_where_every_trial_diverges_stops_with_an_error(tmp_path, spa_fi
     assert len(load(settings.storage, "s").trials) == 5
 
 
-def test_interrupted_trials_do_not_count_toward_the_failure_cap(tmp_path, spa_file, cache_env, one_thread):
-    settings = make_settings(tmp_path, spa_file, trials=2, pruner="none")
+def test_interrupted_trials_do_not_count_toward_the_failure_cap(tmp_path, spa_file, cache_env, one_thread, make_settings):
+    settings = make_settings(trials=2, pruner="none")
     search = Search(settings)
     study = search.open()
     for _ in range(3):  # what three Ctrl-C's leave behind (see the Ctrl-C test)
@@ -424,69 +397,67 @@ def test_interrupted_trials_do_not_count_toward_the_failure_cap(tmp_path, spa_fi
 
 
 def _bad_space(**top):
-    def make(tmp: Path) -> list[str]:
-        d = json.loads(json.dumps(SPACE))
-        d.update(top)
-        p = tmp / "bad.yaml"
-        p.write_text(yaml.safe_dump(d))
-        return ["--space", str(p)]
+    """The arguments of a space with `top` keys replaced: `make(tmp, write_space)`."""
+    def make(tmp: Path, write_space) -> list[str]:
+        return ["--space", str(write_space(tmp / "bad.yaml", **top))]
     return make
 
 
 BAD_RUN_INPUTS = {
-    "unknown space": (lambda tmp: ["--space", "no-such-space"], "unknown search space 'no-such-space'"),
-    "unknown task": (lambda tmp: ["--task", "chess"], "unknown task 'chess'"),
-    "unknown sampler": (lambda tmp: ["--sampler", "cmaes"], "unknown sampler 'cmaes'"),
-    "unknown pruner": (lambda tmp: ["--pruner", "wavelet"], "unknown pruner 'wavelet'"),
-    "unknown objective": (lambda tmp: ["--objectives", "bleu,accuracy"], "unknown objective 'accuracy'"),
-    "objective twice": (lambda tmp: ["--objectives", "bleu,bleu"], "name one twice"),
+    "unknown space": (lambda tmp, _: ["--space", "no-such-space"], "unknown search space 'no-such-space'"),
+    "unknown task": (lambda tmp, _: ["--task", "chess"], "unknown task 'chess'"),
+    "unknown sampler": (lambda tmp, _: ["--sampler", "cmaes"], "unknown sampler 'cmaes'"),
+    "unknown pruner": (lambda tmp, _: ["--pruner", "wavelet"], "unknown pruner 'wavelet'"),
+    "unknown objective": (lambda tmp, _: ["--objectives", "bleu,accuracy"], "unknown objective 'accuracy'"),
+    "objective twice": (lambda tmp, _: ["--objectives", "bleu,bleu"], "name one twice"),
     "space skip bogus": (_bad_space(skip=["bogus"]), "skip has unknown value(s) ['bogus']"),
     "space family spiral": (_bad_space(schedule={"families": ["spiral"]}), "schedule.families has unknown value(s) ['spiral']"),
     "space unknown key": (_bad_space(colour="red"), "unknown key(s) colour"),
     "space bad range": (_bad_space(ranges={"lr": {"low": 1, "high": 0}}), "ranges.lr"),
     "space for another task": (_bad_space(tasks=["vit-cifar10"]), "not translation-en-es"),
-    "storage scheme": (lambda tmp: ["--storage", "foo://x"], "is not a storage URL"),
-    "storage folder missing": (lambda tmp: ["--storage", f"sqlite:///{tmp}/nowhere/h.db"], "does not exist"),
-    "zero trials": (lambda tmp: ["--trials", "0"], "at least 1"),
-    "missing data file": (lambda tmp: ["--data-file", str(tmp / "nope.txt")], "does not exist"),
-    "negative pruner startup": (lambda tmp: ["--pruner-startup", "-1"], "n_startup_trials must be an integer >= 0"),
-    "negative pruner warm-up": (lambda tmp: ["--pruner-warmup", "-1"], "n_warmup_epochs must be an integer >= 0"),
-    "workers and trials per GPU": (lambda tmp: ["--workers", "2", "--trials-per-gpu", "2"],
+    "storage scheme": (lambda tmp, _: ["--storage", "foo://x"], "is not a storage URL"),
+    "storage folder missing": (lambda tmp, _: ["--storage", f"sqlite:///{tmp}/nowhere/h.db"], "does not exist"),
+    "zero trials": (lambda tmp, _: ["--trials", "0"], "at least 1"),
+    "missing data file": (lambda tmp, _: ["--data-file", str(tmp / "nope.txt")], "does not exist"),
+    "negative pruner startup": (lambda tmp, _: ["--pruner-startup", "-1"], "n_startup_trials must be an integer >= 0"),
+    "negative pruner warm-up": (lambda tmp, _: ["--pruner-warmup", "-1"], "n_warmup_epochs must be an integer >= 0"),
+    "workers and trials per GPU": (lambda tmp, _: ["--workers", "2", "--trials-per-gpu", "2"],
                                    "--workers and --trials-per-gpu both set the number of worker processes: pass one of them"),
-    "workers 1 and trials per GPU": (lambda tmp: ["--workers", "1", "--trials-per-gpu", "1"], "pass one of them"),
-    "zero trials per GPU": (lambda tmp: ["--trials-per-gpu", "0"], "--trials-per-gpu 0: run at least 1 trial per GPU"),
-    "unknown compile mode": (lambda tmp: ["--compile", "fast"], "compile = 'fast' is not known"),
-    "CUDA graphs for translation": (lambda tmp: ["--compile", "reduce-overhead"], "need static shapes"),
+    "workers 1 and trials per GPU": (lambda tmp, _: ["--workers", "1", "--trials-per-gpu", "1"], "pass one of them"),
+    "zero trials per GPU": (lambda tmp, _: ["--trials-per-gpu", "0"], "--trials-per-gpu 0: run at least 1 trial per GPU"),
+    "unknown compile mode": (lambda tmp, _: ["--compile", "fast"], "compile = 'fast' is not known"),
+    "CUDA graphs for translation": (lambda tmp, _: ["--compile", "reduce-overhead"], "need static shapes"),
 }
 # Checked only when the study is opened, after the storage (the SQLite file) was created: see
 # test_pruner_options_are_checked_before_the_storage_is_created.
 LATE_CHECKS = ("negative pruner startup", "negative pruner warm-up")
 
 
-def invoke_bad_run(name, tmp_path, spa_file, monkeypatch):
-    """Run `headsearch run` in-process on one bad input; return (result, expected text, db, work, files before)."""
-    work = tmp_path / "work"
-    work.mkdir()
-    monkeypatch.chdir(work)
-    space = write_space(tmp_path / "space.yaml")
-    db = work / "h.db"
-    make_args, expected = BAD_RUN_INPUTS[name]
-    args = ["run", "--task", TASK, "--space", str(space), "--data-file", str(spa_file), "--trials", "2",
-            "--storage", sqlite_url(db), "--run-root", str(work / "runs"), "--device", "cpu"]
-    args += make_args(work)  # later options win
-    before = sorted(work.rglob("*"))
-    return CliRunner().invoke(app, args, env={"COLUMNS": "240"}), expected, db, work, before
+@pytest.fixture
+def invoke_bad_run(tmp_path, spa_file, cache_env, monkeypatch, cli, write_space):
+    """`invoke_bad_run(name)`: run `headsearch run` in-process on one bad input; return (result, expected
+    text, db, work, files before)."""
+
+    def invoke(name):
+        work = tmp_path / "work"
+        work.mkdir()
+        monkeypatch.chdir(work)
+        space = write_space(tmp_path / "space.yaml")
+        db = work / "h.db"
+        make_args, expected = BAD_RUN_INPUTS[name]
+        args = ["run", "--task", TASK, "--space", space, "--data-file", spa_file, "--trials", "2",
+                "--storage", sqlite_url(db), "--run-root", work / "runs", "--device", "cpu"]
+        args += make_args(work, write_space)  # later options win
+        before = sorted(work.rglob("*"))
+        return cli(args), expected, db, work, before
+
+    return invoke
 
 
 @pytest.mark.parametrize("name", list(BAD_RUN_INPUTS))
-def test_run_bad_input_exits_2_and_creates_no_study(name, tmp_path, spa_file, cache_env, monkeypatch):
-    result, expected, db, work, before = invoke_bad_run(name, tmp_path, spa_file, monkeypatch)
-    assert result.exit_code == 2, (result.stdout, result.stderr, result.exception)
-    assert isinstance(result.exception, SystemExit)
-    assert "Traceback" not in result.stdout + result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert expected in lines[0]
+def test_run_bad_input_exits_2_and_creates_no_study(name, invoke_bad_run, cli):
+    result, expected, db, work, before = invoke_bad_run(name)
+    cli.error_line(result, expected)
     # No study. No database either, except for the late checks (an empty one: see the xfail test below).
     if name in LATE_CHECKS and db.exists():
         with warnings.catch_warnings():
@@ -498,14 +469,14 @@ def test_run_bad_input_exits_2_and_creates_no_study(name, tmp_path, spa_file, ca
 
 
 @pytest.mark.parametrize("name", LATE_CHECKS)
-def test_pruner_options_are_checked_before_the_storage_is_created(name, tmp_path, spa_file, cache_env, monkeypatch):
-    result, _, db, _, _ = invoke_bad_run(name, tmp_path, spa_file, monkeypatch)
+def test_pruner_options_are_checked_before_the_storage_is_created(name, invoke_bad_run):
+    result, _, db, _, _ = invoke_bad_run(name)
     assert result.exit_code == 2
     assert not db.exists()
 
 
-def test_run_bad_space_in_a_real_subprocess(tmp_path, spa_file, tokenizer_cache):
-    space = _bad_space(schedule={"families": ["spiral"]})(tmp_path)[1]
+def test_run_bad_space_in_a_real_subprocess(tmp_path, spa_file, tokenizer_cache, write_space):
+    space = _bad_space(schedule={"families": ["spiral"]})(tmp_path, write_space)[1]
     db = tmp_path / "h.db"
     proc = subprocess.run(run_cmd(Path(space), sqlite_url(db), "s", 2, spa_file, tmp_path / "runs"), capture_output=True,
                           text=True, timeout=120, cwd=tmp_path, env=sub_env(tokenizer_cache))
@@ -540,17 +511,44 @@ def test_visible_gpus_are_the_ids_cuda_visible_devices_lists(listed, visible, mo
     assert visible_gpus() == visible
 
 
-def test_trials_per_gpu_pins_workers_to_the_listed_gpus(tmp_path, spa_file, monkeypatch):
+def test_trials_per_gpu_pins_workers_to_the_listed_gpus(monkeypatch, make_settings):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
-    auto = Search(make_settings(tmp_path, spa_file, trials_per_gpu=2, device="auto"))
-    assert auto.worker_devices() == ["2", "3", "2", "3"]
-    assert Search(make_settings(tmp_path, spa_file, workers=3, device="auto")).worker_devices() == ["2", "3", "2"]
+    auto = Search(make_settings(trials_per_gpu=2, device="auto"))
+    assert planned_devices(auto.settings) == ["2", "3", "2", "3"]
+    assert planned_devices(Search(make_settings(workers=3, device="auto")).settings) == ["2", "3", "2"]
     # --device cpu: no pinning, the processes share the CPU whatever GPUs there are.
-    assert Search(make_settings(tmp_path, spa_file, trials_per_gpu=2)).worker_devices() == [None, None]
+    assert planned_devices(Search(make_settings(trials_per_gpu=2)).settings) == [None, None]
+
+
+def proposals(search: Search, n: int, study=None) -> list[dict]:
+    """The parameters of the next `n` trials `search` asks for, under its budget lock as a worker does
+    (sampled, not trained); on its own study unless `study` is given."""
+    study = study if study is not None else search.open()
+    out = []
+    for _ in range(n):
+        trial = search._next_trial(study)
+        search.space.sample(trial, search.base)
+        out.append(trial.params)
+    return out
+
+
+def test_workers_asking_in_turn_propose_what_one_worker_would(tmp_path, spa_file, write_space):
+    """The sampler is seeded by the index of the trial about to start, counted under the budget lock:
+    which worker asks does not change what is proposed, so two workers never repeat each other's
+    proposals (NSGA-II's first generation, 4 trials here, is drawn at random)."""
+    space = write_space(tmp_path / "space.yaml")
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    alone = proposals(Search(settings_for(tmp_path / "one", spa_file, space, trials=6)), 4)
+    a, b = Search(settings_for(tmp_path / "two", spa_file, space, trials=6)), Search(settings_for(tmp_path / "two", spa_file, space, trials=6))
+    study_a, study_b = a.open(), b.open()
+    in_turn = [proposals(w, 1, st)[0] for w, st in ((a, study_a), (b, study_b), (b, study_b), (a, study_a))]
+    assert in_turn == alone
+    assert all(p != q for i, p in enumerate(alone) for q in alone[i + 1:]), alone  # four different architectures
 
 
 @pytest.mark.slow
-def test_trials_per_gpu_on_the_cpu_runs_k_workers_and_exactly_the_budget(tmp_path, spa_file, tokenizer_cache):
+def test_trials_per_gpu_on_the_cpu_runs_k_workers_and_exactly_the_budget(tmp_path, spa_file, tokenizer_cache, write_space):
     space = write_space(tmp_path / "space.yaml")
     url = sqlite_url(tmp_path / "h.db")
     proc = subprocess.run(run_cmd(space, url, "s", 4, spa_file, tmp_path / "runs", "--trials-per-gpu", 2),
@@ -577,22 +575,22 @@ def _check_budget_filled_once(url: str, study_name: str, n: int) -> optuna.Study
 
 
 @pytest.fixture(scope="module")
-def two_pg_workers(tmp_path_factory, spa_file, tokenizer_cache, pg_url):
+def two_pg_workers(tmp_path_factory, spa_file, tokenizer_cache, pg_url, pg_study_names, write_space):
     """Two `headsearch run --trials 6` processes started together on one PostgreSQL study:
-    (study name, their pids, their (returncode, stderr))."""
+    (study name, their pids, their (returncode, stderr), the space file)."""
     tmp = tmp_path_factory.mktemp("two-workers")
-    name = f"headsearch-test-{uuid.uuid4().hex[:12]}"
-    cmd = run_cmd(write_space(tmp / "space.yaml"), pg_url, name, 6, spa_file, tmp / "runs")
+    name = pg_study_names()
+    space = write_space(tmp / "space.yaml")
+    cmd = run_cmd(space, pg_url, name, 6, spa_file, tmp / "runs")
     procs = [subprocess.Popen(cmd, cwd=tmp, env=sub_env(tokenizer_cache), stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
     results = [(p.returncode, err) for p in procs for _, err in [p.communicate(timeout=240)]]
-    yield name, [p.pid for p in procs], results
-    delete_study_if_present(name, pg_url)
+    return name, [p.pid for p in procs], results, space
 
 
 @pytest.mark.slow
 def test_two_worker_processes_on_postgresql_run_exactly_the_budget(two_pg_workers, pg_url):
-    name, pids, results = two_pg_workers
+    name, pids, results, _ = two_pg_workers
     for rc, err in results:
         assert rc == 0, err[-3000:]
     study = _check_budget_filled_once(pg_url, name, 6)
@@ -600,20 +598,19 @@ def test_two_worker_processes_on_postgresql_run_exactly_the_budget(two_pg_worker
 
 
 @pytest.mark.slow
-def test_two_worker_processes_do_not_train_the_same_configs(two_pg_workers, pg_url):
-    name, pids, results = two_pg_workers
-    study = load(pg_url, name)
-    firsts = {}
-    for t in sorted(study.trials, key=lambda t: t.number):
-        firsts.setdefault(t.user_attrs["worker"], t)
-    if len(firsts) < 2:
-        pytest.skip("one worker ran every trial before the other started")
-    a, b = firsts.values()
-    assert a.params != b.params  # each worker's first proposal
+def test_two_worker_processes_do_not_train_the_same_configs(two_pg_workers, pg_url, tmp_path, spa_file):
+    """Whichever process asked for them, the first generation's trials are the proposals one worker
+    alone would have made (test_workers_asking_in_turn_propose_what_one_worker_would): four different
+    architectures, none proposed twice."""
+    name, _, _, space = two_pg_workers
+    trials = sorted(load(pg_url, name).trials, key=lambda t: t.number)
+    alone = proposals(Search(settings_for(tmp_path, spa_file, space, trials=6)), 4)
+    assert [t.params for t in trials[:4]] == alone
+    assert all(p != q for i, p in enumerate(alone) for q in alone[i + 1:]), alone
 
 
 @pytest.mark.slow
-def test_workers_option_on_postgresql_runs_exactly_the_budget(tmp_path, spa_file, tokenizer_cache, pg_study, pg_url):
+def test_workers_option_on_postgresql_runs_exactly_the_budget(tmp_path, spa_file, tokenizer_cache, pg_study, pg_url, write_space):
     space = write_space(tmp_path / "space.yaml")
     proc = subprocess.Popen(run_cmd(space, pg_url, pg_study, 4, spa_file, tmp_path / "runs", "--workers", 2),
                             cwd=tmp_path, env=sub_env(tokenizer_cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -636,12 +633,17 @@ def test_plain_postgresql_url_opens_with_the_postgres_extra(pg_url):
         open_storage(pg_url.replace("postgresql+psycopg2://", "postgresql://"), heartbeat=None)
 
 
-def test_missing_driver_message_names_the_driver():
-    if importlib.util.find_spec("MySQLdb") is not None:
-        pytest.skip("a MySQL driver is installed")
+@pytest.mark.parametrize("url, drivers, hint", [
+    ("mysql://u@127.0.0.1:3306/x", ["MySQLdb"], "the mysql driver is not installed: pip install pymysql"),
+    ("postgresql://u@127.0.0.1:5432/x", ["psycopg", "psycopg2"],
+     "the postgresql driver is not installed: pip install 'headsearch[postgres]' (psycopg2)"),
+])
+def test_missing_driver_message_names_the_driver(url, drivers, hint, monkeypatch):
+    for module in drivers:  # not importable here, whether or not it is installed
+        monkeypatch.setitem(sys.modules, module, None)
     with pytest.raises(HeadsearchError) as e:
-        open_storage("mysql://u@127.0.0.1:3306/x", heartbeat=None)
-    assert "None" not in str(e.value)
+        open_storage(url, heartbeat=None)
+    assert hint in str(e.value) and "None" not in str(e.value)
 
 
 @pytest.mark.slow
@@ -678,7 +680,7 @@ SLOWER_TRAIN = {"epochs": 12, "max_steps_per_epoch": 30}  # 1,000 pairs are 16 s
 
 
 @pytest.mark.slow
-def test_killed_worker_trial_is_failed_and_retried(tmp_path, spa_file, tokenizer_cache):
+def test_killed_worker_trial_is_failed_and_retried(tmp_path, spa_file, tokenizer_cache, write_space):
     space = write_space(tmp_path / "space.yaml", train=SLOWER_TRAIN)
     url, n = sqlite_url(tmp_path / "h.db"), 2
     cmd = run_cmd(space, url, "s", n, spa_file, tmp_path / "runs", "--heartbeat", 1, "--pruner", "none")
@@ -720,7 +722,7 @@ def test_killed_worker_trial_is_failed_and_retried(tmp_path, spa_file, tokenizer
 
 
 @pytest.mark.slow
-def test_ctrl_c_fails_the_running_trial_and_the_same_command_resumes(tmp_path, spa_file, tokenizer_cache):
+def test_ctrl_c_fails_the_running_trial_and_the_same_command_resumes(tmp_path, spa_file, tokenizer_cache, write_space):
     space = write_space(tmp_path / "space.yaml", train=SLOWER_TRAIN)
     url, n = sqlite_url(tmp_path / "h.db"), 2
     cmd = run_cmd(space, url, "s", n, spa_file, tmp_path / "runs", "--pruner", "none")
@@ -783,10 +785,10 @@ def test_live_display_ends_its_last_line_on_a_non_terminal():
 
 
 
-def test_a_study_resumes_with_compile_changed_but_not_with_the_seed_changed(tmp_path, spa_file):
+def test_a_study_resumes_with_compile_changed_but_not_with_the_seed_changed(tmp_path, spa_file, make_settings):
     from headsearch.errors import HeadsearchError
 
-    Search(make_settings(tmp_path, spa_file)).open()
-    Search(make_settings(tmp_path, spa_file, compile="default")).open()  # how trials run, not what they compute
+    Search(make_settings()).open()
+    Search(make_settings(compile="default")).open()  # how trials run, not what they compute
     with pytest.raises(HeadsearchError, match="different base_config"):
-        Search(make_settings(tmp_path, spa_file, seed=7)).open()
+        Search(make_settings(seed=7)).open()

@@ -58,21 +58,18 @@ def train(
     compile_mode: Optional[str] = typer.Option(None, "--compile", help=COMPILE_HELP),
 ) -> None:
     """Train one architecture on a task and write a run directory."""
+    from headsearch.analysis.tracking import diversity_callbacks
     from headsearch.cli.progress import TrainProgress, print_result
     from headsearch.errors import Diverged, HeadsearchError
-    from headsearch.tasks import DataSource
+    from headsearch.tasks import DataSource, flag_overrides, resolve_config
     from headsearch.training import train_run
-    from headsearch.training.resolve import resolve_config
 
     try:
-        cfg = resolve_config(task, config, preset, epochs=epochs, seed=seed, compile_mode=compile_mode)
-        if track_diversity is not None:
-            from headsearch.tasks import apply_overrides, get_task
-
-            cfg = apply_overrides(get_task(task), cfg, {"train": {"diversity_samples": track_diversity}})
+        flags = flag_overrides(epochs=epochs, seed=seed, compile=compile_mode, diversity_samples=track_diversity)
+        cfg = resolve_config(task, preset=preset, config=config, overrides=flags)
         with TrainProgress() as progress:
             run_dir, result = train_run(cfg, DataSource(data_dir, data_file), out, device=device, argv=sys.argv,
-                                        callbacks=[progress])
+                                        callbacks=[progress, *diversity_callbacks(cfg)])
     except HeadsearchError as e:
         fail(str(e))
     except Diverged as e:
@@ -124,11 +121,10 @@ def run(
     compile_mode: Optional[str] = typer.Option(None, "--compile", help=COMPILE_HELP),
 ) -> None:
     """Search head schedules, skip kinds and fusion types with Optuna; prune poor trials."""
-    import time
-
     from headsearch.cli.progress import SearchProgress, print_search_summary
     from headsearch.errors import HeadsearchError
-    from headsearch.search.runner import Search, SearchSettings, run_workers
+    from headsearch.search.runner import Search, SearchSettings
+    from headsearch.search.workers import open_search, run_search
 
     settings = SearchSettings(
         task=task, space=space, trials=trials, timeout=timeout,
@@ -142,26 +138,17 @@ def run(
     study_obj = None
     try:
         search = Search(settings)
-        in_process = len(search.worker_devices()) == 1
-        if in_process:
-            search.prepare_data()  # malformed data fails here, before a study exists
-        study_obj = search.open()
+        study_obj = open_search(search)  # malformed data fails here, before a study exists
         with SearchProgress(study_obj, trials) as display:
-            if in_process:
-                search.run_worker(0, callbacks=[display], argv=sys.argv)
-            else:
-                procs = run_workers(search, argv=sys.argv)
-                while any(p.is_alive() for p in procs):
-                    time.sleep(2)
-                    display.refresh()
-                if any(p.exitcode for p in procs):
-                    fail(f"a worker failed: see {run_root / search.study_name / 'workers'}", code=1)
+            exit_codes = run_search(search, [display], argv=sys.argv, poll=display.refresh)
     except HeadsearchError as e:
         fail(str(e))
     except KeyboardInterrupt:
         if study_obj is not None:
             print_search_summary(study_obj, settings.storage)
         fail("interrupted: finished trials are kept in the study; run the same command to resume", code=130)
+    if any(exit_codes):
+        fail(f"a worker failed: see {run_root / search.study_name / 'workers'}", code=1)
     print_search_summary(study_obj, settings.storage)
 
 
@@ -184,10 +171,11 @@ def analyze(
     import json as _json
 
     from rich.console import Console
-    from rich.table import Table
 
     from headsearch.analysis.run import analyze_run
+    from headsearch.cli.progress import print_analysis
     from headsearch.errors import HeadsearchError
+    from headsearch.search.artifacts import upload_to_trial
     from headsearch.tasks import DataSource
 
     if fmt not in ("table", "json"):
@@ -199,38 +187,15 @@ def analyze(
         with err.status("analysing") as status:
             result = analyze_run(run_dir, DataSource(data_dir, data_file), out, samples=samples, ablate=ablate,
                                  device=device, progress=lambda m: status.update(f"analysing: {m}"))
+            # A search trial's run: its figures and analysis.json go to the study as artifacts.
+            files = [*result["figures"], result.pop("analysis_json")]
+            result["uploaded"] = upload_to_trial(run_dir, files)
     except HeadsearchError as e:
         fail(str(e))
     if fmt == "json":
         typer.echo(_json.dumps(result, indent=1))
         return
-    console = Console()
-    table = Table(title=f"{result['task']}: {result['metric']} {result['baseline']:.4g} on {result['samples']} validation samples")
-    from headsearch.analysis.figures import short_name
-
-    for col in ("layer", "H", "q-ortho", "ctx-nonortho", "out-dissim", "att-div", "entropy", "importance"):
-        table.add_column(col, justify="right" if col != "layer" else "left")
-    table.caption = ("q-ortho, ctx-nonortho (0-1): high = heads less diverse; out-dissim, att-div: high = more diverse;"
-                     " entropy in nats; importance: min-max of the per-layer normalised scores")
-    fmt_num = lambda v: "-" if v is None else f"{v:.3g}"  # noqa: E731
-    for layer in result["layers"]:
-        sc = layer["scalars"]
-        imp = [v for v in layer["importance"] if v is not None]
-        table.add_row(short_name(layer["name"]), str(layer["heads"]), fmt_num(sc.get("query_orthogonality")),
-                      fmt_num(sc.get("context_nonorthogonality_normalized")), fmt_num(sc.get("output_dissimilarity")),
-                      fmt_num(sc.get("attention_diversity")),
-                      fmt_num(sum(layer["entropy"]) / len(layer["entropy"])),
-                      f"{min(imp):.2f}-{max(imp):.2f}" if imp else "-")
-    console.print(table)
-    curve = Table(title="pruning curve (least important heads first)")
-    curve.add_column("heads pruned", justify="right")
-    curve.add_column(result["metric"], justify="right")
-    for p in result["pruning_curve"]:
-        curve.add_row(f"{p['heads_pruned']} ({100 * p['fraction']:.0f}%)", f"{p[result['metric']]:.4g}")
-    console.print(curve)
-    console.print(f"wrote {len(result['figures'])} figures and analysis.json to {Path(result['figures'][0]).parent}")
-    if result.get("uploaded"):
-        console.print(f"uploaded to {result['uploaded']}")
+    print_analysis(result)
 
 
 def main() -> None:

@@ -1,4 +1,5 @@
-"""Rich display for training: a progress bar per epoch and a line per evaluated epoch."""
+"""Rich displays: training (a progress bar per epoch and a line per evaluated epoch), a search (a
+live table of trials by state, the best values and the current trial), and their results."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,6 +8,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from headsearch.search.runner import SearchCallback, arch_summary
+from headsearch.search.snapshot import snapshot
 from headsearch.training.trainer import Callback, EpochRecord, StepInfo, TrainResult
 
 
@@ -73,7 +76,7 @@ def print_result(run_dir: Path, result: TrainResult, console: Console | None = N
     console.print(f"run directory: {run_dir}")
 
 
-class SearchProgress(Callback):
+class SearchProgress(SearchCallback):
     """Live view of a search: trials by state, the best value of each objective, the current trial."""
 
     def __init__(self, study, trials: int, console: Console | None = None):
@@ -100,8 +103,6 @@ class SearchProgress(Callback):
             self.console.line()  # Live ends its last line only on a terminal
 
     def refresh(self) -> None:
-        from headsearch.search.snapshot import snapshot
-
         self.snap = snapshot(self.study)
         self.live.update(self._render())
 
@@ -121,8 +122,6 @@ class SearchProgress(Callback):
         return table
 
     def on_trial_start(self, number: int, cfg) -> None:
-        from headsearch.search.runner import arch_summary
-
         self.current, self.epoch, self.step = f"trial {number}: {arch_summary(cfg)}", "", ""
         self.refresh()
 
@@ -155,8 +154,6 @@ class SearchProgress(Callback):
 
 
 def print_search_summary(study, storage: str, console: Console | None = None) -> None:
-    from headsearch.search.snapshot import snapshot
-
     console = console or Console()
     snap = snapshot(study)
     c = snap.counts
@@ -165,3 +162,34 @@ def print_search_summary(study, storage: str, console: Console | None = None) ->
     if snap.best:
         console.print("best per objective: " + "  ".join(f"{k} {v:.4g}" for k, v in snap.best.items()))
     console.print(f"next: headsearch report --study {study.study_name} --storage {storage}")
+
+
+def print_analysis(result: dict, console: Console | None = None) -> None:
+    """The tables of `headsearch analyze`: per-layer diversity and importance, and the pruning curve."""
+    from headsearch.analysis.figures import short_name
+
+    console = console or Console()
+    table = Table(title=f"{result['task']}: {result['metric']} {result['baseline']:.4g} on {result['samples']} validation samples")
+    for col in ("layer", "H", "q-ortho", "ctx-nonortho", "out-dissim", "att-div", "entropy", "importance"):
+        table.add_column(col, justify="right" if col != "layer" else "left")
+    table.caption = ("q-ortho, ctx-nonortho (0-1): high = heads less diverse; out-dissim, att-div: high = more diverse;"
+                     " entropy in nats; importance: min-max of the per-layer normalised scores")
+    fmt_num = lambda v: "-" if v is None else f"{v:.3g}"  # noqa: E731
+    for layer in result["layers"]:
+        sc = layer["scalars"]
+        imp = [v for v in layer["importance"] if v is not None]
+        table.add_row(short_name(layer["name"]), str(layer["heads"]), fmt_num(sc.get("query_orthogonality")),
+                      fmt_num(sc.get("context_nonorthogonality_normalized")), fmt_num(sc.get("output_dissimilarity")),
+                      fmt_num(sc.get("attention_diversity")),
+                      fmt_num(sum(layer["entropy"]) / len(layer["entropy"])),
+                      f"{min(imp):.2f}-{max(imp):.2f}" if imp else "-")
+    console.print(table)
+    curve = Table(title="pruning curve (least important heads first)")
+    curve.add_column("heads pruned", justify="right")
+    curve.add_column(result["metric"], justify="right")
+    for p in result["pruning_curve"]:
+        curve.add_row(f"{p['heads_pruned']} ({100 * p['fraction']:.0f}%)", f"{p[result['metric']]:.4g}")
+    console.print(curve)
+    console.print(f"wrote {len(result['figures'])} figures and analysis.json to {Path(result['figures'][0]).parent}")
+    if result.get("uploaded"):
+        console.print(f"uploaded to {result['uploaded']}")

@@ -57,7 +57,8 @@ def report(
         rep = summarize(storage, study, study=study_obj)
         written: list[tuple[Path, str]] = []
         if plots is not None:
-            from headsearch.search.plots import default_artifact_dir, upload_plots, write_plots
+            from headsearch.search.artifacts import default_artifact_dir, upload_plots
+            from headsearch.search.plots import write_plots
 
             paths = write_plots(study_obj, rep, plots)
             artifact_dir = default_artifact_dir(storage)
@@ -206,7 +207,7 @@ def dashboard(
     if artifact_dir is not None and artifact_dir.exists() and not artifact_dir.is_dir():
         _fail(f"--artifact-dir {artifact_dir} is a file: pass a folder")
     _quiet_optuna()
-    from headsearch.search.plots import default_artifact_dir
+    from headsearch.search.artifacts import default_artifact_dir
     from headsearch.search.report import open_existing_storage, study_names
 
     try:

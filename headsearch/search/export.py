@@ -14,10 +14,8 @@ from typing import Any
 import yaml
 
 from headsearch.errors import HeadsearchError
-from headsearch.search.report import directions_of, load_study, objectives_of, pareto_front, trial_state
-
-CONVERGENCE = {"time": ("best_train_seconds", "minimize"), "epochs": ("best_epoch", "minimize"),
-               "params": ("params", "minimize")}
+from headsearch.search.objectives import CONVERGENCE, Objective, objective_for, objectives_of
+from headsearch.search.report import load_study, pareto_front, trial_state
 
 
 def export_configs(
@@ -92,41 +90,39 @@ def _one_trial(study, number: int):
 
 
 def _best_on(study, name: str):
-    """The complete trial best on an objective, a validation metric, or time/epochs/params."""
+    """The complete trial best on an objective of the study (its value), else on a validation metric
+    of its task or a convergence objective (their values recorded in the trial)."""
     from optuna.trial import TrialState
 
     complete = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.values is not None]
     objectives = objectives_of(study)
     meta = study.user_attrs.get("headsearch") or {}
-    metric_names: list[str] = []
-    direction = None
+    task = None
     if meta.get("task"):
         try:
             from headsearch.tasks import get_task
 
             task = get_task(meta["task"])
-            metric_names = [m.name for m in task.metrics]
-            if name in metric_names:
-                direction = task.metric(name).direction
         except HeadsearchError:
             pass
+    metric_names = [m.name for m in task.metrics] if task is not None else []
     names = [o.name for o in objectives]
+    objective: Objective | None
     if name in names:
         i = names.index(name)
-        direction, key = directions_of(study)[i], (lambda t, i=i: t.values[i])
-    elif direction is not None:
-        key = lambda t: (t.user_attrs.get("val_metrics") or {}).get(name)  # noqa: E731
-    elif name in CONVERGENCE:
-        attr, direction = CONVERGENCE[name]
-        key = lambda t: t.user_attrs.get(attr)  # noqa: E731
+        objective, key = objectives[i], (lambda t, i=i: t.values[i])
     else:
-        known = list(dict.fromkeys(names + metric_names + list(CONVERGENCE)))
-        raise HeadsearchError(f"--best {name}: not an objective or metric of study {study.study_name}: use one of {', '.join(known)}")
+        # A metric of the task (recorded on the validation split), or time/epochs/params.
+        objective = objective_for(task, name)
+        if objective is None:
+            known = list(dict.fromkeys(names + metric_names + list(CONVERGENCE)))
+            raise HeadsearchError(f"--best {name}: not an objective or metric of study {study.study_name}: use one of {', '.join(known)}")
+        key = objective.trial_value
     scored = [(key(t), t) for t in complete]
     scored = [(v, t) for v, t in scored if v is not None]
     if not scored:
         raise HeadsearchError(f"study {study.study_name} has no complete trial with a value of {name} yet")
-    sign = -1.0 if direction == "maximize" else 1.0
+    sign = -1.0 if objective.direction == "maximize" else 1.0
     return min(scored, key=lambda vt: (sign * vt[0], vt[1].number))[1]  # ties: the earliest trial
 
 

@@ -6,43 +6,25 @@
   pruned trials dashed and ending with an x at the pruning epoch;
 - parameter importances: one bar chart per objective.
 
-`upload_plots` stores the files as Optuna artifacts of the study, so optuna-dashboard shows them
-(it charts intermediate values of single-objective studies only; this learning-curve plot covers
-multi-objective ones).
+`headsearch.search.artifacts.upload_plots` stores the files as Optuna artifacts of the study, so
+optuna-dashboard shows them (it charts intermediate values of single-objective studies only; this
+learning-curve plot covers multi-objective ones). Axis labels come from the objectives table
+(`headsearch.search.objectives.axis_label`).
 """
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from headsearch.errors import HeadsearchError
-from headsearch.search.report import StudyReport, sqlite_path
-from headsearch.search.storage import journal_path
+from headsearch.search.objectives import axis_label
+from headsearch.search.report import StudyReport
 
 GREY = "#b0b0b0"
 FRONT = "#d62728"
 STATE_STYLE = {"complete": "-", "pruned": "--", "failed": ":", "running": "-", "waiting": "-"}
 PLOTLY_DASH = {"complete": "solid", "pruned": "dash", "failed": "dot", "running": "solid", "waiting": "solid"}
-
-
-def default_artifact_dir(storage_url: str) -> Path:
-    """Beside the database: sqlite:///runs/x.db -> runs/x-artifacts (journal files alike); else ./headsearch-artifacts."""
-    path = sqlite_path(storage_url) or journal_path(storage_url)
-    if path is not None:
-        return path.with_name(f"{path.stem}-artifacts")
-    return Path("headsearch-artifacts")
-
-
-def axis_label(name: str, direction: str | None = None) -> str:
-    """A metric's axis label with its unit and which way is better."""
-    units = {"time": "time to best validation (training seconds)", "epochs": "epochs to best validation (epochs)",
-             "params": "parameters (count)"}
-    label = units.get(name, f"validation {name}")
-    if direction:
-        label += f", {'higher' if direction == 'maximize' else 'lower'} is better"
-    return label
 
 
 def check_plot_libraries() -> None:
@@ -306,51 +288,3 @@ def _importances(report: StudyReport, prefix: Path) -> list[Path]:
     g.update_layout(title=title, template="plotly_white", height=250 + 220 * n)
     html = _save_html(g, prefix.with_name(prefix.name + "-param-importances.html"), "headsearch-param-importances")
     return [png, html]
-
-
-# -- artifacts ------------------------------------------------------------------------------
-
-def _existing_artifacts(study) -> list[dict[str, Any]]:
-    """The study's artifact metas; tolerates the null entries optuna-dashboard leaves for deleted ones."""
-    from optuna.artifacts._upload import ARTIFACTS_ATTR_PREFIX
-
-    out = []
-    for key, value in study._storage.get_study_system_attrs(study._study_id).items():
-        if key.startswith(ARTIFACTS_ATTR_PREFIX):
-            meta = json.loads(value) if isinstance(value, str) else value
-            if meta:
-                out.append(meta)
-    return out
-
-
-def upload_plots(study, paths: Sequence[Path], artifact_dir: Path) -> list[str]:
-    """Upload each file as an artifact of the study; return the artifact ids.
-
-    A file identical to an artifact of the same name already in the store is not uploaded again
-    (its id is returned), so running `report --plots` twice on an unchanged study adds nothing.
-    """
-    from optuna.artifacts import FileSystemArtifactStore, upload_artifact
-
-    artifact_dir = Path(artifact_dir)
-    artifact_dir.mkdir(parents=True, exist_ok=True)
-    store = FileSystemArtifactStore(str(artifact_dir))
-    existing = _existing_artifacts(study)
-    ids = []
-    for path in paths:
-        path = Path(path)
-        data = path.read_bytes()
-        same = None
-        for meta in existing:
-            if meta.get("filename") != path.name:
-                continue
-            try:
-                with store.open_reader(meta["artifact_id"]) as f:
-                    if f.read() == data:
-                        same = meta["artifact_id"]
-                        break
-            except Exception:  # missing from this store: upload again
-                continue
-        if same is None:
-            same = upload_artifact(artifact_store=store, file_path=str(path), study_or_trial=study)
-        ids.append(same)
-    return ids

@@ -2,16 +2,29 @@
 
 Optuna refuses `trial.report` / `trial.should_prune` in multi-objective studies, so headsearch
 judges a trial itself: after every epoch the search calls `CurvePruner.decide` with the trial's
-curve of its primary metric (`{epoch: value}`, epochs numbered from 1) and the curves of the
-finished trials, and raises `optuna.TrialPruned` when the decision says prune, storing
-`decision.reason()` in the trial's user_attrs. Single-objective studies use Optuna's own pruners,
-built with matching parameters by `make_optuna_pruner`.
+curve of its primary metric (`{epoch: value}`, epochs numbered from 1) and the curves that
+`comparison_curves` selects from the study, and raises `optuna.TrialPruned` when the decision says
+prune, storing `decision.reason()` in the trial's user_attrs. Single-objective studies use Optuna's
+own pruners, built with matching parameters by `make_optuna_pruner`.
+
+Which trials a trial is compared with (`comparison_curves`, `COMPARED_STATES`):
+
+- median / percentile: the COMPLETE trials only, as Optuna's `MedianPruner` / `PercentilePruner`
+  (which read ``study.get_trials(states=(COMPLETE,))``). A pruned trial's curve takes no part:
+  however bad it was, it does not lower the bar for the trials after it. So single- and
+  multi-objective studies prune alike.
+- hyperband (rung rule): the COMPLETE and the PRUNED trials, every trial that reached the rung, as
+  in ASHA (a trial pruned at a later rung did reach the earlier ones, and its value there counts).
+
+Rejected trials (an invalid architecture, stored PRUNED with user_attr "rejected") and the trial
+being judged are never compared with. A trial whose results were reused from an identical complete
+trial (user_attr "duplicate_of") is COMPLETE with its twin's curve, and is compared with like any.
 
 Rules (`PRUNERS`):
 
 - ``"median"`` / ``"percentile"`` (`MedianRule`, `PercentileRule`): Optuna's `MedianPruner` /
   `PercentilePruner` (optuna/pruners/_percentile.py), decision for decision: a trial is pruned
-  when its best value so far is strictly worse than the given percentile of the other trials'
+  when its best value so far is strictly worse than the given percentile of the complete trials'
   values at the same epoch.
 - ``"hyperband"`` (`RungRule`): asynchronous successive halving (ASHA; Li et al. 2020, "A System for
   Massively Parallel Hyperparameter Tuning", MLSys; successive halving: Jamieson & Talwalkar 2016,
@@ -28,7 +41,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import optuna
@@ -85,7 +98,8 @@ class CurvePruner(Protocol):
         self, epoch: int, curve: Mapping[int, float], others: Sequence[Mapping[int, float]]
     ) -> PruneDecision:
         """`curve`: this trial's values so far ``{epoch: value}``, including `epoch`. `others`: the
-        curves of the finished trials (the search passes COMPLETE and PRUNED trials), not this one."""
+        curves it is compared with, not its own (the search passes `comparison_curves`: COMPLETE
+        trials for the percentile rules, COMPLETE and PRUNED trials for the rung rule)."""
         ...
 
 
@@ -137,7 +151,8 @@ class PercentileRule:
        curve skips a judged epoch, the check is made at its next epoch instead (Optuna's
        "postponed" check): an epoch is judged when the curve's previous epoch lies before the
        latest judged epoch ``<= epoch``. With ``I = 1`` every epoch after the warm-up is judged.
-    3. no finished trials, or fewer than `s` -> no judgement (Optuna counts its COMPLETE trials).
+    3. no other trials, or fewer than `s` -> no judgement (Optuna counts its COMPLETE trials; the
+       search passes only COMPLETE trials, see `comparison_curves`).
     4. the judged value is this trial's best value so far: the max over ``curve[e], e <= epoch``
        when maximizing, the min when minimizing, ignoring NaN (``np.nanmax`` / ``np.nanmin``). If
        every value is NaN -> prune (threshold None, note "value is NaN"). A NaN at `epoch` after
@@ -150,10 +165,11 @@ class PercentileRule:
     7. prune iff the judged value is strictly worse: ``value > threshold`` when minimizing,
        ``value < threshold`` when maximizing. A tie is kept.
 
-    Given only COMPLETE trials' curves as `others`, the decisions equal those of
-    ``optuna.pruners.PercentilePruner(percentile, s, n_warmup_steps=W + 1, interval_steps=I,
-    n_min_trials=max(s, 1))`` with epochs reported as steps. Optuna ignores PRUNED trials; the
-    search passes them too, so a pruned trial's values up to its pruning epoch count here.
+    Given the COMPLETE trials' curves as `others` (what the search passes: `comparison_curves`),
+    the decisions equal those of ``optuna.pruners.PercentilePruner(percentile, s,
+    n_warmup_steps=W + 1, interval_steps=I, n_min_trials=max(s, 1))`` with epochs reported as
+    steps. Like Optuna's, the rule leaves PRUNED trials out: a pruned trial's curve does not move
+    the percentile for the trials after it.
     """
 
     rule = "percentile"
@@ -252,8 +268,10 @@ class RungRule:
     Successive halving (Jamieson & Talwalkar 2016) trains many configurations for a few epochs and
     keeps the best ``1/reduction_factor`` of them at each rung; ASHA (Li et al. 2020, "A System for
     Massively Parallel Hyperparameter Tuning") makes it asynchronous: a trial is judged against the
-    trials that reached the same rung before it. As in Optuna's SuccessiveHalvingPruner, a trial
-    is stopped rather than paused, so "not promoted" means pruned.
+    trials that reached the same rung before it: the search passes the COMPLETE and the PRUNED
+    trials (`comparison_curves`), so a trial pruned at a later rung counts at the earlier ones. As
+    in Optuna's SuccessiveHalvingPruner, a trial is stopped rather than paused, so "not promoted"
+    means pruned.
 
     With ``m = min_epochs``, ``r = reduction_factor``, ``s = n_startup_trials``:
 
@@ -339,6 +357,25 @@ class RungRule:
         ranking = sorted(better, key=key) + [value] + sorted(rest, key=key)
         threshold = ranking[k - 1]
         return PruneDecision(len(better) >= k, self.rule, epoch, value, float(threshold), n)
+
+
+# ---------------------------------------------------------------------------------------------
+# which trials a trial is judged against
+
+_COMPLETE, _PRUNED = optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED
+COMPARED_STATES = {"median": (_COMPLETE,), "percentile": (_COMPLETE,), "hyperband": (_COMPLETE, _PRUNED)}
+
+
+def comparison_curves(trials: Iterable[Any], rule: str, number: int) -> list[dict[int, float]]:
+    """The curves the trial numbered `number` is judged against under `rule` (see the module
+    docstring): the intermediate values of `trials` (Optuna FrozenTrials) whose state is in
+    ``COMPARED_STATES[rule]`` (COMPLETE for median and percentile, COMPLETE and PRUNED for
+    hyperband), leaving out rejected trials and trial `number` itself. Unknown rule -> ConfigError."""
+    if rule not in COMPARED_STATES:
+        raise _unknown(rule)
+    states = COMPARED_STATES[rule]
+    return [dict(t.intermediate_values) for t in trials
+            if t.state in states and "rejected" not in t.user_attrs and t.number != number]
 
 
 # ---------------------------------------------------------------------------------------------

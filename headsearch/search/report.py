@@ -2,7 +2,8 @@
 
 `summarize` reads a study written by `headsearch run` and returns a `StudyReport`: the objectives,
 trial counts by state, the Pareto front (or the single best trial), parameter importances for each
-objective, what pruning saved, and one row per trial. No Rich here: the CLI renders it, and
+objective, what pruning saved, and one row per trial. Objectives (names, directions, units) are those
+of `headsearch.search.objectives`. No Rich here: the CLI renders it, and
 `StudyReport.to_dict()` is JSON-able as is.
 
 Opening a study never creates anything: a sqlite or journal URL must name an existing file
@@ -10,32 +11,22 @@ Opening a study never creates anything: a sqlite or journal URL must name an exi
 """
 from __future__ import annotations
 
-import numpy as np
-
 import dataclasses
 import math
 import sqlite3
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Sequence
 
-from headsearch.errors import HeadsearchError
-from headsearch.search.storage import journal_path, open_storage
-from headsearch.jsonsafe import json_safe
+import numpy as np
 
-TRIAL_STATES = ("complete", "pruned", "rejected", "failed", "running", "waiting")
-CONVERGENCE_UNITS = {"time": "seconds", "epochs": "epochs", "params": "parameters"}
+from headsearch.errors import HeadsearchError
+from headsearch.jsonsafe import json_safe
+from headsearch.search.objectives import Objective, directions_of, objectives_of
+from headsearch.search.snapshot import TRIAL_STATES, count_states, trial_state
+from headsearch.search.storage import journal_path, open_storage, sqlite_path
 
 
 # -- opening a study without creating anything ----------------------------------------------
-
-def sqlite_path(url: str) -> Path | None:
-    """The database file of a `sqlite:///FILE` URL (None for other URLs and in-memory databases)."""
-    if not url.startswith("sqlite:///"):
-        return None
-    rest = url[len("sqlite:///"):].split("?", 1)[0]
-    return None if rest in ("", ":memory:") else Path(rest)
-
 
 def open_existing_storage(url: str):
     """An Optuna storage for a URL that already holds studies; never creates a database or file."""
@@ -89,13 +80,6 @@ def load_study(storage_url: str, study_name: str | None):
 
 
 # -- the report -------------------------------------------------------------------------------
-
-@dataclass
-class Objective:
-    name: str
-    direction: str  # "maximize" or "minimize"
-    unit: str = ""  # "seconds" for time, "" for a task metric
-
 
 @dataclass
 class FrontRow:
@@ -177,15 +161,6 @@ class StudyReport:
         return header, rows
 
 
-def trial_state(t) -> str:
-    from optuna.trial import TrialState
-
-    if t.state == TrialState.PRUNED:
-        return "rejected" if "rejected" in t.user_attrs else "pruned"
-    return {TrialState.COMPLETE: "complete", TrialState.FAIL: "failed", TrialState.RUNNING: "running",
-            TrialState.WAITING: "waiting"}[t.state]
-
-
 def pruned_text(p: dict[str, Any], direction: str | None = None) -> str:
     """One line for a `user_attrs["pruned"]` record."""
     text = f"{p.get('rule', '?')} rule at epoch {p.get('epoch', '?')}"
@@ -213,17 +188,6 @@ def _note(t, state: str, primary_direction: str | None) -> str:
     if a.get("duplicate_of") is not None:
         return f"duplicate of trial {a['duplicate_of']} (results reused)"
     return ""
-
-
-def directions_of(study) -> list[str]:
-    from optuna.study import StudyDirection
-
-    return ["maximize" if d == StudyDirection.MAXIMIZE else "minimize" for d in study.directions]
-
-
-def objectives_of(study) -> list[Objective]:
-    names = study.metric_names or [f"objective_{i}" for i in range(len(study.directions))]
-    return [Objective(n, d, CONVERGENCE_UNITS.get(n, "")) for n, d in zip(names, directions_of(study))]
 
 
 def dominates(a: Sequence[float], b: Sequence[float], directions: Sequence[str]) -> bool:
@@ -345,8 +309,6 @@ def pruning_savings(trials, default_epochs: int | None) -> Savings:
 
 def summarize(storage_url: str, study_name: str | None = None, *, study=None) -> "StudyReport":
     """Everything `headsearch report` shows, for one study. Pass `study` to skip loading it again."""
-    from headsearch.search.snapshot import count_states
-
     if study is None:
         study = load_study(storage_url, study_name)
     meta = study.user_attrs.get("headsearch") or {}
@@ -404,7 +366,7 @@ def spearman(x: list[float], y: list[float]) -> float | None:
 
 
 def diversity_correlations(trials, objectives) -> dict[str, dict[str, float | None]]:
-    """How each tracked diversity scalar (seed 002) relates to each objective across complete trials."""
+    """How each tracked diversity scalar (docs/design.md §5) relates to each objective across complete trials."""
     from optuna.trial import TrialState
 
     done = [t for t in trials if t.state == TrialState.COMPLETE and t.user_attrs.get("diversity")

@@ -16,17 +16,24 @@ class Snapshot:
         return self.counts["complete"] + self.counts["pruned"] + self.counts["rejected"]
 
 
-def count_states(trials) -> dict[str, int]:
+TRIAL_STATES = ("complete", "pruned", "rejected", "failed", "running", "waiting")
+
+
+def trial_state(t) -> str:
+    """A trial's state as headsearch names it (one of TRIAL_STATES): a rejected architecture is stored
+    PRUNED with user_attr "rejected"."""
     from optuna.trial import TrialState
 
-    counts = {"complete": 0, "pruned": 0, "rejected": 0, "failed": 0, "running": 0, "waiting": 0}
+    if t.state == TrialState.PRUNED:
+        return "rejected" if "rejected" in t.user_attrs else "pruned"
+    return {TrialState.COMPLETE: "complete", TrialState.FAIL: "failed", TrialState.RUNNING: "running",
+            TrialState.WAITING: "waiting"}[t.state]
+
+
+def count_states(trials) -> dict[str, int]:
+    counts = dict.fromkeys(TRIAL_STATES, 0)
     for t in trials:
-        if t.state == TrialState.PRUNED:
-            counts["rejected" if "rejected" in t.user_attrs else "pruned"] += 1
-        else:
-            key = {TrialState.COMPLETE: "complete", TrialState.FAIL: "failed", TrialState.RUNNING: "running",
-                   TrialState.WAITING: "waiting"}[t.state]
-            counts[key] += 1
+        counts[trial_state(t)] += 1
     return counts
 
 

@@ -62,6 +62,14 @@ def journal_path(url: str) -> Path | None:
     return None
 
 
+def sqlite_path(url: str) -> Path | None:
+    """The database file of a `sqlite:///FILE` URL (None for other URLs and in-memory databases)."""
+    if not url.startswith("sqlite:///"):
+        return None
+    rest = url[len("sqlite:///"):].split("?", 1)[0]
+    return None if rest in ("", ":memory:") else Path(rest)
+
+
 def open_storage(url: str, heartbeat: int | None = 30, max_retry: int = 2):
     """An Optuna storage for `url`, with heartbeats and retries for RDB URLs."""
     import optuna

@@ -1,0 +1,112 @@
+"""Files attached to a study as Optuna artifacts, so that optuna-dashboard shows them.
+
+- `upload_plots`: the plots of `headsearch report --plots`, attached to the study.
+- `upload_to_trial`: the figures and analysis.json of `headsearch analyze` on a search trial's run
+  directory, found through the `study.json` link the search writes there (`write_trial_link`).
+
+Artifacts are stored in a folder beside the database (`default_artifact_dir`), where `headsearch
+dashboard` looks for them.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+from headsearch.search.storage import journal_path, sqlite_path
+
+TRIAL_LINK = "study.json"  # in a trial's run directory: {"storage", "study", "trial"}
+
+
+def default_artifact_dir(storage_url: str) -> Path:
+    """Beside the database: sqlite:///runs/x.db -> runs/x-artifacts (journal files alike); else ./headsearch-artifacts."""
+    path = sqlite_path(storage_url) or journal_path(storage_url)
+    if path is not None:
+        return path.with_name(f"{path.stem}-artifacts")
+    return Path("headsearch-artifacts")
+
+
+def _existing_artifacts(study) -> list[dict[str, Any]]:
+    """The study's artifact metas; tolerates the null entries optuna-dashboard leaves for deleted ones."""
+    from optuna.artifacts._upload import ARTIFACTS_ATTR_PREFIX
+
+    out = []
+    for key, value in study._storage.get_study_system_attrs(study._study_id).items():
+        if key.startswith(ARTIFACTS_ATTR_PREFIX):
+            meta = json.loads(value) if isinstance(value, str) else value
+            if meta:
+                out.append(meta)
+    return out
+
+
+def upload_plots(study, paths: Sequence[Path], artifact_dir: Path) -> list[str]:
+    """Upload each file as an artifact of the study; return the artifact ids.
+
+    A file identical to an artifact of the same name already in the store is not uploaded again
+    (its id is returned), so running `report --plots` twice on an unchanged study adds nothing.
+    """
+    from optuna.artifacts import FileSystemArtifactStore, upload_artifact
+
+    artifact_dir = Path(artifact_dir)
+    artifact_dir.mkdir(parents=True, exist_ok=True)
+    store = FileSystemArtifactStore(str(artifact_dir))
+    existing = _existing_artifacts(study)
+    ids = []
+    for path in paths:
+        path = Path(path)
+        data = path.read_bytes()
+        same = None
+        for meta in existing:
+            if meta.get("filename") != path.name:
+                continue
+            try:
+                with store.open_reader(meta["artifact_id"]) as f:
+                    if f.read() == data:
+                        same = meta["artifact_id"]
+                        break
+            except Exception:  # missing from this store: upload again
+                continue
+        if same is None:
+            same = upload_artifact(artifact_store=store, file_path=str(path), study_or_trial=study)
+        ids.append(same)
+    return ids
+
+
+def write_trial_link(run_dir: Path, storage_url: str, study_name: str, number: int) -> None:
+    """Record in a trial's run directory which study and trial it belongs to (read by `upload_to_trial`)."""
+    from headsearch.search.storage import absolute_url
+
+    (Path(run_dir) / TRIAL_LINK).write_text(json.dumps(
+        {"storage": absolute_url(storage_url), "study": study_name, "trial": number}) + "\n")
+
+
+def upload_to_trial(run_dir: Path, paths: Sequence[Path]) -> str | None:
+    """When the run is a search trial (study.json beside it), attach the files to its study as artifacts;
+    return where they went ("<study> trial <N> (<artifact folder>)"), or None for a run of no study.
+
+    Optuna keeps artifact records in a trial's attributes, which are frozen once the trial finished,
+    so they go to the study, named `trial<N>-<file>`.
+    """
+    import shutil
+    import tempfile
+
+    info_path = Path(run_dir) / TRIAL_LINK
+    if not info_path.is_file():
+        return None
+    import optuna
+    from optuna.artifacts import FileSystemArtifactStore, upload_artifact
+
+    from headsearch.search.storage import open_storage
+
+    info = json.loads(info_path.read_text())
+    storage = open_storage(info["storage"], heartbeat=None)
+    study = optuna.load_study(study_name=info["study"], storage=storage)
+    store_dir = default_artifact_dir(info["storage"])
+    store_dir.mkdir(parents=True, exist_ok=True)
+    store = FileSystemArtifactStore(str(store_dir))
+    with tempfile.TemporaryDirectory() as tmp:
+        for p in paths:
+            named = Path(tmp) / f"trial{info['trial']}-{Path(p).name}"
+            shutil.copyfile(p, named)
+            upload_artifact(artifact_store=store, file_path=str(named), study_or_trial=study, storage=storage)
+    return f"{info['study']} trial {info['trial']} ({store_dir})"

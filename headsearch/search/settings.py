@@ -1,0 +1,55 @@
+"""The settings of `headsearch run`, and their checks that need nothing loaded (one-line errors)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from headsearch.errors import ConfigError
+from headsearch.search.pruning import PRUNERS
+from headsearch.search.storage import DEFAULT_STORAGE
+from headsearch.search.study import SAMPLERS
+
+
+@dataclass(frozen=True)
+class SearchSettings:
+    task: str
+    space: str = "deep-head"
+    trials: int = 50
+    timeout: float | None = None
+    objectives: tuple[str, ...] | None = None
+    sampler: str | None = None  # default: nsga2 for several objectives, tpe for one
+    pruner: str = "median"
+    pruner_startup_trials: int | None = None
+    pruner_warmup_epochs: int | None = None
+    storage: str = DEFAULT_STORAGE
+    study: str | None = None  # default: <task>-<space>[-<preset>]
+    seed: int = 0
+    epochs: int | None = None
+    preset: str | None = None
+    data_dir: str | None = None
+    data_file: str | None = None
+    workers: int | None = None  # worker processes on this machine (None: one, unless trials_per_gpu is set)
+    trials_per_gpu: int | None = None  # or: this many processes per visible GPU (this many on a machine without one)
+    compile: str | None = None  # overrides train.compile for every trial
+    run_root: str = "runs"
+    device: str = "auto"
+    heartbeat: int = 30
+    diversity_samples: int = 0  # track the head-diversity scalars each epoch on this many validation samples
+
+
+def check_settings(s: SearchSettings) -> None:
+    """The sampler and pruner names, and the process counts."""
+    if s.sampler is not None and s.sampler not in SAMPLERS:
+        raise ConfigError(f"unknown sampler {s.sampler!r}: use one of {', '.join(SAMPLERS)}")
+    if s.pruner not in PRUNERS:
+        raise ConfigError(f"unknown pruner {s.pruner!r}: use one of {', '.join(PRUNERS)}")
+    check_process_counts(s)
+
+
+def check_process_counts(s: SearchSettings) -> None:
+    """--trials, and --workers or --trials-per-gpu (not both): one-line errors."""
+    if s.workers is not None and s.trials_per_gpu is not None:
+        raise ConfigError("--workers and --trials-per-gpu both set the number of worker processes: pass one of them")
+    if s.trials < 1 or (s.workers is not None and s.workers < 1):
+        raise ConfigError("--trials and --workers must be at least 1")
+    if s.trials_per_gpu is not None and s.trials_per_gpu < 1:
+        raise ConfigError(f"--trials-per-gpu {s.trials_per_gpu}: run at least 1 trial per GPU")

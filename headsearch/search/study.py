@@ -1,0 +1,78 @@
+"""The Optuna study of a search: its sampler, and creating it or loading it to resume.
+
+A study carries its search in the user attribute `headsearch` (task, space, objectives, base config,
+sampler, pruner, ...). Running the same command again loads the study and resumes it; a study of
+the same name with a different task, objectives, base config or space is refused, except for the
+fields of `EXECUTION_ONLY`, which change how a trial runs and not what it computes.
+"""
+from __future__ import annotations
+
+import json
+import warnings
+from typing import Any, Mapping, Sequence
+
+from headsearch.errors import HeadsearchError
+from headsearch.search.storage import open_storage
+
+SAMPLERS = ("nsga2", "tpe", "random", "gp")
+# How a trial runs, not what it computes: a study may be resumed with --compile on or off.
+EXECUTION_ONLY = {"train": ("compile", "channels_last")}
+COMPARED = ("task", "objectives", "base_config", "space")  # what a resumed study must keep
+
+
+def default_sampler(requested: str | None, n_objectives: int) -> str:
+    """The sampler's name: the one requested, else NSGA-II for several objectives and TPE for one."""
+    return requested or ("nsga2" if n_objectives > 1 else "tpe")
+
+
+def make_sampler(name: str, *, seed: int, trials: int, trial_index: int = 0):
+    """The sampler `name` (one of `SAMPLERS`), seeded by the search's seed and the index of the trial
+    about to start (counted under the budget lock), so workers started anywhere propose different
+    points and a search replays the same way."""
+    import optuna
+
+    seed = seed * 100_003 + trial_index
+    if name == "nsga2":
+        # A population of 50 would spend a 50-trial budget on one random generation.
+        pop = max(4, min(50, trials // 4))
+        return optuna.samplers.NSGAIISampler(population_size=pop, seed=seed)
+    if name == "tpe":
+        return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True)
+    if name == "gp":
+        return optuna.samplers.GPSampler(seed=seed)
+    return optuna.samplers.RandomSampler(seed=seed)
+
+
+def open_study(storage_url: str, heartbeat: int | None, study_name: str, *, metric_names: Sequence[str],
+               directions: Sequence[str], attrs: Mapping[str, Any], sampler, pruner):
+    """Create the study, or load it and check it is the same search (`attrs`: its `headsearch` attributes)."""
+    import optuna
+
+    storage = open_storage(storage_url, heartbeat)
+    study = optuna.create_study(storage=storage, study_name=study_name, directions=list(directions),
+                                sampler=sampler, pruner=pruner, load_if_exists=True)
+    stored = study.user_attrs.get("headsearch")
+    if stored is None:
+        study.set_user_attr("headsearch", dict(attrs))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*set_metric_names")
+            study.set_metric_names(list(metric_names))
+    else:
+        check_same_search(stored, attrs, study_name, storage_url)
+    return study
+
+
+def check_same_search(stored: Mapping[str, Any], mine: Mapping[str, Any], study_name: str, storage_url: str) -> None:
+    for key in COMPARED:
+        if _comparable(key, stored[key]) != _comparable(key, mine[key]):
+            raise HeadsearchError(
+                f"study {study_name} exists in {storage_url} with a different {key}:"
+                f" pass another --study to start a new search (or the original settings to resume)"
+            )
+
+
+def _comparable(key: str, value: Any) -> str:
+    if key == "base_config" and isinstance(value, dict):
+        value = {section: ({k: v for k, v in fields.items() if k not in EXECUTION_ONLY.get(section, ())}
+                           if isinstance(fields, dict) else fields) for section, fields in value.items()}
+    return json.dumps(value, sort_keys=True)

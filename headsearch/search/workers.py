@@ -1,0 +1,123 @@
+"""Worker processes on one machine: how many, and which GPU each is pinned to.
+
+`--workers N` starts N processes; `--trials-per-gpu K` starts K per visible GPU (K on a machine
+without one), for models too small to fill a GPU alone. Worker i is pinned to the visible GPU
+i mod #GPUs by setting its CUDA_VISIBLE_DEVICES before torch initialises CUDA. Each process runs
+`Search.run_worker`; the budget lock makes the trial budget exact across all of them. `open_search`
+and `run_search` are what `headsearch run` does: one worker runs in the command's own process.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Callable, Sequence
+
+from headsearch.search.settings import SearchSettings
+
+
+def process_count(s: SearchSettings, n_gpus: int) -> int:
+    """Worker processes on this machine: --workers, or --trials-per-gpu times the GPUs (times one without GPUs)."""
+    if s.trials_per_gpu is not None:
+        return s.trials_per_gpu * max(1, n_gpus)
+    return s.workers or 1
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, named as CUDA_VISIBLE_DEVICES names them (an index, a UUID or a MIG ID)."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is None:
+        try:
+            import torch
+
+            return [str(i) for i in range(torch.cuda.device_count())]
+        except Exception:
+            return []
+    ids = []
+    for name in (v.strip() for v in listed.split(",")):
+        if name.startswith("-"):  # CUDA ignores an invalid ID and all after it ("-1" hides every GPU)
+            break
+        if name:
+            ids.append(name)
+    return ids
+
+
+def worker_devices(n_workers: int, visible: Sequence[str]) -> list[str | None]:
+    """CUDA_VISIBLE_DEVICES for each of `n_workers` processes: round-robin over the `visible` GPU names
+    (worker i gets visible[i % len(visible)]), so K x len(visible) workers put K on each GPU and the first
+    len(visible) workers start on different GPUs. No GPUs: None for every worker (they share the CPU)."""
+    if not visible:
+        return [None] * n_workers
+    return [visible[i % len(visible)] for i in range(n_workers)]
+
+
+def planned_devices(s: SearchSettings) -> list[str | None]:
+    """CUDA_VISIBLE_DEVICES of each worker process this machine starts (None: CPU); its length is the count."""
+    visible = [] if s.device == "cpu" else visible_gpus()
+    return worker_devices(process_count(s, len(visible)), visible)
+
+
+def open_search(search):
+    """Open (or resume) the study of `search` (a `Search`). When it runs in this process (one worker),
+    the data is loaded first, so that missing or malformed data fails before a study exists."""
+    if len(planned_devices(search.settings)) == 1:
+        search.prepare_data()
+    return search.open()
+
+
+def run_search(search, callbacks: Sequence = (), argv: list[str] | None = None,
+               poll: Callable[[], None] | None = None, every: float = 2.0) -> list[int]:
+    """Run the trials of `search` on this machine: in this process (with `callbacks`) when it has one
+    worker, else in worker processes (`run_workers`), calling `poll()` every `every` seconds until they
+    end. Returns the worker processes' exit codes (none in process)."""
+    if len(planned_devices(search.settings)) == 1:
+        search.run_worker(0, callbacks=callbacks, argv=argv)
+        return []
+    procs = run_workers(search, argv)
+    while any(p.is_alive() for p in procs):
+        time.sleep(every)
+        if poll is not None:
+            poll()
+    return [p.exitcode for p in procs]
+
+
+def run_workers(search, argv: list[str] | None = None) -> list:
+    """Start the worker processes of `search` (a `Search`; `planned_devices`), each pinned to its GPU;
+    return the processes."""
+    import multiprocessing as mp
+
+    devices = planned_devices(search.settings)
+    ctx = mp.get_context("spawn")
+    procs = []
+    for i, gpu in enumerate(devices):
+        p = ctx.Process(target=_worker_main, args=(search.settings, i, gpu, len(devices), argv), name=f"headsearch-worker-{i}")
+        p.start()
+        procs.append(p)
+    return procs
+
+
+def _worker_main(settings: SearchSettings, index: int, gpu: str | None, n_processes: int, argv) -> None:
+    if gpu is not None:
+        # The parent's own name for the GPU (CUDA_VISIBLE_DEVICES "2,3" gives "2" and "3"), set before
+        # torch initialises CUDA in this process, which then sees it as cuda:0.
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+    else:  # CPU workers share the cores instead of each starting one thread per core
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // n_processes))
+    from headsearch.search.runner import Search  # after CUDA_VISIBLE_DEVICES is set (it imports torch)
+
+    search = Search(settings)
+    log_dir = Path(settings.run_root) / search.study_name / "workers"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with open(log_dir / f"worker-{index}.log", "a") as log:
+        sys.stdout = sys.stderr = log
+        try:
+            search.run_worker(index, argv=argv)
+        except KeyboardInterrupt:
+            pass
+        except BaseException:
+            traceback.print_exc()
+            raise SystemExit(1)
