@@ -8,6 +8,7 @@ holding only architecture fields.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -272,10 +273,18 @@ class TrainConfig:
             raise ConfigError(f"epochs = {self.epochs} must be at least 1")
         if self.batch_size < 1:
             raise ConfigError(f"batch_size = {self.batch_size} must be at least 1")
+        for name in ("lr", "weight_decay", "eps", "warmup_epochs", "min_lr_ratio", "label_smoothing", "grad_clip", "target"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise ConfigError(f"{name} = {value} must be a finite number")
         if not self.lr > 0:
             raise ConfigError(f"lr = {self.lr} must be positive")
         if self.weight_decay < 0 or self.warmup_epochs < 0:
             raise ConfigError("weight_decay and warmup_epochs must not be negative")
+        if not self.eps > 0:
+            raise ConfigError(f"eps = {self.eps} must be positive (Adam divides by sqrt(v) + eps), e.g. 1e-8")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"min_lr_ratio = {self.min_lr_ratio} must be in [0, 1]: the cosine schedule ends at lr * min_lr_ratio")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ConfigError(f"label_smoothing = {self.label_smoothing} must be in [0, 1)")
         if self.grad_clip is not None and self.grad_clip <= 0:
@@ -286,6 +295,8 @@ class TrainConfig:
             raise ConfigError(f"max_steps_per_epoch = {self.max_steps_per_epoch} must be at least 1, or null")
         if len(self.betas) != 2:
             raise ConfigError(f"betas = {list(self.betas)} must hold two numbers")
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"betas = {list(self.betas)} must both be in [0, 1), e.g. [0.9, 0.999]")
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("schedule", self.schedule, LR_SCHEDULES)
         _choice("amp", self.amp, AMP_MODES)
@@ -389,13 +400,29 @@ def parse_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)
 
 
+def read_text_file(path: Path, what: str, hint: str) -> str:
+    """A UTF-8 text file's content, or one ConfigError naming the path and what is wrong with it."""
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{what} {path} is a directory, not a file: {hint}")
+    if not path.exists():
+        raise ConfigError(f"{what} {path} does not exist: {hint}")
+    try:
+        return path.read_text(encoding="utf-8")
+    except PermissionError:
+        raise ConfigError(f"{what} {path} is not readable (permission denied): fix its permissions or copy it") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{what} {path} is not UTF-8 text (a binary file?): {hint}") from None
+    except OSError as e:
+        raise ConfigError(f"{what} {path} cannot be read ({e.strerror}): {hint}") from None
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML mapping, with one-line errors for a missing or malformed file."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist: pass the path of a YAML file")
+    text = read_text_file(path, "config file", "pass the path of a YAML file")
     try:
-        d = parse_yaml(path.read_text())
+        d = parse_yaml(text)
     except yaml.YAMLError as e:
         where = getattr(e, "problem_mark", None)
         at = f" (line {where.line + 1})" if where is not None else ""

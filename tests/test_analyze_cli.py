@@ -89,6 +89,40 @@ def test_checkpoint_that_does_not_match_its_config(vit_run, cifar_dir, tmp_path,
     assert not (copy / "analysis").exists()
 
 
+@pytest.mark.slow
+def test_the_mismatch_line_names_the_tensor(vit_run, cifar_dir, tmp_path, cli):
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(vit_run, copy)
+    cfg = yaml.safe_load((copy / "config.yaml").read_text())
+    cfg["arch"]["d_ff"] = 96
+    (copy / "config.yaml").write_text(yaml.safe_dump(cfg))
+    result = cli(["analyze", copy, "--data-dir", cifar_dir, "--samples", "16"])
+    line = cli.error_line(result, "size mismatch for encoder.blocks.0.mlp.fc1")
+    assert "Error(s) in loading state_dict" not in line
+
+
+def test_a_truncated_checkpoint_gets_one_line(vit_run, cifar_dir, tmp_path, cli):
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(vit_run, copy)
+    data = (copy / "model.safetensors").read_bytes()
+    (copy / "model.safetensors").write_bytes(data[: len(data) // 2])
+    result = cli(["analyze", copy, "--data-dir", cifar_dir, "--samples", "16"])
+    cli.error_line(result, "model.safetensors is truncated or corrupt")
+    assert not (copy / "analysis").exists()
+
+
+def test_out_naming_a_file_gets_one_line(vit_run, cifar_dir, tmp_path, cli):
+    out = tmp_path / "taken"
+    out.write_text("x")
+    result = cli(["analyze", vit_run, "--data-dir", cifar_dir, "--out", out])
+    cli.error_line(result, "is a file: pass a folder")
+    assert out.read_text() == "x"
+
+
 def test_missing_data(vit_run, tmp_path, cli):
     result = cli(["analyze", vit_run, "--data-dir", tmp_path / "nowhere"])
     cli.error_line(result, "does not exist")

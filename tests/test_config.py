@@ -213,3 +213,61 @@ def test_resolution_order_is_defaults_preset_search_config_flags(tmp_path):
     flagged = resolve_config("vit-cifar10", preset="tiny", config=path, overrides=flag_overrides(epochs=2, seed=3, compile=None))
     assert (flagged.train.epochs, flagged.seed, flagged.train.compile) == (2, 3, "off")
     assert flag_overrides(epochs=None, seed=None) == {}
+
+
+@pytest.mark.parametrize("train, message", [
+    ({"eps": -1e-8}, "eps = -1e-08 must be positive"),
+    ({"eps": 0}, "eps = 0.0 must be positive"),
+    ({"betas": [0.9, 1.0]}, r"betas = \[0.9, 1.0\] must both be in \[0, 1\)"),
+    ({"betas": [-0.1, 0.9]}, r"must both be in \[0, 1\)"),
+    ({"weight_decay": float("nan")}, "weight_decay = nan must be a finite number"),
+    ({"lr": float("inf")}, "lr = inf must be a finite number"),
+    ({"lr": "inf"}, "lr = inf must be a finite number"),
+    ({"min_lr_ratio": -0.1}, r"min_lr_ratio = -0.1 must be in \[0, 1\]"),
+    ({"min_lr_ratio": 1.5}, r"min_lr_ratio = 1.5 must be in \[0, 1\]"),
+    ({"grad_clip": float("inf")}, "grad_clip = inf must be a finite number"),
+])
+def test_optimizer_and_schedule_values_out_of_range_are_refused(train, message):
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig.from_dict(train)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda p: p.mkdir(), "is a directory, not a file"),
+    (lambda p: p.write_bytes(b"\xff\xfe\x00binary\x80"), "is not UTF-8 text"),
+])
+def test_config_files_that_are_not_text_files_get_their_own_line(tmp_path, make, message):
+    path = tmp_path / "c.yaml"
+    make(path)
+    with pytest.raises(ConfigError, match=message):
+        load_yaml(path)
+    from headsearch.search.space import load_space
+
+    with pytest.raises(ConfigError, match=message):
+        load_space(str(path))
+
+
+@pytest.mark.parametrize("device, message", [
+    ("foo", "--device 'foo' is not a device"),
+    ("meta", "headsearch trains on cpu or cuda"),
+])
+def test_unknown_devices_are_bad_input(device, message):
+    from headsearch.training import check_device
+
+    with pytest.raises(ConfigError, match=message):
+        check_device(device)
+    check_device("cpu")
+    check_device("auto")
+
+
+def test_cuda_on_a_machine_without_it_is_bad_input():
+    import torch
+
+    from headsearch.training import check_device
+
+    if torch.cuda.is_available():  # a GPU machine: the device exists, and an index past the last does not
+        with pytest.raises(ConfigError, match="CUDA device"):
+            check_device(f"cuda:{torch.cuda.device_count()}")
+    else:
+        with pytest.raises(ConfigError, match="--device cuda: this machine has no CUDA GPU"):
+            check_device("cuda")

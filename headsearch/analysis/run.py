@@ -34,10 +34,17 @@ def load_run(run_dir: Path, source: DataSource, device, samples: int | None = No
     bound = task.setup(cfg, source, device, run_dir=run_dir).with_eval_limit(samples)
     model = bound.build_model().to(device)
     try:
-        model.load_state_dict(load_checkpoint(run_dir / CHECKPOINT))
+        state = load_checkpoint(run_dir / CHECKPOINT)
+    except Exception as e:  # safetensors raises its own error type for a truncated or corrupt file
+        raise HeadsearchError(f"{run_dir / CHECKPOINT} is truncated or corrupt ({' '.join(str(e).split())[:120]}):"
+                              " retrain the run, or restore the file") from None
+    try:
+        model.load_state_dict(state)
     except RuntimeError as e:
-        first = str(e).strip().splitlines()[0]
-        raise HeadsearchError(f"{run_dir / CHECKPOINT} does not match {run_dir / 'config.yaml'}: {first}") from None
+        # torch's first line only names the model; the next ones say which tensor differs.
+        lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+        detail = "; ".join(lines[1:3]) or lines[0]
+        raise HeadsearchError(f"{run_dir / CHECKPOINT} does not match {run_dir / 'config.yaml'}: {detail}") from None
     model.eval()
     torch.manual_seed(cfg.seed)
     return task, cfg, bound, model
@@ -56,8 +63,10 @@ def analyze_run(run_dir: Path, source: DataSource, out_dir: Path | None = None, 
 
     step = progress or (lambda message: None)
     dev = resolve_device(device)
-    task, cfg, bound, model = load_run(Path(run_dir), source, dev, samples)
     out_dir = Path(out_dir) if out_dir is not None else Path(run_dir) / ANALYSIS_DIR
+    if out_dir.exists() and not out_dir.is_dir():
+        raise HeadsearchError(f"--out {out_dir} is a file: pass a folder for analysis.json and the figures")
+    task, cfg, bound, model = load_run(Path(run_dir), source, dev, samples)
     out_dir.mkdir(parents=True, exist_ok=True)
     metric = task.primary.name
 

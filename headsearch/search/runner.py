@@ -39,7 +39,7 @@ from headsearch.search.space import SearchSpace, load_space
 from headsearch.search.storage import Heartbeat, budget_lock
 from headsearch.search.study import default_sampler, make_sampler, open_study
 from headsearch.tasks import DataSource, Task, apply_overrides, flag_overrides, get_task, resolve_config
-from headsearch.training import preflight
+from headsearch.training import check_device, preflight
 from headsearch.training.trainer import Callback, EpochRecord
 
 __all__ = ["Search", "SearchCallback", "SearchSettings", "TrialPruning", "arch_summary", "record_result"]
@@ -81,6 +81,7 @@ class Search:
         self.study_name = s.study or "-".join([self.task.name, self.space.name] + ([s.preset] if s.preset else []))
         self.source = DataSource(Path(s.data_dir) if s.data_dir else None, Path(s.data_file) if s.data_file else None)
         preflight(self.task, self.base, self.source)  # e.g. CUDA graphs for a task whose shapes vary: before any study exists
+        check_device(self.settings.device)  # a device that is not there: also before any study exists
         self.make_pruner()  # bad pruner options fail here, before any storage is touched
         self._bound_key: str | None = None
         self._bound = None

@@ -30,7 +30,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from headsearch.config import FUSIONS, SKIPS, ArchConfig, RunConfig, TrainConfig, parse_yaml
+from headsearch.config import FUSIONS, SKIPS, ArchConfig, RunConfig, TrainConfig, parse_yaml, read_text_file
 from headsearch.errors import ConfigError
 
 SCHEDULE_FAMILIES = ("uniform", "halving", "doubling", "free")
@@ -231,9 +231,10 @@ def load_space(name_or_path: str) -> SearchSpace:
         text, name, path = spaces[name_or_path], name_or_path, None
     else:
         p = Path(name_or_path)
-        if not p.is_file():
+        if not p.exists():
             raise ConfigError(f"unknown search space {name_or_path!r}: use one of {', '.join(spaces)} or the path of a YAML file")
-        text, name, path = p.read_text(), p.stem, str(p)
+        text = read_text_file(p, "search space", f"use one of {', '.join(spaces)} or the path of a YAML file")
+        name, path = p.stem, str(p)
     try:
         d = parse_yaml(text)
     except yaml.YAMLError:

@@ -19,6 +19,13 @@ def preflight(task: Task, cfg: RunConfig, source: DataSource) -> None:
     check_compile(cfg.train, task)
 
 
+def check_device(device: str | None) -> None:
+    """A device string that names no device here is bad input (one line), found before anything is made."""
+    from headsearch.training.trainer import resolve_device
+
+    resolve_device(device)
+
+
 def train_run(
     cfg: RunConfig,
     source: DataSource,
@@ -38,9 +45,9 @@ def train_run(
 
     task = get_task(cfg.task)
     preflight(task, cfg, source)
+    dev = resolve_device(device)
     run_dir = Path(out) if out is not None else default_run_dir(task.name)
     check_run_dir(run_dir)
-    dev = resolve_device(device)
     bound = task.setup(cfg, source, dev)
     return run_dir, train_bound(cfg, bound, run_dir, device=dev, argv=argv, callbacks=callbacks)
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from headsearch.config import RunConfig, TrainConfig
-from headsearch.errors import Diverged
+from headsearch.errors import ConfigError, Diverged
 from headsearch.tasks import BoundTask, Task
 from headsearch.training.fastpath import check_compile, compile_model, kept_loss, mark_step, warm_up
 from headsearch.io import write_atomic
@@ -107,9 +107,22 @@ def seed_everything(seed: int) -> None:
 
 
 def resolve_device(device: str | None = None) -> torch.device:
+    """"auto" (CUDA when there is a GPU, else the CPU) or a torch device string, checked to exist here."""
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise ConfigError(f"--device {device!r} is not a device: use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ConfigError(f"--device {device}: this machine has no CUDA GPU (or torch has no CUDA): use cpu or auto")
+        if dev.index is not None and dev.index >= count:
+            raise ConfigError(f"--device {device}: only {count} CUDA device(s) are visible (cuda:0 .. cuda:{count - 1})")
+    elif dev.type not in ("cpu", "mps"):
+        raise ConfigError(f"--device {device!r}: headsearch trains on cpu or cuda (or mps): use one of those, or auto")
+    return dev
 
 
 def make_optimizer(model: torch.nn.Module, t: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
