@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
+from headsearch.io import write_atomic
 from headsearch.search.storage import journal_path, sqlite_path
 
 TRIAL_LINK = "study.json"  # in a trial's run directory: {"storage", "study", "trial"}
@@ -76,7 +77,7 @@ def write_trial_link(run_dir: Path, storage_url: str, study_name: str, number: i
     """Record in a trial's run directory which study and trial it belongs to (read by `upload_to_trial`)."""
     from headsearch.search.storage import absolute_url
 
-    (Path(run_dir) / TRIAL_LINK).write_text(json.dumps(
+    write_atomic(Path(run_dir) / TRIAL_LINK, json.dumps(
         {"storage": absolute_url(storage_url), "study": study_name, "trial": number}) + "\n")
 
 

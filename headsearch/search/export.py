@@ -14,8 +14,10 @@ from typing import Any
 import yaml
 
 from headsearch.errors import HeadsearchError
+from headsearch.io import write_atomic
 from headsearch.search.objectives import CONVERGENCE, Objective, objective_for, objectives_of
 from headsearch.search.report import load_study, pareto_front, trial_state
+from headsearch.tasks import resolve_config
 
 
 def export_configs(
@@ -57,15 +59,16 @@ def export_configs(
         if not isinstance(t.user_attrs.get("config"), dict):
             raise HeadsearchError(f"trial {t.number} of study {study.study_name} has no recorded config"
                                   f" (was the study written by `headsearch run`?)")
+    # Every file's text first (each config resolved, so validated, as `train --config` will read it),
+    # then the folder: a config that no longer resolves leaves nothing behind.
+    paths = [out_dir / f"trial-{t.number:05d}.yaml" for t in trials]
+    texts = [trial_yaml(study, t, storage_url, path) for t, path in zip(trials, paths)]
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise HeadsearchError(f"cannot create {out_dir}: {e.strerror}") from None
-    paths = []
-    for t in trials:
-        path = out_dir / f"trial-{t.number:05d}.yaml"
-        path.write_text(trial_yaml(study, t, storage_url, path))
-        paths.append(path)
+    for path, text in zip(paths, texts):
+        write_atomic(path, text)
     return paths
 
 
@@ -160,7 +163,8 @@ def trial_yaml(study, t, storage_url: str, path: Path) -> str:
         lines.append(f"run directory: {a['run_dir']}")
     lines.append(f"retrain: {retrain_command(study, t, path)}")
     header = "".join(f"# {line}\n" for line in lines)
-    return header + yaml.safe_dump(_plain(a["config"]), sort_keys=False)
+    config = resolve_config(str(a["config"].get("task")), config=a["config"])
+    return header + yaml.safe_dump(config.to_dict(), sort_keys=False)
 
 
 def _num(v: Any) -> str:
@@ -169,12 +173,3 @@ def _num(v: Any) -> str:
 
 def _metrics(m: dict[str, Any]) -> str:
     return ", ".join(f"{k} {_num(v)}" for k, v in m.items())
-
-
-def _plain(x: Any) -> Any:
-    """Lists and dicts only (safe_dump refuses tuples)."""
-    if isinstance(x, dict):
-        return {k: _plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
-    return x
