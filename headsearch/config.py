@@ -432,6 +432,10 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return d
 
 
+RUN_CONFIG_SECTIONS = ("task", "seed", "arch", "train", "data")
+
+
 def is_run_config(d: Mapping[str, Any]) -> bool:
-    """A full run config (as written into run directories and by `export`) has an `arch` section."""
-    return "arch" in d
+    """A run config (as written into run directories and by `export`) has any of the sections task, seed,
+    arch, train, data (it may give only some of them); otherwise the file holds architecture fields alone."""
+    return any(key in d for key in RUN_CONFIG_SECTIONS)

@@ -1,8 +1,11 @@
 """Errors the user can act on.
 
 Everything the CLI should report as one clear line with exit code 2 derives from `HeadsearchError`.
-Anything else is a bug and keeps its traceback.
+Anything else is a bug and keeps its traceback, except the environment faults `environment_fault`
+recognises (a full disk, an I/O error), which get one line and exit code 1.
 """
+import errno
+import os
 
 
 class HeadsearchError(Exception):
@@ -23,3 +26,28 @@ class Diverged(RuntimeError):
     def __init__(self, step: int, epoch: int, loss: float):
         self.step, self.epoch, self.loss = step, epoch, loss
         super().__init__(f"training diverged: non-finite loss ({loss}) at step {step} (epoch {epoch})")
+
+
+# errno values that mean the machine failed a write, not the input: a full disk or quota, an I/O error,
+# a read-only file system, a file over the size limit.
+FAULT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG})
+# The same faults as SQLite reports them (through SQLAlchemy, from an Optuna storage on that disk).
+FAULT_MESSAGES = ("database or disk is full", "disk i/o error", "attempt to write a readonly database")
+
+
+def environment_fault(e: BaseException) -> str | None:
+    """One line describing `e` when it (or what caused it) is the environment failing, such as a full disk;
+    None when it is anything else. The CLI reports these with exit code 1: not bad input, not a bug."""
+    seen: set[int] = set()
+    err: BaseException | None = e
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in FAULT_ERRNOS:
+            where = f" writing {err.filename}" if err.filename else ""
+            return f"{err.strerror or os.strerror(err.errno)}{where}"
+        text = str(err).lower()
+        for message in FAULT_MESSAGES:
+            if message in text:
+                return f"the study's database reports: {message}"
+        err = err.__cause__ or err.__context__
+    return None

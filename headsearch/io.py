@@ -1,7 +1,14 @@
-"""Writing files so that a reader (or a crash) never sees half of one."""
+"""Writing files so that a reader (or a crash) never sees half of one.
+
+`write_atomic` writes a whole file through a temporary sibling named `.NAME.PID-XXXX.tmp` and a rename;
+the PID in the name lets the next write to the same path remove the temporary files of a process that
+was killed mid-write (SIGKILL, a power cut), which nothing else would. `append_line` appends a whole
+line or nothing.
+"""
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -9,7 +16,8 @@ from pathlib import Path
 def write_atomic(path: Path, data: str | bytes) -> None:
     """Write to a temporary file in the same folder, then rename: readers never see half a file."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    remove_stale_temporaries(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}-", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
@@ -17,6 +25,68 @@ def write_atomic(path: Path, data: str | bytes) -> None:
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)  # mkstemp creates 0600; run files are meant to be shared
         os.replace(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise _naming(e, path) from e
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _naming(e: OSError, path: Path) -> OSError:
+    """`e` with the file it was writing named (a write to a descriptor names none), so the one-line
+    error can say which file met the full disk."""
+    return e if e.filename else type(e)(e.errno, e.strerror, str(path))
+
+
+def remove_stale_temporaries(path: Path) -> list[Path]:
+    """Remove the temporary files `write_atomic` left beside `path` in processes that no longer run
+    (on this machine); a live process's write in progress is left alone. Returns what was removed."""
+    path = Path(path)
+    pattern = re.compile(rf"^\.{re.escape(path.name)}\.(\d+)-[^/]*\.tmp$")
+    removed = []
+    try:
+        siblings = list(path.parent.iterdir())
+    except OSError:
+        return removed
+    for sibling in siblings:
+        m = pattern.match(sibling.name)
+        if m and not _process_alive(int(m.group(1))):
+            try:
+                sibling.unlink()
+                removed.append(sibling)
+            except OSError:
+                pass
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append `line` (a newline added) whole or not at all: a full disk mid-write is cut back off, so a
+    reader of the file (one JSON record a line) never meets half a record."""
+    data = memoryview((line.rstrip("\n") + "\n").encode())
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            while data:
+                data = data[os.write(fd, data):]
+        except OSError as e:
+            os.ftruncate(fd, size)
+            raise _naming(e, path) from e
+        except BaseException:
+            os.ftruncate(fd, size)
+            raise
+    finally:
+        os.close(fd)

@@ -24,6 +24,17 @@ def fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+def fail_on_fault(e: BaseException, kept: str) -> None:
+    """An environment fault (a full disk, an I/O error) gets one line and exit code 1, saying what
+    finished work is kept; anything else is re-raised with its traceback (a bug)."""
+    from headsearch.errors import environment_fault
+
+    fault = environment_fault(e)
+    if fault is None:
+        raise e
+    fail(f"{fault}: {kept}", code=1)
+
+
 COMPILE_HELP = ("torch.compile the training step: off | default | reduce-overhead (+ CUDA graphs) | max-autotune;"
                 " overrides train.compile. The warm-up is timed apart (compile_seconds in final.json).")
 
@@ -76,6 +87,9 @@ def train(
         fail(f"{e} (the run directory keeps the epochs finished before it; try a lower lr or grad_clip)", code=1)
     except KeyboardInterrupt:
         fail("interrupted: finished epochs and the best checkpoint are kept in the run directory", code=130)
+    except Exception as e:
+        fail_on_fault(e, "the run directory keeps the epochs finished before it and their best checkpoint;"
+                         " free space (or fix the disk) and train again")
     print_result(run_dir, result)
 
 
@@ -140,16 +154,30 @@ def run(
         search = Search(settings)
         study_obj = open_search(search)  # malformed data fails here, before a study exists
         with SearchProgress(study_obj, trials) as display:
-            exit_codes = run_search(search, [display], argv=sys.argv, poll=display.refresh)
+            failures = run_search(search, [display], argv=sys.argv, poll=display.refresh)
     except HeadsearchError as e:
         fail(str(e))
     except KeyboardInterrupt:
         if study_obj is not None:
             print_search_summary(study_obj, settings.storage)
         fail("interrupted: finished trials are kept in the study; run the same command to resume", code=130)
-    if any(exit_codes):
-        fail(f"a worker failed: see {run_root / search.study_name / 'workers'}", code=1)
+    except Exception as e:
+        fail_on_fault(e, "finished trials are kept in the study; free space (or fix the disk) and run the same command to resume")
+    if failures:
+        fail(worker_failure_line(failures), code=2 if all(f.bad_input for f in failures) else 1)
     print_search_summary(study_obj, settings.storage)
+
+
+def worker_failure_line(failures) -> str:
+    """One line for failed worker processes: the first failure's reason (bad input: as one process says
+    it), where its log is, and how many others failed."""
+    first = failures[0]
+    if first.bad_input:
+        line = first.message
+    else:
+        line = f"worker {first.index} failed {first.message} (traceback in {first.log})"
+    others = len(failures) - 1
+    return line + (f"; {others} other worker(s) failed too, logs beside it" if others else "")
 
 
 from headsearch.cli.study_commands import register as _register_study_commands
@@ -192,6 +220,8 @@ def analyze(
             result["uploaded"] = upload_to_trial(run_dir, files)
     except HeadsearchError as e:
         fail(str(e))
+    except Exception as e:
+        fail_on_fault(e, "files already written are whole; free space (or fix the disk) and analyze again")
     if fmt == "json":
         typer.echo(_json.dumps(result, indent=1))
         return
@@ -199,7 +229,32 @@ def analyze(
 
 
 def main() -> None:
-    app()
+    """The console script: the app, with third-party warnings held back while a command runs. A command
+    that fails shows its one error line alone; one that succeeds shows the warnings after its output
+    (each once), except Optuna's ExperimentalWarnings for features headsearch uses knowingly."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        try:
+            app()
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    if code in (0, None):
+        for line in held_warnings(caught):
+            typer.echo(line, err=True)
+    sys.exit(code)
+
+
+def held_warnings(caught) -> list[str]:
+    """The warnings worth showing after a successful command, once each."""
+    shown: dict[str, None] = {}
+    for w in caught:
+        if w.category.__name__ == "ExperimentalWarning":
+            continue
+        shown.setdefault(f"warning: {w.message} ({Path(w.filename).name}:{w.lineno})", None)
+    return list(shown)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ a trial that cannot be exported) gets one line on stderr and exit code 2, and cr
 """
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 from typing import Optional
 
@@ -19,6 +20,12 @@ def _fail(message: str, code: int = 2) -> None:
     """One clear line on stderr, no traceback (as headsearch.cli.main.fail)."""
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code)
+
+
+def _fail_on_fault(e: BaseException, kept: str) -> None:
+    from headsearch.cli.main import fail_on_fault
+
+    fail_on_fault(e, kept)
 
 
 def _quiet_optuna() -> None:
@@ -66,6 +73,8 @@ def report(
             written = list(zip(paths, ids))
     except HeadsearchError as e:
         _fail(str(e))
+    except Exception as e:
+        _fail_on_fault(e, "the study is unchanged and plots already written are whole; free space and run it again")
     if fmt == "json":
         typer.echo(json.dumps(rep.to_dict(), indent=2))
     elif fmt == "csv":
@@ -184,6 +193,8 @@ def export(
         paths = export_configs(storage, study, trial=trial, pareto=pareto, best=best, out_dir=out)
     except HeadsearchError as e:
         _fail(str(e))
+    except Exception as e:
+        _fail_on_fault(e, "configs already written are whole; free space and export again")
     for p in paths:
         typer.echo(str(p))
 
@@ -220,6 +231,9 @@ def dashboard(
     from optuna.artifacts import FileSystemArtifactStore
     from optuna_dashboard import run_server
 
+    port_problem = unavailable_port(host, port)
+    if port_problem:
+        _fail(f"cannot serve on {host}:{port}: {port_problem}")
     adir = artifact_dir if artifact_dir is not None else default_artifact_dir(storage)
     shown = "localhost" if host in ("0.0.0.0", "::") else host
     base = f"http://{shown}:{port}/dashboard"
@@ -234,6 +248,26 @@ def dashboard(
         _fail(f"cannot serve on {host}:{port}: {e.strerror or e}")
     except KeyboardInterrupt:
         pass
+
+
+def unavailable_port(host: str, port: int) -> str | None:
+    """Why the dashboard could not listen on host:port (None: it can), found by binding it the way its
+    server will (address reuse on), before anything is printed or served."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        return f"{host} is not an address of this machine ({e.strerror}): use --host 127.0.0.1 or 0.0.0.0"
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as e:
+            busy = "the port is in use (another dashboard?): pass another --port" if e.errno == errno.EADDRINUSE else e.strerror
+            return busy or str(e)
+    return None
 
 
 def register(app: typer.Typer) -> None:

@@ -23,7 +23,7 @@ from headsearch.errors import HeadsearchError
 from headsearch.jsonsafe import json_safe
 from headsearch.search.objectives import Objective, directions_of, objectives_of
 from headsearch.search.snapshot import TRIAL_STATES, count_states, trial_state
-from headsearch.search.storage import journal_path, open_storage, sqlite_path
+from headsearch.search.storage import check_sqlite_file, journal_path, open_storage, sqlite_path
 
 
 # -- opening a study without creating anything ----------------------------------------------
@@ -34,8 +34,9 @@ def open_existing_storage(url: str):
     if (db := sqlite_path(url)) is not None:
         if not db.parent.is_dir():
             raise HeadsearchError(f"storage {url}: the folder {db.parent} does not exist: {where}")
-        if not db.is_file():
+        if not db.exists():
             raise HeadsearchError(f"storage {url}: no database file {db}: {where}")
+        check_sqlite_file(url, db)
         try:
             con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
             try:

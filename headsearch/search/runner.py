@@ -39,11 +39,12 @@ from headsearch.search.space import SearchSpace, load_space
 from headsearch.search.storage import Heartbeat, budget_lock
 from headsearch.search.study import default_sampler, make_sampler, open_study
 from headsearch.tasks import DataSource, Task, apply_overrides, flag_overrides, get_task, resolve_config
-from headsearch.training import check_device, preflight
-from headsearch.training.trainer import Callback, EpochRecord
+from headsearch.training import check_device, check_fits, preflight
+from headsearch.training.trainer import Callback, EpochRecord, resolve_device
 
 __all__ = ["Search", "SearchCallback", "SearchSettings", "TrialPruning", "arch_summary", "record_result"]
 
+FEASIBILITY_SAMPLES = 200  # random architectures tried before a space is declared to have no valid one
 WAIT = object()  # _next_trial: the budget is held by running trials; ask again later
 
 
@@ -82,9 +83,12 @@ class Search:
         self.source = DataSource(Path(s.data_dir) if s.data_dir else None, Path(s.data_file) if s.data_file else None)
         preflight(self.task, self.base, self.source)  # e.g. CUDA graphs for a task whose shapes vary: before any study exists
         check_device(self.settings.device)  # a device that is not there: also before any study exists
+        check_fits(self.task, self.base, resolve_device(self.settings.device))  # the size guard, on the base config
         self.make_pruner()  # bad pruner options fail here, before any storage is touched
+        self.check_space_feasible(resolve_device(self.settings.device))
         self._bound_key: str | None = None
         self._bound = None
+        self.current_trial: int | None = None  # the number of the trial this worker is running, if any
 
     # -- the study --------------------------------------------------------------------------
     @property
@@ -174,12 +178,19 @@ class Search:
             if trial is WAIT:
                 time.sleep(min(self.settings.heartbeat, 10))
                 continue
+            self.current_trial = trial.number
             self.run_trial(study, trial, worker_index, callbacks, argv)
+            self.current_trial = None
+
+    def check_data(self) -> None:
+        """Load the data once on the CPU and let it go: missing or malformed data fails here (worker
+        processes load their own)."""
+        import torch
+
+        self.task.setup(self.base, self.source, torch.device("cpu"))
 
     def prepare_data(self) -> None:
         """Load the data now, so that missing or malformed data fails before a study is created."""
-        from headsearch.training.trainer import resolve_device
-
         self._bound_for(self.base, resolve_device(self.settings.device))
 
     def _bound_for(self, cfg: RunConfig, device):
@@ -199,14 +210,14 @@ class Search:
         from optuna.trial import TrialState
 
         from headsearch.training import train_bound
-        from headsearch.training.trainer import resolve_device
 
         trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
+        device = resolve_device(self.settings.device)
         try:
-            cfg = apply_overrides(self.task, self.base, self.space.sample(trial, self.base))
+            cfg = self.sample_config(trial, device)
         except ConfigError as e:
-            # An invalid combination (e.g. a head count that does not divide a searched d_model):
-            # recorded as such, and never trained.
+            # An invalid combination (e.g. a head count that does not divide a searched d_model, or a
+            # model too big for the device): recorded as such, and never trained.
             trial.set_user_attr("rejected", str(e))
             study.tell(trial, state=TrialState.PRUNED)
             return "REJECTED"
@@ -218,7 +229,6 @@ class Search:
         trial.set_user_attr("run_dir", str(run_dir.resolve()))
         for cb in callbacks:
             cb.on_trial_start(trial.number, cfg)
-        device = resolve_device(self.settings.device)
         _, curve_pruner = self.make_pruner()
         pruning = TrialPruning(study, trial, self.task.primary.name, curve_pruner, self.settings.pruner, not self.multi_objective)
         state, values = TrialState.FAIL, None
@@ -257,6 +267,33 @@ class Search:
         for cb in callbacks:
             cb.on_trial_end(trial.number, state.name)
         return state.name
+
+    def check_space_feasible(self, device, samples: int = FEASIBILITY_SAMPLES) -> None:
+        """Sample the space at random (in memory, no study is touched) until one architecture passes
+        `sample_config`; if none of `samples` does, no study should be created: say why, with the
+        commonest reason."""
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        scratch = optuna.create_study(directions=self.directions, sampler=optuna.samplers.RandomSampler(seed=self.settings.seed))
+        reasons: dict[str, int] = {}
+        for _ in range(samples):
+            try:
+                self.sample_config(scratch.ask(), device)
+                return
+            except ConfigError as e:
+                reasons[str(e)] = reasons.get(str(e), 0) + 1
+        commonest = max(reasons, key=reasons.get)
+        raise ConfigError(f"no architecture of space {self.space.name} is valid for {self.task.name}"
+                          f" ({samples} random samples, all rejected), e.g. {commonest}")
+
+    def sample_config(self, trial, device) -> RunConfig:
+        """The trial's config: the space's sample on the base config, checked as `headsearch train` checks
+        one (the task's own checks and the size guard). Raises ConfigError for an invalid one."""
+        cfg = apply_overrides(self.task, self.base, self.space.sample(trial, self.base))
+        self.task.check_config(cfg)
+        check_fits(self.task, cfg, device)
+        return cfg
 
     def _completed_twin(self, study, cfg: RunConfig):
         """A complete trial with exactly this config (seed included): training it again would repeat it."""

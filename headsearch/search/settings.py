@@ -1,7 +1,10 @@
 """The settings of `headsearch run`, and their checks that need nothing loaded (one-line errors)."""
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from headsearch.errors import ConfigError
 from headsearch.search.pruning import PRUNERS
@@ -43,6 +46,25 @@ def check_settings(s: SearchSettings) -> None:
     if s.pruner not in PRUNERS:
         raise ConfigError(f"unknown pruner {s.pruner!r}: use one of {', '.join(PRUNERS)}")
     check_process_counts(s)
+    if s.timeout is not None and not (s.timeout > 0 and math.isfinite(s.timeout)):
+        raise ConfigError(f"--timeout {s.timeout:g}: give a positive number of seconds (or leave it out for no limit)")
+    if s.diversity_samples < 0:
+        raise ConfigError(f"--track-diversity {s.diversity_samples} must be 0 (off) or a number of samples")
+    if s.heartbeat < 0:
+        raise ConfigError(f"--heartbeat {s.heartbeat}: give seconds between heartbeats (0 turns them off)")
+    check_run_root(Path(s.run_root))
+
+
+def check_run_root(root: Path) -> None:
+    """The trials' run directories go under `root`: it must be (or become) a writable folder."""
+    existing = root
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        what = "is a file" if existing == root else f"is inside {existing}, which is a file"
+        raise ConfigError(f"--run-root {root} {what}: give a folder for the trials' run directories")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"--run-root {root}: {existing} is not writable, give another folder")
 
 
 def check_process_counts(s: SearchSettings) -> None:

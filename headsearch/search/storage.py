@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import re
 import threading
 import warnings
 import zlib
@@ -70,6 +71,25 @@ def sqlite_path(url: str) -> Path | None:
     return None if rest in ("", ":memory:") else Path(rest)
 
 
+SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+def check_sqlite_file(url: str, db: Path) -> None:
+    """The file of a sqlite:/// storage, when it exists, must be a SQLite database (or empty, which
+    SQLite starts as a new one): a folder, an unreadable file or another file's bytes get one line."""
+    if db.is_dir():
+        raise HeadsearchError(f"storage {url}: {db} is a folder, not a database file: pass sqlite:///FILE.db")
+    if not db.exists():
+        return
+    try:
+        with open(db, "rb") as f:
+            head = f.read(len(SQLITE_MAGIC))
+    except OSError as e:
+        raise HeadsearchError(f"storage {url}: cannot read {db} ({e.strerror}): check its permissions") from None
+    if head and head != SQLITE_MAGIC:
+        raise HeadsearchError(f"storage {url}: {db} is not a SQLite database: pass another file (or a new name to create one)")
+
+
 def open_storage(url: str, heartbeat: int | None = 30, max_retry: int = 2):
     """An Optuna storage for `url`, with heartbeats and retries for RDB URLs."""
     import optuna
@@ -93,6 +113,7 @@ def open_storage(url: str, heartbeat: int | None = 30, max_retry: int = 2):
             db = Path(url[len("sqlite:///"):])
             if db.parent and not db.parent.exists():
                 raise HeadsearchError(f"storage {url}: the folder {db.parent} does not exist")
+            check_sqlite_file(url, db)
         kwargs = {}
         if heartbeat:
             kwargs = dict(heartbeat_interval=heartbeat, grace_period=3 * heartbeat)
@@ -119,6 +140,9 @@ def open_storage(url: str, heartbeat: int | None = 30, max_retry: int = 2):
         raise HeadsearchError(f"storage {url}: the {scheme} driver is not installed: {hint}") from None
     except Exception as e:  # SQLAlchemy/Redis connection errors come in many types
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = re.sub(r"^\([\w.]+\) ", "", first)  # SQLAlchemy's "(sqlite3.DatabaseError) " prefix
+        if "malformed" in first:
+            raise HeadsearchError(f"storage {url}: the database is truncated or corrupt ({first}): restore it or pass another --storage") from None
         raise HeadsearchError(f"cannot open storage {url}: {first}") from None
     finally:
         optuna.logging.set_verbosity(optuna.logging.WARNING)

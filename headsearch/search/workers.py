@@ -12,9 +12,12 @@ import os
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from headsearch.errors import HeadsearchError
+from headsearch.io import write_atomic
 from headsearch.search.settings import SearchSettings
 
 
@@ -59,19 +62,38 @@ def planned_devices(s: SearchSettings) -> list[str | None]:
     return worker_devices(process_count(s, len(visible)), visible)
 
 
+@dataclass(frozen=True)
+class WorkerFailure:
+    """A worker process that ended badly: exit code 2 for bad input (`message` is its one line), else a
+    crash (`message` names the trial it was running and the error; the traceback is in `log`)."""
+
+    index: int
+    exit_code: int
+    message: str
+    log: Path
+
+    @property
+    def bad_input(self) -> bool:
+        return self.exit_code == 2
+
+
 def open_search(search):
-    """Open (or resume) the study of `search` (a `Search`). When it runs in this process (one worker),
-    the data is loaded first, so that missing or malformed data fails before a study exists."""
+    """Open (or resume) the study of `search` (a `Search`). The data is loaded first, so that missing or
+    malformed data fails before a study exists: for the trials when they run in this process (one
+    worker), else once on the CPU and let go (the workers load their own; a tokenizer trained here is
+    cached for them)."""
     if len(planned_devices(search.settings)) == 1:
         search.prepare_data()
+    else:
+        search.check_data()
     return search.open()
 
 
 def run_search(search, callbacks: Sequence = (), argv: list[str] | None = None,
-               poll: Callable[[], None] | None = None, every: float = 2.0) -> list[int]:
+               poll: Callable[[], None] | None = None, every: float = 2.0) -> list[WorkerFailure]:
     """Run the trials of `search` on this machine: in this process (with `callbacks`) when it has one
     worker, else in worker processes (`run_workers`), calling `poll()` every `every` seconds until they
-    end. Returns the worker processes' exit codes (none in process)."""
+    end. Returns the worker processes that failed (none in process: errors raise there)."""
     if len(planned_devices(search.settings)) == 1:
         search.run_worker(0, callbacks=callbacks, argv=argv)
         return []
@@ -80,7 +102,24 @@ def run_search(search, callbacks: Sequence = (), argv: list[str] | None = None,
         time.sleep(every)
         if poll is not None:
             poll()
-    return [p.exitcode for p in procs]
+    logs = worker_log_dir(search)
+    return [worker_failure(i, p.exitcode, logs) for i, p in enumerate(procs) if p.exitcode]
+
+
+def worker_log_dir(search) -> Path:
+    return Path(search.settings.run_root) / search.study_name / "workers"
+
+
+def worker_failure(index: int, exit_code: int, log_dir: Path) -> WorkerFailure:
+    """What worker `index` left in `log_dir` when it failed: its one-line reason, else how it ended."""
+    log = log_dir / f"worker-{index}.log"
+    try:
+        message = (log_dir / f"worker-{index}.failed").read_text().strip()
+    except OSError:
+        message = ""
+    if not message:
+        message = f"killed by signal {-exit_code}" if exit_code < 0 else f"exited with code {exit_code}"
+    return WorkerFailure(index, exit_code, message, log)
 
 
 def run_workers(search, argv: list[str] | None = None) -> list:
@@ -110,14 +149,23 @@ def _worker_main(settings: SearchSettings, index: int, gpu: str | None, n_proces
     from headsearch.search.runner import Search  # after CUDA_VISIBLE_DEVICES is set (it imports torch)
 
     search = Search(settings)
-    log_dir = Path(settings.run_root) / search.study_name / "workers"
+    log_dir = worker_log_dir(search)
     log_dir.mkdir(parents=True, exist_ok=True)
+    failed = log_dir / f"worker-{index}.failed"
+    failed.unlink(missing_ok=True)  # a resumed search's worker starts clean
     with open(log_dir / f"worker-{index}.log", "a") as log:
         sys.stdout = sys.stderr = log
         try:
             search.run_worker(index, argv=argv)
         except KeyboardInterrupt:
             pass
-        except BaseException:
+        except HeadsearchError as e:  # bad input: the same one line as in one process
+            print(f"error: {e}", flush=True)
+            write_atomic(failed, f"{e}\n")
+            raise SystemExit(2)
+        except BaseException as e:
             traceback.print_exc()
+            where = f"in trial {search.current_trial}: " if search.current_trial is not None else "outside a trial: "
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            write_atomic(failed, f"{where}{type(e).__name__}{': ' + reason if reason else ''}\n")
             raise SystemExit(1)

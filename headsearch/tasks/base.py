@@ -120,6 +120,9 @@ class Task:
     shape_note: str = "this task's batches vary in shape"
     # Checks of a resolved config that need the task but not its data (run before data loads).
     check_config: Callable[[RunConfig], None] = field(default=lambda cfg: None, repr=False)
+    # The model's size for a config, before any data loads (headsearch.models.size): training checks
+    # it against the device's memory. None: no size guard for this task.
+    footprint: Callable[[RunConfig], Any] | None = field(default=None, repr=False)
 
     @property
     def primary(self) -> Metric:

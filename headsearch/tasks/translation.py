@@ -84,6 +84,20 @@ PRESETS = {
 }
 
 
+def check_config(cfg: RunConfig) -> None:
+    """What the encoder-decoder needs of an architecture, checked before any data loads or directory exists."""
+    if cfg.arch.dec_layers < 1:
+        raise ConfigError("arch.dec_layers = 0: the translation model needs a decoder, set dec_layers (and dec_heads), e.g. 6 and 8")
+
+
+def footprint(cfg: RunConfig):
+    """At most `vocab_size` words a side, sentences of at most `max_len` tokens (a bound: most are shorter)."""
+    from headsearch.models.size import seq2seq_footprint
+
+    data = cfg.data
+    return seq2seq_footprint(cfg.arch, cfg.train.batch_size, data.vocab_size, data.vocab_size, data.max_len)
+
+
 def check_source(source: DataSource) -> None:
     if source.data_dir is not None:
         raise DataError("translation-en-es reads one tab-separated file: pass --data-file, not --data-dir")
@@ -286,5 +300,7 @@ TASK = register(
         setup=setup,
         static_shapes=False,
         shape_note="translation batches vary in length",
+        check_config=check_config,
+        footprint=footprint,
     )
 )

@@ -69,6 +69,25 @@ PRESETS = {
 }
 
 
+IMAGE_SIZE, CHANNELS, CLASSES = 32, 3, 10
+
+
+def check_config(cfg: RunConfig) -> None:
+    """What the ViT needs of an architecture, checked before any data loads or directory exists."""
+    if cfg.arch.dec_layers:
+        raise ConfigError(f"arch.dec_layers = {cfg.arch.dec_layers}: the ViT is encoder-only, set it to 0")
+    if IMAGE_SIZE % cfg.arch.patch_size:
+        fits = [p for p in range(1, IMAGE_SIZE + 1) if IMAGE_SIZE % p == 0]
+        raise ConfigError(f"arch.patch_size = {cfg.arch.patch_size} does not divide the {IMAGE_SIZE}x{IMAGE_SIZE}"
+                          f" CIFAR-10 images: use one of {', '.join(map(str, fits))}")
+
+
+def footprint(cfg: RunConfig):
+    from headsearch.models.size import vit_footprint
+
+    return vit_footprint(cfg.arch, cfg.train.batch_size, IMAGE_SIZE, CHANNELS, CLASSES)
+
+
 def check_source(source: DataSource) -> None:
     if source.data_file is not None:
         raise DataError("vit-cifar10 reads a directory of CIFAR-10 files: pass --data-dir, not --data-file")
@@ -138,7 +157,7 @@ class BoundCifar:
 
         from headsearch.models import ViT
 
-        model = ViT(self.cfg.arch, image_size=32, in_chans=3, num_classes=len(self.label_names))
+        model = ViT(self.cfg.arch, image_size=IMAGE_SIZE, in_chans=CHANNELS, num_classes=len(self.label_names))
         return model.to(memory_format=torch.channels_last) if self.channels_last else model
 
     def layout(self, x):
@@ -238,5 +257,7 @@ TASK = register(
         setup=setup,
         # Batches are (batch_size, 3, 32, 32) but an epoch's last, which warmup_batches covers.
         static_shapes=True,
+        check_config=check_config,
+        footprint=footprint,
     )
 )

@@ -26,6 +26,36 @@ def check_device(device: str | None) -> None:
     resolve_device(device)
 
 
+def device_memory(device) -> int | None:
+    """Bytes of memory the device has in all: a GPU's own memory, the machine's RAM for the CPU (None: unknown)."""
+    import os
+
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    if device.type == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return None
+    return None
+
+
+def check_fits(task: Task, cfg: RunConfig, device) -> None:
+    """The size guard: a config whose estimated training memory (headsearch.models.size, a lower bound)
+    exceeds the device's whole memory cannot run; say so with the estimate before anything is allocated."""
+    from headsearch.errors import ConfigError
+    from headsearch.models.size import gib
+
+    if task.footprint is None:
+        return
+    need, have = task.footprint(cfg), device_memory(device)
+    if have is not None and need.training_bytes > have:
+        raise ConfigError(f"this architecture needs {need.describe()} but {device} has {gib(have)}:"
+                          " lower d_model, d_ff, the layer or head counts, or train.batch_size")
+
+
 def train_run(
     cfg: RunConfig,
     source: DataSource,
@@ -46,6 +76,7 @@ def train_run(
     task = get_task(cfg.task)
     preflight(task, cfg, source)
     dev = resolve_device(device)
+    check_fits(task, cfg, dev)
     run_dir = Path(out) if out is not None else default_run_dir(task.name)
     check_run_dir(run_dir)
     bound = task.setup(cfg, source, dev)

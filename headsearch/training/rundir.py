@@ -19,11 +19,25 @@ LIBRARIES = ("headsearch", "torch", "torchvision", "numpy", "optuna", "sacrebleu
 
 
 def save_checkpoint(state_dict: Mapping[str, Any], path: Path, metadata_: Mapping[str, str] | None = None) -> None:
-    """A safetensors checkpoint, written atomically."""
+    """A safetensors checkpoint, written atomically; the same tensors and metadata give the same bytes."""
     from safetensors.torch import save
 
     tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
-    write_atomic(path, save(tensors, metadata=dict(metadata_ or {})))
+    write_atomic(path, canonical_safetensors(save(tensors, metadata=dict(metadata_ or {}))))
+
+
+def canonical_safetensors(blob: bytes) -> bytes:
+    """`blob` with its metadata keys in sorted order. safetensors writes the metadata from a Rust hash
+    map, whose order changes from process to process, so two saves of the same checkpoint differ in
+    bytes. The header keeps its length (the format pads it with spaces to align the data)."""
+    n = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8 : 8 + n])
+    if "__metadata__" in header:
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    text = json.dumps(header, separators=(",", ":")).encode()
+    if len(text) > n:  # never, for the compact JSON safetensors writes; keep its bytes rather than break them
+        return blob
+    return blob[:8] + text.ljust(n, b" ") + blob[8 + n :]
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from headsearch.config import RunConfig, TrainConfig
 from headsearch.errors import ConfigError, Diverged
 from headsearch.tasks import BoundTask, Task
 from headsearch.training.fastpath import check_compile, compile_model, kept_loss, mark_step, warm_up
-from headsearch.io import write_atomic
+from headsearch.io import append_line, write_atomic
 from headsearch.training.rundir import save_checkpoint
 
 CHECKPOINT = "model.safetensors"
@@ -263,8 +263,7 @@ def fit(
             if t.target is not None and result.seconds_to_target is None and not task.primary.better(t.target, value):
                 result.seconds_to_target = record.train_seconds
             if run_dir is not None:
-                with open(run_dir / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps(asdict(record)) + "\n")
+                append_line(run_dir / "metrics.jsonl", json.dumps(asdict(record)))
             try:
                 for cb in callbacks:
                     cb.on_epoch_end(record)

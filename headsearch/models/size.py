@@ -1,0 +1,119 @@
+"""How big a model is before it exists: its exact parameter count and an estimate of the memory one
+training step needs, from the `ArchConfig` alone (no tensor is allocated, so an absurd config costs
+nothing to check).
+
+The parameter count follows the modules in attention.py, transformer.py, vit.py and seq2seq.py term for
+term (tests/test_size.py compares it with `sum(p.numel())` of built models). The memory estimate counts
+fp32 weights, gradients and Adam's two moments (16 bytes a parameter) plus the activations autograd keeps
+for one batch: per layer and token, the normalised inputs, q/k/v, the context, the MLP's hidden
+layer and residuals, and per head and query-key pair the scores and probabilities. It leaves out the
+allocator's slack, workspace and the soft branch's chunked temporaries, so it is a lower bound: a
+config above the device's memory cannot run, one below it may still not.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from headsearch.config import ArchConfig
+
+FLOAT_BYTES = 4
+OPTIMIZER_BYTES_PER_PARAM = 4 * FLOAT_BYTES  # weight, gradient, Adam's first and second moments
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """A model's parameter count and the activations one training batch keeps for backward (bytes)."""
+
+    params: int
+    activation_bytes: int
+
+    @property
+    def training_bytes(self) -> int:
+        return self.params * OPTIMIZER_BYTES_PER_PARAM + self.activation_bytes
+
+    def describe(self) -> str:
+        return (f"about {gib(self.training_bytes)} to train ({self.params:,} parameters:"
+                f" {gib(self.params * OPTIMIZER_BYTES_PER_PARAM)} with gradients and Adam's moments;"
+                f" activations of one batch {gib(self.activation_bytes)})")
+
+
+def gib(n_bytes: float) -> str:
+    return f"{n_bytes / 2**30:,.2f} GiB" if n_bytes >= 2**27 else f"{n_bytes / 2**20:,.1f} MiB"
+
+
+# -- parameters ------------------------------------------------------------------------------
+
+def _linear(n_in: int, n_out: int) -> int:
+    return n_in * n_out + n_out
+
+
+def _layernorm(d: int) -> int:
+    return 2 * d
+
+
+def attention_params(arch: ArchConfig, heads: int, index: int, cross: bool = False) -> int:
+    """`Attention` as `make_attention` builds it: q/k/v and output projections, the output skip's
+    LayerNorm (every layer but a stack's first), the soft branch's W1, W2 (pairwise scores) and w."""
+    d, width = arch.d_model, heads * arch.head_width(heads)
+    n = _linear(d, width) + _linear(d, 2 * width) if cross else _linear(d, 3 * width)
+    n += _linear(width, d)
+    if arch.skip == "output" and index > 0:
+        n += _layernorm(width)
+    if arch.fusion != "none":
+        soft = arch.soft_dim or arch.head_width(heads)
+        n += heads * arch.head_width(heads) * soft * (2 if arch.soft_score == "pairwise" else 1) + heads * soft
+    return n
+
+
+def _mlp_params(arch: ArchConfig) -> int:
+    return _linear(arch.d_model, arch.d_ff) + _linear(arch.d_ff, arch.d_model)
+
+
+def encoder_params(arch: ArchConfig) -> int:
+    blocks = sum(2 * _layernorm(arch.d_model) + attention_params(arch, h, i) + _mlp_params(arch)
+                 for i, h in enumerate(arch.enc_heads))
+    return blocks + _layernorm(arch.d_model)
+
+
+def decoder_params(arch: ArchConfig) -> int:
+    blocks = sum(3 * _layernorm(arch.d_model) + attention_params(arch, h, i) + attention_params(arch, h, i, cross=True)
+                 + _mlp_params(arch) for i, h in enumerate(arch.dec_heads))
+    return blocks + _layernorm(arch.d_model)
+
+
+# -- activations -----------------------------------------------------------------------------
+
+def _layer_activations(arch: ArchConfig, heads: int, queries: int, keys: int) -> int:
+    """Floats autograd keeps for one sample in one attention + MLP block."""
+    d, width = arch.d_model, heads * arch.head_width(heads)
+    per_token = 4 * d + 4 * width + 2 * arch.d_ff  # norms and residuals, q/k/v and context, MLP hidden (pre and post activation)
+    return queries * per_token + 2 * heads * queries * keys  # scores and probabilities
+
+
+def stack_activations(arch: ArchConfig, tokens: int, memory_tokens: int = 0) -> int:
+    """Floats kept for one sample by the encoder (`tokens` long) or, with `memory_tokens`, the decoder."""
+    if not memory_tokens:
+        return sum(_layer_activations(arch, h, tokens, tokens) for h in arch.enc_heads)
+    return sum(_layer_activations(arch, h, tokens, tokens) + _layer_activations(arch, h, tokens, memory_tokens)
+               for h in arch.dec_heads)
+
+
+# -- the two models --------------------------------------------------------------------------
+
+def vit_footprint(arch: ArchConfig, batch: int, image_size: int = 32, in_chans: int = 3, num_classes: int = 10) -> Footprint:
+    """`ViT(arch, image_size, in_chans, num_classes)` trained on batches of `batch` images."""
+    tokens = (image_size // arch.patch_size) ** 2 + 1
+    params = (in_chans * arch.patch_size**2 * arch.d_model + arch.d_model  # patch embedding (a strided conv)
+              + arch.d_model * (tokens + 1)  # class token and positions
+              + encoder_params(arch) + _linear(arch.d_model, num_classes))
+    floats = batch * (stack_activations(arch, tokens) + tokens * arch.d_model)
+    return Footprint(params, floats * FLOAT_BYTES)
+
+
+def seq2seq_footprint(arch: ArchConfig, batch: int, src_vocab: int, tgt_vocab: int, max_len: int) -> Footprint:
+    """`Seq2Seq(arch, src_vocab, tgt_vocab, max_len, ...)` on batches of `batch` pairs of at most `max_len` tokens."""
+    params = ((src_vocab + tgt_vocab) * arch.d_model + encoder_params(arch) + decoder_params(arch)
+              + _linear(arch.d_model, tgt_vocab))
+    floats = batch * (stack_activations(arch, max_len) + stack_activations(arch, max_len, memory_tokens=max_len)
+                      + 2 * max_len * tgt_vocab)  # logits and their softmax
+    return Footprint(params, floats * FLOAT_BYTES)

@@ -1,0 +1,1536 @@
+"""Property-based (hypothesis) tests of the CLI's bad-input promise.
+
+The promise (README, "Errors"): bad input to any `headsearch` command ends with exit code 2, one line
+on stderr that starts with "error: ", no Python traceback, and nothing created on disk: no run
+directory, no study database, no output file or folder.
+
+Every example here runs the CLI in-process (Typer's CliRunner, as `tests/conftest.py` does) inside a
+fresh temporary directory that is also the working directory, with every output location (--out,
+--storage, --run-root, --plots) pointing inside it, and then checks:
+
+  * exit code 2 (an uncaught exception would give 1, a missed check usually 0);
+  * stdout + stderr together hold exactly one non-empty line, and it starts with "error: ";
+  * "Traceback" appears nowhere in that output;
+  * the temporary directory holds exactly what the test itself put there, byte for byte (the
+    inputs), so no run directory, no `runs/`, no `h.db` / `headsearch.db`, no `*.budget.lock`, no
+    `--out`/`--plots` folder, no `analysis/` inside a run directory, no overwritten file;
+  * the example finished within a few seconds (SIGALRM watchdog): bad input must be refused before
+    anything trains. A watchdog expiry is reported as "SLOW" and is itself a failure.
+
+What is generated (values that parse as the option's type, so Click's own usage errors never occur):
+
+ 1. every field of ArchConfig, TrainConfig, RunConfig (task, seed, the sections themselves) and of the
+    tasks' data options (CifarData, TranslationData), plus unknown keys and a few cross-field
+    contradictions, each with a strategy of invalid values for that field (out of range, NaN/inf,
+    wrong types: strings, lists, mappings, booleans, null; unknown names for choice fields), written
+    as a full run config or (architecture fields) as an arch-only file, through `train --config`
+    for both tasks. The tests are parametrised by (task, field) so that every field is covered on
+    every run; hypothesis draws the invalid values;
+ 2. junk for every path argument: random bytes, empty files, directories where files go and files
+    where directories go, missing paths, YAML that is not a mapping, invalid YAML, malformed CIFAR-10
+    shards and parallel corpora, broken run directories (config.yaml, model.safetensors, the
+    tokenizers), existing files as --out/--plots/--artifact-dir/--run-root, junk storages;
+ 3. bad search settings for `run` (counts, timeout, sampler, pruner, objectives, pruner options,
+    heartbeat, seed, epochs, compile, preset, task, and search spaces every trial of which is invalid,
+    e.g. head counts that divide nothing); for these the storage must hold no study afterwards;
+ 4. devices that do not exist here (--device foo / cuda / cuda:7 / mps ...) for train, run, analyze;
+ 5. the other flags that parse but are invalid (analyze --samples/--format, report --format, export's
+    selectors, dashboard --port).
+
+A failing example's assertion message names the command (paths shown relative to <tmp>), the files
+the test wrote, the exit code, the output, the exception with its innermost frames, and what was left
+on disk.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import io
+import math
+import os
+import pickle
+import shutil
+import signal
+import sqlite3
+import stat
+import string
+import tempfile
+import traceback
+import warnings
+import zipfile
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+import yaml
+from hypothesis import HealthCheck, Phase, assume, given, settings
+from hypothesis import strategies as st
+
+# ------------------------------------------------------------------------------------------------ settings
+
+COMMON = dict(deadline=None, database=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                     HealthCheck.filter_too_much, HealthCheck.data_too_large])
+CHEAP = settings(max_examples=8, **COMMON)  # each example: milliseconds (validation only)
+PATHS = settings(max_examples=12, **COMMON)
+# Examples that load data (a second or two each): fewer, and no shrinking (the generated inputs are
+# small already; shrinking an example that trains would take minutes).
+LOADING = settings(max_examples=4, phases=(Phase.explicit, Phase.reuse, Phase.generate), **COMMON)
+
+FAST_LIMIT = 10.0  # seconds an example that only validates may take (the first one pays imports)
+LOAD_LIMIT = 25.0  # seconds an example that may legitimately load data first may take
+
+VIT, MT = "vit-cifar10", "translation-en-es"
+
+
+# ------------------------------------------------------------------------------------------------ harness
+
+
+class Slow(Exception):
+    """Raised by the watchdog inside the command: it was still running (data loading or training)."""
+
+
+@contextlib.contextmanager
+def watchdog(seconds: float, fired: list):
+    def handler(signum, frame):
+        fired.append(seconds)
+        raise Slow(f"still running after {seconds:.0f} s")
+
+    old = signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _digest(p: Path) -> str:
+    if p.is_symlink():
+        return "symlink"
+    if p.is_dir():
+        return "dir"
+    try:
+        return hashlib.sha256(p.read_bytes()).hexdigest()[:16]
+    except OSError:
+        return "unreadable"
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            out[p.relative_to(root).as_posix()] = _digest(p)
+    return out
+
+
+def _show_bytes(data: bytes, limit: int = 300) -> str:
+    try:
+        text = data.decode("utf-8")
+        shown = repr(text[:limit]) + ("..." if len(text) > limit else "")
+        return f"text {shown} ({len(data)} bytes)"
+    except UnicodeDecodeError:
+        return f"bytes {data[:60]!r}{'...' if len(data) > 60 else ''} ({len(data)} bytes)"
+
+
+def _studies_in(db: Path) -> str:
+    """The studies in a SQLite file, read without changing it."""
+    try:
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        try:
+            rows = con.execute("SELECT s.study_name, COUNT(t.trial_id), GROUP_CONCAT(t.state) FROM studies s"
+                               " LEFT JOIN trials t ON t.study_id = s.study_id GROUP BY s.study_id").fetchall()
+        finally:
+            con.close()
+    except sqlite3.Error as e:
+        return f"no Optuna studies ({e})"
+    return "studies: " + ("; ".join(f"{n} ({c} trials: {st_ or '-'})" for n, c, st_ in rows) or "none")
+
+
+class Box:
+    """One example's world: a fresh temporary directory (also the working directory while the CLI
+    runs), the inputs the test wrote into it, and the result of one CLI invocation."""
+
+    def __init__(self, root: Path, cache: Path):
+        self.root, self.cache = root, cache
+        self.inputs: dict[str, str] = {}  # relative path -> description (for the reproducer)
+        self.result = None
+        self.args: list[str] = []
+        self.fired: list = []
+        self.before: dict[str, str] = {}
+        self.after: dict[str, str] = {}
+
+    # -- inputs -------------------------------------------------------------------------------
+    def path(self, rel: str) -> Path:
+        return self.root / rel
+
+    def write(self, rel: str, data: bytes | str, note: str | None = None) -> Path:
+        p = self.root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        data = data.encode() if isinstance(data, str) else data
+        p.write_bytes(data)
+        self.inputs[rel] = note or _show_bytes(data)
+        return p
+
+    def write_yaml(self, rel: str, obj: Any) -> Path:
+        text = yaml.safe_dump(obj, sort_keys=False, allow_unicode=True)
+        from headsearch.config import parse_yaml
+
+        # The file must say what the test means (e.g. a string stays a string for headsearch's loader).
+        again = yaml.safe_dump(parse_yaml(text), sort_keys=False, allow_unicode=True)
+        assert again == text, f"test bug: {obj!r} does not round-trip through YAML"
+        return self.write(rel, text)
+
+    def mkdir(self, rel: str, note: str = "an empty directory") -> Path:
+        p = self.root / rel
+        p.mkdir(parents=True, exist_ok=True)
+        self.inputs[rel] = note
+        return p
+
+    def copy(self, src: Path, rel: str, note: str) -> Path:
+        dst = self.root / rel
+        if src.is_dir():
+            shutil.copytree(src, dst)
+        else:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, dst)
+        self.inputs[rel] = note
+        return dst
+
+    # -- running ------------------------------------------------------------------------------
+    def invoke(self, args, limit: float = FAST_LIMIT):
+        from typer.testing import CliRunner
+
+        from headsearch.cli.main import app
+
+        self.args = [str(a) for a in args]
+        self.before = snapshot(self.root)
+        env = {"COLUMNS": "240", "HEADSEARCH_CACHE": str(self.cache)}
+        cwd = os.getcwd()
+        os.chdir(self.root)
+        try:
+            with watchdog(limit, self.fired):
+                self.result = CliRunner().invoke(app, self.args, env=env)
+        finally:
+            os.chdir(cwd)
+        self.after = snapshot(self.root)
+        return self.result
+
+    def left_behind(self) -> list[str]:
+        out = []
+        for rel, digest in sorted(self.after.items()):
+            if rel not in self.before:
+                out.append(f"created {rel}" + ("/" if digest == "dir" else ""))
+            elif digest != self.before[rel] and not rel.endswith(".db"):
+                out.append(f"changed {rel}")
+        out += [f"removed {rel}" for rel in sorted(set(self.before) - set(self.after))]
+        return out
+
+    def describe(self) -> str:
+        r, root = self.result, str(self.root)
+        hide = lambda s: s.replace(root, "<tmp>")  # noqa: E731
+        lines = ["", "command: headsearch " + " ".join(hide(a) if a else "''" for a in self.args)]
+        for rel, note in sorted(self.inputs.items()):
+            lines.append(f"  input <tmp>/{rel}: {hide(note)}")
+        if self.fired:
+            lines.append(f"SLOW: the watchdog stopped it after {self.fired[0]:.0f} s (data loading or training started)")
+        lines.append(f"exit code: {r.exit_code}")
+        out = hide(r.output)
+        shown = out if len(out) < 3000 else out[:1500] + "\n[...]\n" + out[-1500:]
+        lines.append("output:\n" + "\n".join("  | " + x for x in shown.splitlines()))
+        if r.exception is not None and not isinstance(r.exception, SystemExit) and r.exc_info is not None:
+            tb = traceback.format_exception(*r.exc_info)
+            lines.append("exception (innermost frames):\n" + hide("".join(tb[-4:])).rstrip())
+        lines.append(f"left on disk: {self.left_behind() or 'nothing'}")
+        for rel, digest in sorted(self.after.items()):
+            if rel.endswith(".db") and rel not in self.before:
+                lines.append(f"  {rel}: {_studies_in(self.root / rel)}")
+        return "\n".join(lines)
+
+    def assert_bad_input(self) -> None:
+        r = self.result
+        msg = self.describe()
+        assert not self.fired, "SLOW (bad input was not refused before data loading or training)" + msg
+        assert r.exit_code == 2, "exit code is not 2" + msg
+        assert "Traceback" not in r.output, "a traceback was printed" + msg
+        lines = [line for line in r.output.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error: "), "not exactly one 'error: ' line" + msg
+        assert not self.left_behind(), "something was left on disk" + msg
+
+
+@contextlib.contextmanager
+def box(cache: Path):
+    with tempfile.TemporaryDirectory(prefix="hs-fuzz-") as d:
+        root = Path(d).resolve()
+        try:
+            yield Box(root, cache)
+        finally:
+            # chmod 000 inputs must not stop the clean-up (as a non-root user)
+            for dirpath, dirnames, filenames in os.walk(root):
+                for name in dirnames + filenames:
+                    with contextlib.suppress(OSError):
+                        os.chmod(Path(dirpath) / name, 0o700)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    """HEADSEARCH_CACHE for every example (outside the checked directories: a tokenizer cache is a cache)."""
+    return tmp_path_factory.mktemp("fuzz-cache")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _imports():
+    """Import the heavy libraries once, so that the watchdog times commands, not imports."""
+    import optuna  # noqa: F401
+    import torch  # noqa: F401
+
+    import headsearch.cli.main  # noqa: F401
+    import headsearch.search.runner  # noqa: F401
+    import headsearch.tasks.cifar_data  # noqa: F401
+    import headsearch.training  # noqa: F401
+    yield
+
+
+# ------------------------------------------------------------------------------------------------ base configs
+
+# Cheap, valid configs: should a bad value slip through, training is one step on a few samples.
+VIT_BASE = {
+    "task": VIT, "seed": 0,
+    "arch": {},  # the task's defaults: d_model 48, 4 layers x 4 heads
+    "train": {"epochs": 1, "max_steps_per_epoch": 1, "batch_size": 16},
+    "data": {"train_limit": 64, "val_size": 64, "test_limit": 64},
+}
+MT_BASE = {
+    "task": MT, "seed": 0,
+    "arch": {"d_model": 32, "enc_heads": [2, 2], "dec_heads": [2], "d_ff": 64},
+    "train": {"epochs": 1, "max_steps_per_epoch": 1, "batch_size": 16},
+    "data": {"train_limit": 200, "val_size": 20, "test_size": 20, "max_len": 16, "vocab_size": 500},
+}
+BASES = {VIT: VIT_BASE, MT: MT_BASE}
+
+# `headsearch run`: spaces whose every trial is cheap and valid.
+VIT_SPACE = {"schedule": {"families": ["uniform"], "heads": [4]}, "skip": ["none"], "fusion": ["none"],
+             "fixed": {"train": dict(VIT_BASE["train"]), "data": dict(VIT_BASE["data"])}}
+MT_SPACE = {"tasks": [MT], "schedule": {"families": ["uniform"], "heads": [2]}, "skip": ["none"], "fusion": ["none"],
+            "fixed": {"arch": {"d_model": 32, "enc_layers": 2, "dec_layers": 1, "dec_heads": 2, "d_ff": 64},
+                      "train": dict(MT_BASE["train"]), "data": dict(MT_BASE["data"])}}
+
+
+def train_args(task: str, b: Box, cifar_dir: Path, spa_file: Path, *extra) -> list:
+    data = ["--data-dir", cifar_dir] if task == VIT else ["--data-file", spa_file]
+    return ["train", "--task", task, "--preset", "tiny", *data, "--out", b.path("out"), "--device", "cpu", *extra]
+
+
+def run_args(task: str, b: Box, space: Path, data_path: Path, *extra) -> list:
+    data = ["--data-dir" if task == VIT else "--data-file", data_path]
+    return ["run", "--task", task, "--preset", "tiny", "--space", space, *data,
+            "--storage", f"sqlite:///{b.path('h.db')}", "--run-root", b.path("runs"), "--device", "cpu",
+            "--epochs", "1", *extra]
+
+
+def assert_no_study(b: Box) -> None:
+    """Beyond an empty directory: if a database exists at all, it holds no study."""
+    db = b.path("h.db")
+    if db.exists() and db.stat().st_size:
+        import optuna
+
+        summaries = optuna.get_all_study_summaries(storage=f"sqlite:///{db}")
+        assert not summaries, "a study was created: " + ", ".join(
+            f"{s.study_name} ({s.n_trials} trials)" for s in summaries) + b.describe()
+
+
+# ------------------------------------------------------------------------------------------------ value strategies
+
+LETTERS = string.ascii_letters + "_-"
+_WORD = st.text(LETTERS, min_size=1, max_size=10)
+NONFINITE = st.sampled_from([math.nan, math.inf, -math.inf])
+LISTS = st.lists(st.integers(-2, 64), max_size=3)
+MAPS = st.dictionaries(st.text(string.ascii_lowercase, min_size=1, max_size=4), st.integers(-2, 9), max_size=2)
+BOOLS = st.booleans()
+NON_INTEGRAL = st.floats(-1e6, 1e6, allow_nan=False).filter(lambda x: not x.is_integer())
+
+
+def _numeric(s: str) -> bool:
+    try:
+        float(s)
+        return True
+    except ValueError:
+        return False
+
+
+def words(exclude=()) -> st.SearchStrategy:
+    """Strings that are not numbers (a number-like string is leniently accepted) and not in `exclude`."""
+    return st.one_of(st.just(""), _WORD).filter(lambda s: s not in exclude and not _numeric(s))
+
+
+def wrong_types(none: bool = True, bools: bool = True) -> st.SearchStrategy:
+    """A string, a list, a mapping, a boolean or null where a number goes."""
+    options = [words(), LISTS, MAPS]
+    if bools:
+        options.append(BOOLS)
+    if none:
+        options.append(st.none())
+    return st.one_of(options)
+
+
+def ints_below(minimum: int, optional: bool = False) -> st.SearchStrategy:
+    """An integer field whose valid values are >= minimum."""
+    return st.one_of(st.integers(-10**6, minimum - 1), NON_INTEGRAL, NONFINITE, wrong_types(none=not optional))
+
+
+def floats_outside(ranges: list[st.SearchStrategy], optional: bool = False) -> st.SearchStrategy:
+    return st.one_of(*ranges, NONFINITE, wrong_types(none=not optional))
+
+
+def below(x: float, inclusive: bool) -> st.SearchStrategy:
+    """Floats < x (or <= x)."""
+    return st.floats(-1e6, x, allow_nan=False, exclude_max=not inclusive).filter(lambda v: v <= x if inclusive else v < x)
+
+
+def above(x: float, inclusive: bool) -> st.SearchStrategy:
+    return st.floats(x, 1e6, allow_nan=False, exclude_min=not inclusive).filter(lambda v: v >= x if inclusive else v > x)
+
+
+def choice(allowed, none: bool = True, bools: bool = True) -> st.SearchStrategy:
+    """An unknown name, or a value of the wrong type, for a choice field."""
+    options = [words(exclude=allowed), st.integers(-5, 5), st.floats(allow_nan=False), LISTS, MAPS]
+    if bools:
+        options.append(BOOLS)
+    if none:
+        options.append(st.none())
+    return st.one_of(options)
+
+
+GOOD_HEADS = st.sampled_from([1, 2, 4, 8])  # divide both d_models used here (32, 48, 64)
+NON_DIVISORS = st.sampled_from([5, 7, 9, 10, 11, 13, 14, 15, 18, 20, 96, 97])  # divide none of 32, 48, 64
+BAD_HEAD = st.one_of(st.integers(-50, 0), NON_DIVISORS, NON_INTEGRAL, NONFINITE, words(), st.none(), BOOLS, LISTS, MAPS)
+
+
+@st.composite
+def head_list_with_a_bad_entry(draw):
+    heads = draw(st.lists(GOOD_HEADS, max_size=3))
+    heads.insert(draw(st.integers(0, len(heads))), draw(BAD_HEAD))
+    return heads
+
+
+def heads_bad() -> st.SearchStrategy:
+    return st.one_of(st.integers(-50, 0), NON_DIVISORS, NON_INTEGRAL, NONFINITE, BOOLS, st.none(), MAPS.filter(bool),
+                     words(), head_list_with_a_bad_entry())
+
+
+@st.composite
+def betas_bad(draw):
+    ok = st.floats(0, 1, exclude_max=True)
+    bad = st.one_of(below(0, inclusive=False), above(1, inclusive=True), NONFINITE, words(), st.none(), BOOLS, LISTS)
+    kind = draw(st.sampled_from(["one out of range", "wrong length", "not a list"]))
+    if kind == "one out of range":
+        pair = [draw(ok), draw(ok)]
+        pair[draw(st.integers(0, 1))] = draw(bad)
+        return pair
+    if kind == "wrong length":
+        return draw(st.lists(ok, max_size=4).filter(lambda x: len(x) != 2))
+    return draw(st.one_of(st.floats(allow_nan=False), NONFINITE, words(), BOOLS, st.none(), MAPS))
+
+
+def split_size_bad() -> st.SearchStrategy:
+    """TranslationData.val_size/test_size: valid are whole numbers >= 0 and fractions in (0, 1)."""
+    return st.one_of(st.integers(-10**6, -1), below(0, inclusive=False),
+                     st.floats(1, 1e6, exclude_min=True).filter(lambda x: not x.is_integer()),
+                     NONFINITE, wrong_types())
+
+
+@st.composite
+def augment_bad(draw):
+    from headsearch.tasks.vit_cifar10 import AUGMENTATIONS
+
+    kind = draw(st.sampled_from(["a bare string", "an unknown name", "not a list"]))
+    if kind == "a bare string":
+        return draw(st.one_of(st.sampled_from(AUGMENTATIONS), words()))
+    if kind == "an unknown name":
+        ops = draw(st.lists(st.sampled_from(AUGMENTATIONS), max_size=2))
+        ops.insert(draw(st.integers(0, len(ops))), draw(st.one_of(words(exclude=AUGMENTATIONS), st.integers(), st.none())))
+        return ops
+    return draw(st.one_of(st.integers(), st.floats(allow_nan=False), BOOLS, st.none(), MAPS))
+
+
+def _arch_fields(task: str) -> dict[str, st.SearchStrategy]:
+    from headsearch.config import ACTIVATIONS, FUSIONS, SKIPS, SOFT_SCORES
+
+    odd = st.integers(0, 5000).map(lambda k: 2 * k + 1)  # divisible by none of the head counts (2 or 4)
+    out = {
+        "d_model": st.one_of(ints_below(1), odd),
+        "enc_layers": ints_below(1),
+        "enc_heads": heads_bad(),
+        "d_ff": ints_below(1),
+        "head_dim": st.one_of(st.integers(-50, 0), NON_INTEGRAL, NONFINITE, words(exclude=("split",)), BOOLS,
+                              st.none(), LISTS, MAPS),
+        "skip": choice(SKIPS),
+        "skip_mean": st.one_of(st.integers(), st.floats(allow_nan=False), NONFINITE, words(), st.none(), LISTS, MAPS),
+        "fusion": choice(FUSIONS),
+        "soft_dim": ints_below(1, optional=True),
+        "soft_score": choice(SOFT_SCORES),
+        "activation": choice(ACTIVATIONS),
+        "dropout": floats_outside([below(0, False), above(1, True)]),
+        "attn_dropout": floats_outside([below(0, False), above(1, True)]),
+    }
+    if task == VIT:
+        # Encoder-only: any decoder layer is wrong, and so is a head count that is not a count.
+        out["dec_layers"] = st.one_of(st.integers(-10**6, -1), st.integers(1, 12), NON_INTEGRAL, NONFINITE, wrong_types())
+        out["dec_heads"] = st.one_of(st.integers(-50, 0), NON_INTEGRAL, NONFINITE, BOOLS, st.none(), words(),
+                                     head_list_with_a_bad_entry(), st.lists(GOOD_HEADS, min_size=1, max_size=3))
+        out["patch_size"] = st.one_of(ints_below(1), st.integers(1, 200).filter(lambda p: 32 % p != 0))
+    else:
+        out["dec_layers"] = ints_below(1)  # the translation model needs a decoder
+        out["dec_heads"] = heads_bad()
+        out["patch_size"] = ints_below(1)  # ViT-only, but a patch size that is not a size is still wrong
+    return out
+
+
+def _train_fields() -> dict[str, st.SearchStrategy]:
+    from headsearch.config import AMP_MODES, CHANNELS_LAST, COMPILE_MODES, LR_SCHEDULES, OPTIMIZERS
+
+    return {
+        "epochs": ints_below(1),
+        "batch_size": ints_below(1),
+        "optimizer": choice(OPTIMIZERS),
+        "lr": floats_outside([below(0, True)]),
+        "weight_decay": floats_outside([below(0, False)]),
+        "betas": betas_bad(),
+        "eps": floats_outside([below(0, True)]),
+        "warmup_epochs": floats_outside([below(0, False)]),
+        "schedule": choice(LR_SCHEDULES),
+        "min_lr_ratio": floats_outside([below(0, False), above(1, False)]),
+        "label_smoothing": floats_outside([below(0, False), above(1, True)]),
+        "grad_clip": floats_outside([below(0, True)], optional=True),
+        "amp": choice(AMP_MODES),
+        "target": st.one_of(NONFINITE, wrong_types(none=False)),
+        "max_steps_per_epoch": ints_below(1, optional=True),
+        # null/false mean "off" and true "default" (older configs): not bad input
+        "compile": choice(COMPILE_MODES, none=False, bools=False),
+        "channels_last": choice(CHANNELS_LAST),
+        "diversity_samples": ints_below(0),
+    }
+
+
+def _data_fields(task: str) -> dict[str, st.SearchStrategy]:
+    if task == VIT:
+        left = 50_000 - VIT_BASE["data"]["val_size"]
+        return {
+            "val_size": st.one_of(st.integers(-10**6, -1), st.integers(50_000, 10**7), NON_INTEGRAL, NONFINITE, wrong_types()),
+            "train_limit": st.one_of(st.integers(-10**6, 0), st.integers(left + 1, 10**7), NON_INTEGRAL, NONFINITE,
+                                     wrong_types(none=False)),
+            "test_limit": st.one_of(st.integers(-10**6, 0), st.integers(10_001, 10**7), NON_INTEGRAL, NONFINITE,
+                                    wrong_types(none=False)),
+            "augment": augment_bad(),
+            "eval_batch_size": ints_below(1),
+        }
+    return {
+        "val_size": split_size_bad(),
+        "test_size": split_size_bad(),
+        "train_limit": ints_below(1, optional=True),
+        "max_len": ints_below(4),
+        "vocab_size": ints_below(5),
+        "min_frequency": ints_below(1),
+        "eval_batch_size": ints_below(1),
+    }
+
+
+def _dataclass_fields(cls) -> list[str]:
+    import dataclasses
+
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _field_cases() -> list[tuple[str, str, str]]:
+    """(task, section, field) for every field of every config dataclass, both tasks."""
+    from headsearch.config import ArchConfig, TrainConfig
+    from headsearch.tasks.translation import TranslationData
+    from headsearch.tasks.vit_cifar10 import CifarData
+
+    cases = []
+    for task, data_cls in ((VIT, CifarData), (MT, TranslationData)):
+        cases += [(task, "arch", f) for f in _dataclass_fields(ArchConfig)]
+        cases += [(task, "train", f) for f in _dataclass_fields(TrainConfig)]
+        cases += [(task, "data", f) for f in _dataclass_fields(data_cls)]
+        cases += [(task, "run", "task"), (task, "run", "seed")]
+    return cases
+
+
+FIELD_CASES = _field_cases()
+
+
+def field_strategy(task: str, section: str, name: str) -> st.SearchStrategy:
+    if section == "arch":
+        table = _arch_fields(task)
+    elif section == "train":
+        table = _train_fields()
+    elif section == "data":
+        table = _data_fields(task)
+    elif name == "seed":
+        return st.one_of(st.integers(-10**6, -1), st.floats(allow_nan=False), NONFINITE, wrong_types())
+    else:  # task
+        other = MT if task == VIT else VIT
+        return st.one_of(st.just(other), words(exclude=(task,)), st.integers(), st.none(), LISTS, MAPS)
+    assert name in table, f"test bug: no invalid-value strategy for {section}.{name} (a new field?)"
+    return table[name]
+
+
+def test_every_config_field_has_a_strategy():
+    """The field lists come from the dataclasses: a new field without a strategy fails here."""
+    for task, section, name in FIELD_CASES:
+        field_strategy(task, section, name)
+
+
+def full_config(task: str, section: str, name: str, value: Any) -> dict:
+    cfg = copy.deepcopy(BASES[task])
+    if section == "run":
+        cfg[name] = value
+    else:
+        cfg[section][name] = value
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------------ 1. config fields
+
+
+@pytest.mark.parametrize("task,section,name", FIELD_CASES, ids=[f"{t}-{s}.{n}" for t, s, n in FIELD_CASES])
+@CHEAP
+@given(data=st.data())
+def test_invalid_config_field(task, section, name, data, cifar_dir, spa_file, cache):
+    """`train --config` with one invalid field: exit 2, one line, nothing created, before data loads."""
+    value = data.draw(field_strategy(task, section, name), label=f"{section}.{name}")
+    arch_only = section == "arch" and data.draw(st.booleans(), label="arch-only file")
+    with box(cache) as b:
+        cfg = {name: value} if arch_only else full_config(task, section, name, value)
+        b.write_yaml("config.yaml", cfg)
+        b.invoke(train_args(task, b, cifar_dir, spa_file, "--config", b.path("config.yaml")))
+        b.assert_bad_input()
+
+
+@st.composite
+def cross_field(draw, task: str):
+    """Fields valid one by one that contradict each other."""
+    kind = draw(st.sampled_from(["layers vs heads", "scores skip", "output skip", "unknown arch key",
+                                 "unknown train key", "unknown data key", "unknown section", "section type"]
+                                + (["train_limit vs val_size"] if task == VIT else [])))
+    if kind == "layers vs heads":
+        heads = draw(st.lists(GOOD_HEADS, min_size=1, max_size=4))
+        layers = draw(st.integers(1, 6).filter(lambda n: n != len(heads)))
+        return kind, {"arch": {"enc_layers": layers, "enc_heads": heads}}
+    if kind == "scores skip":  # a RealFormer scores skip needs one head count to divide the next
+        a, b = draw(st.sampled_from([(3, 2), (2, 3), (4, 3), (3, 4), (8, 6), (6, 8), (16, 12), (12, 16)]))
+        return kind, {"arch": {"d_model": 48, "enc_heads": [a, b], "skip": "scores"}}
+    if kind == "output skip":  # an output skip with a fixed head width needs equal widths
+        a, b = draw(st.sampled_from([(1, 2), (2, 4), (4, 8), (8, 2)]))
+        return kind, {"arch": {"enc_heads": [a, b], "head_dim": draw(st.integers(1, 16)), "skip": "output"}}
+    if kind == "train_limit vs val_size":
+        val = draw(st.integers(0, 49_999))
+        return kind, {"data": {"val_size": val, "train_limit": 50_000 - val + draw(st.integers(1, 1000))}}
+    if kind.startswith("unknown") and kind != "unknown section":
+        section = kind.split()[1]
+        from headsearch.config import ArchConfig, TrainConfig
+        from headsearch.tasks.translation import TranslationData
+        from headsearch.tasks.vit_cifar10 import CifarData
+
+        cls = {"arch": ArchConfig, "train": TrainConfig, "data": CifarData if task == VIT else TranslationData}[section]
+        key = draw(words(exclude=_dataclass_fields(cls)).filter(bool))
+        return kind, {section: {key: draw(st.one_of(st.integers(), words(), st.none()))}}
+    if kind == "unknown section":
+        key = draw(words(exclude=("task", "seed", "arch", "train", "data")).filter(bool))
+        return kind, {key: draw(st.one_of(st.integers(), MAPS))}
+    section = draw(st.sampled_from(["arch", "train", "data"]))
+    return kind, {section: draw(st.one_of(LISTS, words(), st.integers(), st.floats(allow_nan=False), BOOLS))}
+
+
+@pytest.mark.parametrize("task", [VIT, MT])
+@settings(max_examples=40, **COMMON)
+@given(data=st.data())
+def test_contradictory_or_unknown_config(task, data, cifar_dir, spa_file, cache):
+    kind, change = data.draw(cross_field(task), label="change")
+    with box(cache) as b:
+        cfg = copy.deepcopy(BASES[task])
+        for key, value in change.items():
+            if isinstance(value, dict) and isinstance(cfg.get(key), dict):
+                cfg[key].update(value)
+            else:
+                cfg[key] = value
+        b.write_yaml("config.yaml", cfg)
+        b.invoke(train_args(task, b, cifar_dir, spa_file, "--config", b.path("config.yaml")))
+        b.assert_bad_input()
+
+
+# ------------------------------------------------------------------------------------------------ 2. junk paths
+
+INVALID_YAML = ["a: [1, 2\n", "a: b: c\n", "key: 'unterminated\n", "- a\nb: c\n", "{a: 1\n", "a:\n  - b\n c: d\n",
+                "\tarch: 1\n", "a: *nowhere\n", "[1, 2]]\n", "%YAML 9.9\n---\na: 1\n"]
+NON_MAPPING = st.one_of(st.lists(st.integers(), min_size=1, max_size=3), st.integers(), st.floats(allow_nan=False),
+                        _WORD, BOOLS)
+
+
+def _yaml_mapping(data: bytes) -> bool:
+    try:
+        from headsearch.config import parse_yaml
+
+        return isinstance(parse_yaml(data.decode("utf-8")), dict)
+    except Exception:
+        return False
+
+
+@st.composite
+def junk_text_file(draw, kinds=("bytes", "empty", "directory", "missing", "non-mapping", "invalid-yaml")):
+    """(kind, payload) for a path where a YAML file is expected."""
+    kind = draw(st.sampled_from(kinds))
+    if kind == "bytes":
+        data = draw(st.binary(min_size=1, max_size=200))
+        assume(not _yaml_mapping(data))  # random bytes could be a valid (empty) mapping
+        return kind, data
+    if kind == "non-mapping":
+        return kind, yaml.safe_dump(draw(NON_MAPPING)).encode()
+    if kind == "invalid-yaml":
+        return kind, draw(st.sampled_from(INVALID_YAML)).encode()
+    return kind, b""
+
+
+def place_junk(b: Box, rel: str, kind: str, payload: bytes) -> Path:
+    if kind == "directory":
+        b.mkdir(rel, "a directory (a file is expected)")
+    elif kind == "missing":
+        return b.path(rel)
+    elif kind == "missing-parent":
+        return b.path("nowhere") / rel
+    else:
+        b.write(rel, payload)
+    return b.path(rel)
+
+
+@settings(CHEAP, max_examples=20)
+@given(junk=junk_text_file())
+def test_train_config_junk(junk, cifar_dir, spa_file, cache):
+    with box(cache) as b:
+        path = place_junk(b, "config.yaml", *junk)
+        b.invoke(train_args(VIT, b, cifar_dir, spa_file, "--config", path))
+        b.assert_bad_input()
+
+
+# -- CIFAR-10 directories ------------------------------------------------------------------------------
+
+CIFAR_NAMES = np.array(["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"])
+CIFAR_MUTATIONS = ["bytes", "empty", "truncated", "no-x", "no-y", "x-dtype", "x-shape", "x-empty", "y-range", "y-length",
+                   "y-float", "names-count", "names-mismatch", "object-array", "test-missing", "train-missing",
+                   "test-is-dir", "too-few"]
+
+
+def _npz(arrays: dict) -> bytes:
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return buf.getvalue()
+
+
+def _shard(n: int, names: bool, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    out = {"x": rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8), "y": np.arange(n) % 10}
+    if names:
+        out["label_names"] = CIFAR_NAMES
+    return out
+
+
+def synthetic_cifar(n: int = 200) -> dict[str, dict]:
+    """A small, valid npz layout: enough images for VIT_BASE's val_size + train_limit and test_limit."""
+    return {"train_0.npz": _shard(n, names=False), "test.npz": _shard(n, names=True, seed=1)}
+
+
+def test_synthetic_cifar_baseline_is_valid(tmp_path):
+    """The mutations below start from this layout: it must load, so each mutation is the only fault."""
+    from headsearch.tasks.cifar_data import load_cifar10
+
+    for name, arrays in synthetic_cifar().items():
+        (tmp_path / name).write_bytes(_npz(arrays))
+    arrays = load_cifar10(tmp_path)
+    assert len(arrays.train_y) == 200 and len(arrays.test_y) == 200
+
+
+@st.composite
+def cifar_junk(draw):
+    kind = draw(st.sampled_from(["file", "missing", "empty-dir", "shard", "python-batches"]))
+    if kind == "file":
+        return kind, draw(st.binary(max_size=64))
+    if kind in ("missing", "empty-dir"):
+        return kind, None
+    if kind == "shard":
+        return kind, (draw(st.sampled_from(CIFAR_MUTATIONS)), draw(st.sampled_from(["train_0.npz", "test.npz"])),
+                      draw(st.binary(min_size=1, max_size=300)), draw(st.floats(0.05, 0.95)))
+    return kind, (draw(st.sampled_from(["truncated", "not-a-dict", "no-data", "data-shape", "labels-range", "missing-file"])),
+                  draw(st.sampled_from(["data_batch_1", "test_batch", "batches.meta"])))
+
+
+def place_cifar_junk(b: Box, spec) -> Path:
+    kind, detail = spec
+    rel = "cifar"
+    if kind == "file":
+        b.write(rel, detail, "a file (a CIFAR-10 directory is expected): " + _show_bytes(detail))
+        return b.path(rel)
+    if kind == "missing":
+        return b.path(rel)
+    if kind == "empty-dir":
+        b.mkdir(rel)
+        return b.path(rel)
+    if kind == "python-batches":
+        return _place_python_batches(b, rel, *detail)
+    mutation, target, junk, frac = detail
+    if mutation == "names-mismatch":
+        target = "train_0.npz"  # the test shard's names are the reference
+    shards = synthetic_cifar()
+    files: dict[str, Any] = {name: _npz(arrays) for name, arrays in shards.items()}
+    notes = {name: "a synthetic valid npz shard (200 images)" for name in files}
+    a = dict(shards[target])
+    mutated = f"a synthetic npz shard with mutation {mutation}"
+    if mutation == "bytes":
+        files[target], mutated = junk, "random bytes: " + _show_bytes(junk)
+    elif mutation == "empty":
+        files[target] = b""
+    elif mutation == "truncated":
+        files[target] = files[target][: int(len(files[target]) * frac)]
+        mutated = f"a valid npz cut to {frac:.0%} ({len(files[target])} bytes)"
+    elif mutation in ("test-missing", "train-missing"):
+        files.pop("test.npz" if mutation == "test-missing" else "train_0.npz")
+    elif mutation == "test-is-dir":
+        files["test.npz"] = "dir"
+    elif mutation == "too-few":  # valid format, fewer images than val_size + train_limit (64 + 64) ask for
+        files = {name: _npz(_shard(10, names=name == "test.npz")) for name in files}
+        notes = {name: "a synthetic valid npz shard of 10 images" for name in files}
+    else:
+        if mutation == "no-x":
+            a.pop("x")
+        elif mutation == "no-y":
+            a.pop("y")
+        elif mutation == "x-dtype":
+            a["x"] = a["x"].astype(np.float32)
+        elif mutation == "x-shape":
+            a["x"] = np.ascontiguousarray(a["x"].transpose(0, 3, 1, 2))  # CHW instead of HWC
+        elif mutation == "x-empty":
+            a["x"], a["y"] = a["x"][:0], a["y"][:0]
+        elif mutation == "y-range":
+            a["y"] = a["y"].copy()
+            a["y"][3] = 10
+        elif mutation == "y-length":
+            a["y"] = a["y"][:-1]
+        elif mutation == "y-float":
+            a["y"] = a["y"].astype(np.float32) + 0.5
+        elif mutation == "names-count":
+            a["label_names"] = CIFAR_NAMES[:9]
+        elif mutation == "names-mismatch":
+            a["label_names"] = CIFAR_NAMES[::-1]
+        elif mutation == "object-array":
+            a["x"] = np.array([{"pixels": i} for i in range(4)], dtype=object)  # np.savez pickles it
+        else:
+            raise AssertionError(mutation)
+        files[target] = _npz(a)
+    for name, data in files.items():
+        note = mutated if name == target else notes[name]
+        if data == "dir":
+            b.mkdir(f"{rel}/{name}", "a directory named test.npz")
+        else:
+            b.write(f"{rel}/{name}", data, note)
+    if mutation in ("test-missing", "train-missing"):
+        b.inputs[f"{rel}/(absent)"] = "test.npz left out" if mutation == "test-missing" else "train_0.npz left out"
+    return b.path(rel)
+
+
+def _batch(n: int = 20) -> dict:
+    rng = np.random.default_rng(0)
+    return {b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8), b"labels": list(np.arange(n) % 10)}
+
+
+def _place_python_batches(b: Box, rel: str, mutation: str, target: str) -> Path:
+    files = {f"data_batch_{i}": pickle.dumps(_batch()) for i in range(1, 6)}
+    files["test_batch"] = pickle.dumps(_batch())
+    files["batches.meta"] = pickle.dumps({b"label_names": [n.encode() for n in CIFAR_NAMES]})
+    if mutation == "truncated":
+        files[target] = files[target][: len(files[target]) // 2]
+    elif mutation == "not-a-dict":
+        files[target] = pickle.dumps([1, 2, 3])
+    elif mutation == "no-data":
+        files[target] = pickle.dumps({b"labels": [0, 1]}) if target != "batches.meta" else pickle.dumps({b"x": 1})
+    elif mutation == "data-shape":
+        bad = _batch()
+        bad[b"data"] = bad[b"data"][:, :100]
+        files[target] = pickle.dumps(bad) if target != "batches.meta" else pickle.dumps({b"label_names": [b"a"] * 3})
+    elif mutation == "labels-range":
+        bad = _batch()
+        bad[b"labels"] = [11] * 20
+        files[target] = pickle.dumps(bad) if target != "batches.meta" else pickle.dumps({b"label_names": list(range(10))[:4]})
+    elif mutation == "missing-file":
+        files.pop(target)
+    for name, data in files.items():
+        b.write(f"{rel}/cifar-10-batches-py/{name}", data,
+                f"{mutation} pickle" if name == target else "a valid official-format pickle (20 images)")
+    return b.path(rel)
+
+
+@settings(LOADING, max_examples=10)
+@given(spec=cifar_junk())
+def test_train_data_dir_junk(spec, cache):
+    with box(cache) as b:
+        b.write_yaml("config.yaml", VIT_BASE)
+        path = place_cifar_junk(b, spec)
+        b.invoke(["train", "--task", VIT, "--preset", "tiny", "--config", b.path("config.yaml"), "--data-dir", path,
+                  "--out", b.path("out"), "--device", "cpu"], limit=LOAD_LIMIT)
+        b.assert_bad_input()
+
+
+# -- parallel corpora ----------------------------------------------------------------------------------
+
+@st.composite
+def spa_junk(draw):
+    kind = draw(st.sampled_from(["bytes", "empty", "directory", "missing", "no-tabs", "empty-side", "bad-line",
+                                 "blank", "too-few", "latin-1"]))
+    pairs = "\n".join(f"Sentence {i}.\tFrase {i}." for i in range(300))
+    if kind == "bytes":
+        data = draw(st.binary(min_size=1, max_size=300))
+        assume(b"\t" not in data)  # no line can be a sentence pair
+        return kind, data
+    if kind == "no-tabs":
+        return kind, "\n".join(draw(st.lists(st.text(LETTERS + " .", min_size=1, max_size=30), min_size=1, max_size=5))).encode()
+    if kind == "empty-side":
+        line = draw(st.sampled_from(["Hello.\t", "\tHola.", " \t ", "Hello.\t \tCC-BY"]))
+        return kind, (pairs + "\n" + line + "\n" + pairs).encode()
+    if kind == "bad-line":  # one line without a tab among good ones
+        return kind, (pairs + "\n" + draw(st.text(LETTERS + " .", min_size=1, max_size=30)) + "\n" + pairs).encode()
+    if kind == "blank":
+        return kind, draw(st.sampled_from(["\n", "\n\n\n", "   \n\t\n", "\r\n"])).encode()
+    if kind == "too-few":  # valid pairs, fewer than val_size + test_size + one training pair
+        n = draw(st.integers(1, 30))
+        return kind, "\n".join(f"Sentence {i}.\tFrase {i}." for i in range(n)).encode()
+    if kind == "latin-1":
+        return kind, (pairs + "\nCaf\xe9.\tCaf\xe9.\n").encode("latin-1")
+    return kind, b""
+
+
+def place_spa_junk(b: Box, spec) -> Path:
+    kind, data = spec
+    if kind in ("directory", "missing"):
+        return place_junk(b, "spa.txt", kind, data)
+    b.write("spa.txt", data, f"{kind}: " + _show_bytes(data))
+    return b.path("spa.txt")
+
+
+@settings(LOADING, max_examples=10)
+@given(spec=spa_junk())
+def test_train_data_file_junk(spec, cache):
+    with box(cache) as b:
+        b.write_yaml("config.yaml", MT_BASE)
+        path = place_spa_junk(b, spec)
+        b.invoke(["train", "--task", MT, "--preset", "tiny", "--config", b.path("config.yaml"), "--data-file", path,
+                  "--out", b.path("out"), "--device", "cpu"], limit=LOAD_LIMIT)
+        b.assert_bad_input()
+
+
+@pytest.mark.parametrize("task", [VIT, MT])
+def test_train_wrong_kind_of_data_source(task, cifar_dir, spa_file, cache):
+    """vit-cifar10 given --data-file, translation given --data-dir (both paths exist)."""
+    with box(cache) as b:
+        source = ["--data-file", spa_file] if task == VIT else ["--data-dir", cifar_dir]
+        b.invoke(["train", "--task", task, "--preset", "tiny", *source, "--out", b.path("out"), "--device", "cpu"])
+        b.assert_bad_input()
+
+
+# -- --out ------------------------------------------------------------------------------------------------
+
+@PATHS
+@given(kind=st.sampled_from(["a file", "a non-empty directory", "below a file"]), content=st.binary(max_size=50),
+       task=st.sampled_from([VIT, MT]))
+def test_train_out_taken(kind, content, task, cifar_dir, spa_file, cache):
+    with box(cache) as b:
+        b.write_yaml("config.yaml", BASES[task])
+        if kind == "a file":
+            out = b.write("out", content)
+        elif kind == "a non-empty directory":
+            b.write("out/keep.txt", content)
+            out = b.path("out")
+        else:
+            out = b.write("out", content) / "run"
+        data = ["--data-dir", cifar_dir] if task == VIT else ["--data-file", spa_file]
+        b.invoke(["train", "--task", task, "--preset", "tiny", "--config", b.path("config.yaml"), *data, "--out", out,
+                  "--device", "cpu"])
+        b.assert_bad_input()
+
+
+# -- run: --space, --data-dir, --data-file, --run-root, --storage -------------------------------------------
+
+def _names(cls_path: str) -> list[str]:
+    import dataclasses
+    import importlib
+
+    module, name = cls_path.rsplit(".", 1)
+    return [f.name for f in dataclasses.fields(getattr(importlib.import_module(module), name))]
+
+
+ARCH_FIELDS = _names("headsearch.config.ArchConfig")
+TRAIN_FIELDS = _names("headsearch.config.TrainConfig")
+
+
+def space_content_bad() -> st.SearchStrategy:
+    """Search-space mappings that parse as YAML but are not valid spaces."""
+    return st.one_of(
+        st.fixed_dictionaries({"schedule": st.fixed_dictionaries({"families": st.lists(words(("uniform", "halving", "doubling", "free")), min_size=1, max_size=2)})}),
+        st.fixed_dictionaries({"schedule": st.fixed_dictionaries({"heads": st.one_of(st.lists(st.integers(-8, 0), min_size=1, max_size=3), st.just([]), words(), st.lists(st.floats(0.1, 3.9).filter(lambda x: not x.is_integer()), min_size=1, max_size=2))})}),
+        st.fixed_dictionaries({"schedule": st.fixed_dictionaries({"min_heads": st.one_of(st.integers(-5, 0), words(), st.floats(0.1, 2.9).filter(lambda x: not x.is_integer()))})}),
+        st.fixed_dictionaries({"skip": st.one_of(st.lists(words(("none", "output", "scores")), min_size=1, max_size=2), st.just([]))}),
+        st.fixed_dictionaries({"fusion": st.one_of(st.lists(words(("none", "hadamard", "add")), min_size=1, max_size=2), st.just([]))}),
+        st.fixed_dictionaries({"ranges": st.one_of(
+            st.fixed_dictionaries({"lr": st.fixed_dictionaries({"low": st.floats(0.1, 1), "high": st.floats(0.001, 0.09)})}),
+            st.fixed_dictionaries({"lr": st.fixed_dictionaries({"low": st.floats(-1, 0), "high": st.floats(0.1, 1), "log": st.just(True)})}),
+            st.dictionaries(words(exclude=ARCH_FIELDS + TRAIN_FIELDS).filter(bool), st.lists(st.integers(), min_size=1, max_size=2),
+                            min_size=1, max_size=1),
+            st.fixed_dictionaries({"d_model": st.one_of(st.just([]), st.integers(), words())}),
+            st.fixed_dictionaries({"enc_heads": st.just([2, 4])}))}),
+        st.fixed_dictionaries({"fixed": st.one_of(
+            st.fixed_dictionaries({"arch": st.fixed_dictionaries({"d_model": st.integers(-64, 0)})}),
+            st.fixed_dictionaries({"train": st.fixed_dictionaries({"lr": below(0, True)})}),
+            st.fixed_dictionaries({"data": st.fixed_dictionaries({"val_size": st.integers(-10, -1)})}),
+            st.dictionaries(words(("arch", "train", "data")).filter(bool), MAPS, min_size=1, max_size=1),
+            st.fixed_dictionaries({"arch": st.dictionaries(words(exclude=ARCH_FIELDS).filter(bool), st.integers(), min_size=1, max_size=1)}))}),
+        st.fixed_dictionaries({"tasks": st.one_of(st.just([MT]), words(), st.lists(st.integers(), min_size=1, max_size=2))}),
+        st.dictionaries(words(("description", "tasks", "schedule", "skip", "fusion", "ranges", "fixed")).filter(bool),
+                        st.integers(), min_size=1, max_size=1),
+    )
+
+
+@st.composite
+def space_junk(draw):
+    kind = draw(st.sampled_from(["file-junk", "file-junk", "content"]))
+    if kind == "content":
+        return "content", yaml.safe_dump(draw(space_content_bad())).encode()
+    return draw(junk_text_file())
+
+
+@settings(PATHS, max_examples=25)
+@given(spec=space_junk())
+def test_run_space_junk(spec, cifar_dir, cache):
+    with box(cache) as b:
+        kind, payload = spec
+        path = place_junk(b, "space.yaml", kind, payload) if kind != "content" else b.write("space.yaml", payload)
+        b.invoke(run_args(VIT, b, path, cifar_dir, "--trials", "1"), limit=LOAD_LIMIT)
+        b.assert_bad_input()
+        assert_no_study(b)
+
+
+@settings(LOADING, max_examples=8)
+@given(spec=cifar_junk())
+def test_run_data_dir_junk(spec, cache):
+    with box(cache) as b:
+        space = b.write_yaml("space.yaml", VIT_SPACE)
+        path = place_cifar_junk(b, spec)
+        b.invoke(run_args(VIT, b, space, path, "--trials", "1"), limit=LOAD_LIMIT)
+        b.assert_bad_input()
+        assert_no_study(b)
+
+
+@settings(LOADING, max_examples=8)
+@given(spec=spa_junk())
+def test_run_data_file_junk(spec, cache):
+    with box(cache) as b:
+        space = b.write_yaml("space.yaml", MT_SPACE)
+        path = place_spa_junk(b, spec)
+        b.invoke(run_args(MT, b, space, path, "--trials", "1"), limit=LOAD_LIMIT)
+        b.assert_bad_input()
+        assert_no_study(b)
+
+
+@LOADING
+@given(kind=st.sampled_from(["a file", "below a file"]), content=st.binary(max_size=40))
+def test_run_root_is_a_file(kind, content, cifar_dir, cache):
+    with box(cache) as b:
+        space = b.write_yaml("space.yaml", VIT_SPACE)
+        f = b.write("taken", content)
+        root = f if kind == "a file" else f / "runs"
+        args = run_args(VIT, b, space, cifar_dir, "--trials", "1")
+        args[args.index("--run-root") + 1] = root
+        b.invoke(args, limit=LOAD_LIMIT)
+        b.assert_bad_input()
+        assert_no_study(b)
+
+
+@st.composite
+def storage_junk(draw):
+    kind = draw(st.sampled_from(["no-scheme", "unknown-scheme", "sqlite-dir", "sqlite-missing-dir", "sqlite-junk-file",
+                                 "journal-dir", "journal-junk-file", "log-junk-file"]))
+    return kind, draw(st.binary(min_size=1, max_size=200)), draw(_WORD)
+
+
+def place_storage_junk(b: Box, spec) -> str:
+    kind, junk, word = spec
+    if kind == "no-scheme":
+        return word
+    if kind == "unknown-scheme":
+        return f"{word.lower()}x://{word}"
+    if kind == "sqlite-dir":
+        return f"sqlite:///{b.mkdir('db')}"
+    if kind == "sqlite-missing-dir":
+        return f"sqlite:///{b.path('nowhere/h.db')}"
+    if kind == "sqlite-junk-file":
+        return f"sqlite:///{b.write('junk.db', junk)}"
+    if kind == "journal-dir":
+        return f"journal:{b.mkdir('journal')}"
+    if kind == "journal-junk-file":
+        return f"journal:{b.write('journal.bin', junk)}"
+    return str(b.write("study.log", junk))
+
+
+@settings(LOADING, max_examples=8)
+@given(spec=storage_junk())
+def test_run_storage_junk(spec, cifar_dir, cache):
+    with box(cache) as b:
+        space = b.write_yaml("space.yaml", VIT_SPACE)
+        url = place_storage_junk(b, spec)
+        args = run_args(VIT, b, space, cifar_dir, "--trials", "1")
+        args[args.index("--storage") + 1] = url
+        b.invoke(args, limit=LOAD_LIMIT)
+        b.assert_bad_input()
+
+
+# -- analyze ----------------------------------------------------------------------------------------------
+
+def _cli_ok(args: list, cache: Path, cwd: Path) -> None:
+    """A command that must succeed (the positive controls behind the templates)."""
+    from typer.testing import CliRunner
+
+    from headsearch.cli.main import app
+
+    old = os.getcwd()
+    os.chdir(cwd)
+    try:
+        r = CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "240", "HEADSEARCH_CACHE": str(cache)})
+    finally:
+        os.chdir(old)
+    assert r.exit_code == 0, (args, r.exit_code, r.output[-3000:], r.exception)
+
+
+@pytest.fixture(scope="module")
+def run_templates(tmp_path_factory, cifar_dir, spa_file, cache) -> dict[str, Path]:
+    """A real run directory per task, written by `headsearch train` with the cheap base configs used
+    throughout this file (so these also show that the base configs and flags are valid input)."""
+    root = tmp_path_factory.mktemp("run-templates")
+    out = {}
+    for task in (VIT, MT):
+        (root / f"{task}.yaml").write_text(yaml.safe_dump(BASES[task], sort_keys=False))
+        data = ["--data-dir", cifar_dir] if task == VIT else ["--data-file", spa_file]
+        _cli_ok(["train", "--task", task, "--preset", "tiny", "--config", root / f"{task}.yaml", *data,
+                 "--out", root / task, "--device", "cpu"], cache, root)
+        out[task] = root / task
+    return out
+
+
+@pytest.fixture(scope="module")
+def study_template(tmp_path_factory, cifar_dir, cache) -> Path:
+    """A real study database: `headsearch run` with VIT_SPACE and the flags `run_args` uses, one trial,
+    study "s" (so it also shows that those settings are valid input)."""
+    root = tmp_path_factory.mktemp("study-template")
+    (root / "space.yaml").write_text(yaml.safe_dump(VIT_SPACE, sort_keys=False))
+    _cli_ok(["run", "--task", VIT, "--preset", "tiny", "--space", root / "space.yaml", "--data-dir", cifar_dir,
+             "--storage", f"sqlite:///{root / 'h.db'}", "--run-root", root / "runs", "--device", "cpu", "--epochs", "1",
+             "--trials", "1", "--study", "s"], cache, root)
+    return root / "h.db"
+
+
+RUN_DIR_FAULTS = ["missing", "a file", "empty dir", "config:bytes", "config:empty", "config:non-mapping",
+                  "config:invalid-yaml", "config:directory", "config:missing", "config:invalid-values",
+                  "config:no-task", "checkpoint:bytes", "checkpoint:empty", "checkpoint:truncated",
+                  "checkpoint:other-model", "checkpoint:directory", "checkpoint:missing"]
+MT_RUN_DIR_FAULTS = ["tokenizer:bytes", "tokenizer:empty", "tokenizer:json", "tokenizer:directory"]
+
+
+@st.composite
+def run_dir_fault(draw, task: str):
+    fault = draw(st.sampled_from(RUN_DIR_FAULTS + (MT_RUN_DIR_FAULTS if task == MT else [])))
+    junk = draw(st.binary(min_size=1, max_size=200))
+    frac = draw(st.floats(0.0, 0.99))
+    section, name = draw(st.sampled_from([(s, n) for t, s, n in FIELD_CASES if t == task and s != "run"]))
+    value = draw(field_strategy(task, section, name))
+    return fault, junk, frac, (section, name, value), draw(st.sampled_from(INVALID_YAML)), draw(NON_MAPPING)
+
+
+def place_run_dir(b: Box, template: Path, task: str, spec) -> Path:
+    fault, junk, frac, (section, name, value), bad_yaml, non_mapping = spec
+    rel = "run"
+    if fault == "missing":
+        return b.path(rel)
+    if fault == "a file":
+        b.write(rel, junk, "a file (a run directory is expected)")
+        return b.path(rel)
+    if fault == "empty dir":
+        b.mkdir(rel)
+        return b.path(rel)
+    b.copy(template, rel, f"a valid {task} run directory (config.yaml, model.safetensors, ...)")
+    what, how = fault.split(":")
+    target = {"config": "config.yaml", "checkpoint": "model.safetensors", "tokenizer": "tokenizer_src.json"}[what]
+    p = b.path(f"{rel}/{target}")
+    original = p.read_bytes()
+    p.unlink()
+    if how == "missing":
+        b.inputs[f"{rel}/{target}"] = "deleted"
+        return b.path(rel)
+    if how == "directory":
+        b.mkdir(f"{rel}/{target}", "a directory (a file is expected)")
+        return b.path(rel)
+    if how == "bytes":
+        data = junk
+    elif how == "empty":
+        data = b""
+    elif how == "non-mapping":
+        data = yaml.safe_dump(non_mapping).encode()
+    elif how == "invalid-yaml":
+        data = bad_yaml.encode()
+    elif how == "invalid-values":
+        cfg = yaml.safe_load(original)
+        cfg[section][name] = value
+        data = yaml.safe_dump(cfg, sort_keys=False).encode()
+    elif how == "no-task":
+        cfg = yaml.safe_load(original)
+        cfg.pop("task")
+        data = yaml.safe_dump(cfg, sort_keys=False).encode()
+    elif how == "truncated":
+        data = original[: int(len(original) * frac)]
+    elif how == "other-model":
+        from headsearch.training.rundir import save_checkpoint
+
+        import torch
+
+        save_checkpoint({"encoder.weight": torch.zeros(3, 5), "head.bias": torch.ones(7)}, p)
+        b.inputs[f"{rel}/{target}"] = "a valid safetensors file of another model (keys encoder.weight, head.bias)"
+        return b.path(rel)
+    elif how == "json":
+        data = b'{"version": "1.0", "model": {"type": "Nonsense"}}'
+    else:
+        raise AssertionError(how)
+    note = f"{how}: " + (_show_bytes(data) if how not in ("truncated",) else f"the valid file cut to {frac:.0%} ({len(data)} bytes)")
+    b.write(f"{rel}/{target}", data, note)
+    return b.path(rel)
+
+
+@pytest.mark.parametrize("task", [VIT, MT])
+@settings(LOADING, max_examples=14)
+@given(data=st.data())
+def test_analyze_run_dir_junk(task, data, run_templates, cifar_dir, spa_file, cache):
+    spec = data.draw(run_dir_fault(task), label="fault")
+    with box(cache) as b:
+        run = place_run_dir(b, run_templates[task], task, spec)
+        source = ["--data-dir", cifar_dir] if task == VIT else ["--data-file", spa_file]
+        b.invoke(["analyze", run, *source, "--samples", "8", "--no-ablation", "--device", "cpu"], limit=LOAD_LIMIT)
+        b.assert_bad_input()
+
+
+@PATHS
+@given(content=st.binary(max_size=60), task=st.sampled_from([VIT, MT]))
+def test_analyze_out_is_a_file(content, task, run_templates, cifar_dir, spa_file, cache):
+    with box(cache) as b:
+        run = b.copy(run_templates[task], "run", f"a valid {task} run directory")
+        out = b.write("taken", content)
+        source = ["--data-dir", cifar_dir] if task == VIT else ["--data-file", spa_file]
+        b.invoke(["analyze", run, *source, "--out", out, "--samples", "8", "--no-ablation", "--device", "cpu"],
+                 limit=LOAD_LIMIT)
+        b.assert_bad_input()
+
+
+@settings(LOADING, max_examples=8)
+@given(data=st.data())
+def test_analyze_data_junk(data, run_templates, cache):
+    task = data.draw(st.sampled_from([VIT, MT]), label="task")
+    spec = data.draw(cifar_junk() if task == VIT else spa_junk(), label="data")
+    with box(cache) as b:
+        run = b.copy(run_templates[task], "run", f"a valid {task} run directory")
+        if task == VIT:
+            source = ["--data-dir", place_cifar_junk(b, spec)]
+        else:
+            source = ["--data-file", place_spa_junk(b, spec)]
+        b.invoke(["analyze", run, *source, "--samples", "8", "--no-ablation", "--device", "cpu"], limit=LOAD_LIMIT)
+        b.assert_bad_input()
+
+
+# -- report / export / dashboard -----------------------------------------------------------------------
+
+@settings(LOADING, max_examples=10)
+@given(spec=storage_junk(), command=st.sampled_from(["report", "export", "dashboard"]))
+def test_reading_commands_storage_junk(spec, command, cache):
+    with box(cache) as b:
+        url = place_storage_junk(b, spec)
+        extra = {"report": ["--format", "json"], "export": ["--pareto", "--out", b.path("out")],
+                 "dashboard": ["--port", "65123", "--artifact-dir", b.path("artifacts")]}[command]
+        b.invoke([command, "--storage", url, *extra], limit=LOAD_LIMIT)
+        b.assert_bad_input()
+
+
+@PATHS
+@given(content=st.binary(max_size=60),
+       case=st.sampled_from(["report --plots", "export --out", "export --out below a file", "dashboard --artifact-dir"]))
+def test_reading_commands_output_is_a_file(content, case, study_template, cache):
+    with box(cache) as b:
+        db = b.copy(study_template, "h.db", "a valid study database (study s, one complete trial)")
+        f = b.write("taken", content)
+        url = f"sqlite:///{db}"
+        args = {
+            "report --plots": ["report", "--storage", url, "--plots", f],
+            "export --out": ["export", "--storage", url, "--trial", "0", "--out", f],
+            "export --out below a file": ["export", "--storage", url, "--trial", "0", "--out", f / "configs"],
+            "dashboard --artifact-dir": ["dashboard", "--storage", url, "--port", "65123", "--artifact-dir", f],
+        }[case]
+        b.invoke(args, limit=LOAD_LIMIT)
+        b.assert_bad_input()
+
+
+@PATHS
+@given(data=st.data())
+def test_export_of_a_trial_whose_config_no_longer_resolves(data, study_template, cache):
+    """A trial's recorded config that is invalid (edited storage, older version): refused, no --out."""
+    import optuna
+
+    task, section, name = data.draw(st.sampled_from([c for c in FIELD_CASES if c[0] == VIT and c[1] != "run"]), label="field")
+    value = data.draw(field_strategy(task, section, name), label=f"{section}.{name}")
+    with box(cache) as b:
+        db = b.copy(study_template, "h.db", "a valid study database")
+        url = f"sqlite:///{db}"
+        study = optuna.load_study(study_name="s", storage=url)
+        t = study.trials[0]
+        cfg = copy.deepcopy(t.user_attrs["config"])
+        cfg[section][name] = value
+        study._storage.set_trial_user_attr(t._trial_id, "config", cfg)
+        b.inputs["h.db"] += f"; trial 0's config has {section}.{name} = {value!r}"
+        b.invoke(["export", "--storage", url, "--trial", "0", "--out", b.path("out")])
+        b.assert_bad_input()
+
+
+# -- unreadable files (chmod 000): meaningful only when not running as root ----------------------------------
+
+UNREADABLE = ["train --config", "train --data-file", "run --space", "analyze config.yaml", "analyze model.safetensors"]
+
+
+@pytest.mark.parametrize("case", UNREADABLE)
+def test_unreadable_file(case, run_templates, cifar_dir, spa_file, cache):
+    with box(cache) as b:
+        if case == "train --config":
+            p = b.write_yaml("config.yaml", VIT_BASE)
+            args = ["train", "--task", VIT, "--config", p, "--data-dir", cifar_dir, "--out", b.path("out"), "--device", "cpu"]
+        elif case == "train --data-file":
+            p = b.copy(spa_file, "spa.txt", "a copy of spa.txt")
+            args = ["train", "--task", MT, "--preset", "tiny", "--data-file", p, "--out", b.path("out"), "--device", "cpu"]
+        elif case == "run --space":
+            p = b.write_yaml("space.yaml", VIT_SPACE)
+            args = run_args(VIT, b, p, cifar_dir, "--trials", "1")
+        else:
+            run = b.copy(run_templates[VIT], "run", "a valid run directory")
+            p = run / ("config.yaml" if "config" in case else "model.safetensors")
+            args = ["analyze", run, "--data-dir", cifar_dir, "--samples", "8", "--no-ablation", "--device", "cpu"]
+        os.chmod(p, 0)
+        key = p.relative_to(b.root).as_posix()
+        b.inputs[key] = b.inputs.get(key, "the valid file") + " (chmod 000)"
+        if os.access(p, os.R_OK):
+            pytest.skip("running as root: chmod 000 does not stop reading, so the file is not unreadable")
+        b.invoke(args, limit=LOAD_LIMIT)
+        b.assert_bad_input()
+        assert_no_study(b)
+
+
+# ------------------------------------------------------------------------------------------------ 3. search settings
+
+def _not_known(known):
+    return words(exclude=known).filter(bool)
+
+
+@st.composite
+def bad_setting(draw, name: str):
+    """Extra `run` flags (a list), each set parsing but invalid."""
+    from headsearch.search.pruning import PRUNERS
+    from headsearch.search.study import SAMPLERS
+
+    if name == "trials":
+        return ["--trials", draw(st.integers(-10**6, 0))]
+    if name == "workers":
+        return ["--workers", draw(st.integers(-100, 0))]
+    if name == "trials-per-gpu":
+        return ["--trials-per-gpu", draw(st.integers(-100, 0))]
+    if name == "workers and trials-per-gpu":
+        return ["--workers", draw(st.integers(1, 3)), "--trials-per-gpu", draw(st.integers(1, 3))]
+    if name == "timeout":
+        return [f"--timeout={draw(st.one_of(below(0, False), NONFINITE.filter(lambda x: x != math.inf)))!r}"]
+    if name == "sampler":
+        return ["--sampler", draw(_not_known(SAMPLERS))]
+    if name == "pruner":
+        return ["--pruner", draw(_not_known(PRUNERS))]
+    if name == "objectives":
+        known = ("accuracy", "loss", "time", "epochs", "params")
+        names = draw(st.lists(st.sampled_from(known), max_size=2))
+        bad = draw(st.one_of(_not_known(known + ("seconds", "epoch")), st.sampled_from(known).map(lambda k: ("dup", k))))
+        if isinstance(bad, tuple):
+            names += [bad[1], bad[1]]
+        else:
+            names.insert(draw(st.integers(0, len(names))), bad)
+        return ["--objectives", ",".join(names)]
+    if name == "pruner-startup":
+        return ["--pruner-startup", draw(st.integers(-10**6, -1))]
+    if name == "pruner-warmup":
+        return ["--pruner-warmup", draw(st.integers(-10**6, -1))]
+    if name == "heartbeat":
+        return ["--heartbeat", draw(st.integers(-10**6, -1))]
+    if name == "track-diversity":
+        return ["--track-diversity", draw(st.integers(-10**6, -1))]
+    if name == "epochs":
+        return ["--epochs", draw(st.integers(-10**6, 0))]
+    if name == "seed":
+        return ["--seed", draw(st.integers(-10**6, -1))]
+    if name == "compile":
+        from headsearch.config import COMPILE_MODES
+
+        return ["--compile", draw(_not_known(COMPILE_MODES))]
+    if name == "preset":
+        return ["--preset", draw(_not_known(("tiny",)))]
+    if name == "task":
+        return ["--task", draw(_not_known((VIT, MT)))]
+    raise AssertionError(name)
+
+
+SETTINGS = ["trials", "workers", "trials-per-gpu", "workers and trials-per-gpu", "timeout", "sampler", "pruner",
+            "objectives", "pruner-startup", "pruner-warmup", "heartbeat", "track-diversity", "epochs", "seed",
+            "compile", "preset", "task"]
+
+
+def _override(args: list, extra: list) -> list:
+    """Replace flags of `args` that `extra` sets again (e.g. --trials, --epochs, --preset, --task)."""
+    args = list(args)
+    for i in range(0, len(extra)):
+        flag = extra[i]
+        if isinstance(flag, str) and flag.startswith("--") and "=" not in flag and flag in args:
+            j = args.index(flag)
+            del args[j:j + 2]
+    return args + extra
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+@LOADING
+@given(data=st.data())
+def test_run_bad_setting(name, data, cifar_dir, cache):
+    extra = data.draw(bad_setting(name), label="flags")
+    with box(cache) as b:
+        space = b.write_yaml("space.yaml", VIT_SPACE)
+        args = _override(run_args(VIT, b, space, cifar_dir, "--trials", "1"), extra)
+        b.invoke(args, limit=LOAD_LIMIT)
+        b.assert_bad_input()
+        assert_no_study(b)
+
+
+@st.composite
+def all_trials_invalid_space(draw):
+    """Spaces that parse, but from which no valid architecture can be drawn: every trial would be rejected."""
+    kind = draw(st.sampled_from(["heads divide nothing", "ranges all invalid", "range bounds all invalid"]))
+    space = copy.deepcopy(VIT_SPACE)
+    if kind == "heads divide nothing":  # the default d_model is 48
+        space["schedule"] = {"families": draw(st.lists(st.sampled_from(["uniform", "halving", "doubling", "free"]),
+                                                        min_size=1, max_size=4, unique=True)),
+                             "heads": draw(st.lists(st.sampled_from([5, 7, 9, 10, 11, 13, 14, 15, 18, 20, 96]),
+                                                    min_size=1, max_size=3, unique=True))}
+        if "halving" in space["schedule"]["families"] or "doubling" in space["schedule"]["families"]:
+            space["schedule"]["min_heads"] = min(space["schedule"]["heads"])
+    elif kind == "ranges all invalid":
+        field, values = draw(st.sampled_from([
+            ("lr", st.lists(below(0, True), min_size=1, max_size=3)),
+            ("dropout", st.lists(st.floats(1, 10), min_size=1, max_size=3)),
+            ("epochs", st.lists(st.integers(-5, 0), min_size=1, max_size=3)),
+            ("batch_size", st.lists(st.integers(-5, 0), min_size=1, max_size=3)),
+            ("activation", st.lists(_not_known(("gelu", "relu")), min_size=1, max_size=2)),
+            ("patch_size", st.lists(st.sampled_from([3, 5, 6, 7, 9]), min_size=1, max_size=3)),
+        ]))
+        space["ranges"] = {field: draw(values)}
+    else:
+        field, low, high = draw(st.sampled_from([("lr", -2.0, -1.0), ("dropout", 1.0, 2.0), ("epochs", -5, 0),
+                                                 ("label_smoothing", 1.0, 3.0)]))
+        space["ranges"] = {field: {"low": low, "high": high}}
+    return kind, space
+
+
+@settings(LOADING, max_examples=8)
+@given(spec=all_trials_invalid_space())
+def test_run_space_whose_every_trial_is_invalid(spec, cifar_dir, cache):
+    kind, space = spec
+    with box(cache) as b:
+        path = b.write_yaml("space.yaml", space)
+        b.invoke(run_args(VIT, b, path, cifar_dir, "--trials", "2"), limit=LOAD_LIMIT)
+        b.assert_bad_input()
+        assert_no_study(b)
+
+
+# ------------------------------------------------------------------------------------------------ 4. devices
+
+def _not_a_device_here(s: str) -> bool:
+    import re
+
+    return s.strip().lower() not in ("auto", "cpu") and not re.fullmatch(r"cpu:\d+", s.strip())
+
+
+BAD_DEVICES = st.one_of(st.sampled_from(["foo", "cuda", "cuda:7", "cuda:0", "gpu", "mps", "meta", "xpu", "CUDA", "cuda:x",
+                                         "cuda:-1", "", " ", "cpu,cuda", "cuda:0,1", "tpu"]),
+                        st.text(string.ascii_lowercase + ":0123456789", min_size=1, max_size=8).filter(_not_a_device_here))
+
+
+@settings(max_examples=20, **COMMON)
+@given(device=BAD_DEVICES, command=st.sampled_from(["train vit", "train mt", "run", "analyze"]))
+def test_device_that_is_not_here(device, command, run_templates, cifar_dir, spa_file, cache):
+    import torch
+
+    assume(not torch.cuda.is_available() or not device.startswith("cuda"))
+    with box(cache) as b:
+        if command.startswith("train"):
+            task = VIT if command == "train vit" else MT
+            config = b.write_yaml("config.yaml", BASES[task])
+            args = train_args(task, b, cifar_dir, spa_file, "--config", config)
+        elif command == "run":
+            space = b.write_yaml("space.yaml", VIT_SPACE)
+            args = run_args(VIT, b, space, cifar_dir, "--trials", "1")
+        else:
+            run = b.copy(run_templates[VIT], "run", "a valid run directory")
+            args = ["analyze", run, "--data-dir", cifar_dir, "--samples", "8", "--no-ablation"]
+        args = [a for a in args]
+        if "--device" in args:
+            j = args.index("--device")
+            del args[j:j + 2]
+        b.invoke(args + ["--device", device], limit=LOAD_LIMIT)
+        b.assert_bad_input()
+        assert_no_study(b)
+
+
+# ------------------------------------------------------------------------------------------------ 5. other flags
+
+@settings(max_examples=20, **COMMON)
+@given(data=st.data())
+def test_other_flags_that_parse_but_are_invalid(data, run_templates, study_template, cifar_dir, cache):
+    case = data.draw(st.sampled_from(["analyze --samples", "analyze --format", "report --format", "export selectors",
+                                      "export --trial", "export --best", "dashboard --port", "report --study",
+                                      "export --study"]), label="case")
+    with box(cache) as b:
+        db = b.copy(study_template, "h.db", "a valid study database (study s, one complete trial 0)")
+        url = f"sqlite:///{db}"
+        run = b.copy(run_templates[VIT], "run", "a valid run directory")
+        analyze = ["analyze", run, "--data-dir", cifar_dir, "--no-ablation", "--device", "cpu"]
+        out = ["--out", b.path("out")]
+        if case == "analyze --samples":
+            args = analyze + ["--samples", data.draw(st.integers(-10**6, 0))]
+        elif case == "analyze --format":
+            args = analyze + ["--samples", "8", "--format", data.draw(_not_known(("table", "json")))]
+        elif case == "report --format":
+            args = ["report", "--storage", url, "--format", data.draw(_not_known(("table", "json", "csv")))]
+        elif case == "export selectors":
+            sel = data.draw(st.sampled_from([[], ["--trial", "0", "--pareto"], ["--pareto", "--best", "accuracy"],
+                                             ["--trial", "0", "--best", "time"]]))
+            args = ["export", "--storage", url, *sel, *out]
+        elif case == "export --trial":
+            args = ["export", "--storage", url, "--trial", data.draw(st.one_of(st.integers(-10**6, -1), st.integers(1, 10**6))), *out]
+        elif case == "export --best":
+            args = ["export", "--storage", url, "--best", data.draw(_not_known(("accuracy", "loss", "time", "epochs", "params"))), *out]
+        elif case == "dashboard --port":
+            args = ["dashboard", "--storage", url, "--port", data.draw(st.one_of(st.integers(-10**6, 0), st.integers(65536, 10**7)))]
+        else:
+            command = case.split()[0]
+            args = [command, "--storage", url, "--study", data.draw(_not_known(("s",)))] + (["--pareto", *out] if command == "export" else [])
+        b.invoke(args, limit=LOAD_LIMIT)
+        b.assert_bad_input()
