@@ -37,17 +37,20 @@ FAULT_MESSAGES = ("database or disk is full", "disk i/o error", "attempt to writ
 
 def environment_fault(e: BaseException) -> str | None:
     """One line describing `e` when it (or what caused it) is the environment failing, such as a full disk;
-    None when it is anything else. The CLI reports these with exit code 1: not bad input, not a bug."""
+    None when it is anything else. The CLI reports these with exit code 1: not bad input, not a bug.
+    Of a chain of faults (a checkpoint meets the full disk, then so does the record of the failure), the
+    first one is described."""
     seen: set[int] = set()
     err: BaseException | None = e
+    found = None
     while err is not None and id(err) not in seen:
         seen.add(id(err))
         if isinstance(err, OSError) and err.errno in FAULT_ERRNOS:
             where = f" writing {err.filename}" if err.filename else ""
-            return f"{err.strerror or os.strerror(err.errno)}{where}"
-        text = str(err).lower()
-        for message in FAULT_MESSAGES:
-            if message in text:
-                return f"the study's database reports: {message}"
-        err = err.__cause__ or err.__context__
-    return None
+            found = f"{err.strerror or os.strerror(err.errno)}{where}"
+        else:
+            text = str(err).lower()
+            found = next((f"the study's database reports: {m}" for m in FAULT_MESSAGES if m in text), found)
+        # What Python would print as "during handling of ... another exception occurred" / "caused by".
+        err = err.__cause__ if err.__cause__ is not None else (None if err.__suppress_context__ else err.__context__)
+    return found

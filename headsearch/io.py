@@ -27,16 +27,18 @@ def write_atomic(path: Path, data: str | bytes) -> None:
         os.replace(tmp, path)
     except OSError as e:
         Path(tmp).unlink(missing_ok=True)
-        raise _naming(e, path) from e
+        _name_file(e, path)
+        raise
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
 
 
-def _naming(e: OSError, path: Path) -> OSError:
-    """`e` with the file it was writing named (a write to a descriptor names none), so the one-line
-    error can say which file met the full disk."""
-    return e if e.filename else type(e)(e.errno, e.strerror, str(path))
+def _name_file(e: OSError, path: Path) -> None:
+    """Name the file `e` met (a write to a descriptor names none), so the one-line error can say which
+    file met the full disk."""
+    if e.filename is None:
+        e.filename = str(path)
 
 
 def remove_stale_temporaries(path: Path) -> list[Path]:
@@ -84,7 +86,8 @@ def append_line(path: Path, line: str) -> None:
                 data = data[os.write(fd, data):]
         except OSError as e:
             os.ftruncate(fd, size)
-            raise _naming(e, path) from e
+            _name_file(e, path)
+            raise
         except BaseException:
             os.ftruncate(fd, size)
             raise

@@ -427,7 +427,33 @@ BAD_RUN_INPUTS = {
     "zero trials per GPU": (lambda tmp, _: ["--trials-per-gpu", "0"], "--trials-per-gpu 0: run at least 1 trial per GPU"),
     "unknown compile mode": (lambda tmp, _: ["--compile", "fast"], "compile = 'fast' is not known"),
     "CUDA graphs for translation": (lambda tmp, _: ["--compile", "reduce-overhead"], "need static shapes"),
+    "negative timeout": (lambda tmp, _: ["--timeout", "-5"], "--timeout -5: give a positive number of seconds"),
+    "negative diversity samples": (lambda tmp, _: ["--track-diversity", "-1"], "--track-diversity -1 must be 0 (off)"),
+    "negative heartbeat": (lambda tmp, _: ["--heartbeat", "-1"], "--heartbeat -1"),
+    "run root is a file": (lambda tmp, _: _file(tmp / "taken", "x") and ["--run-root", str(tmp / "taken")],
+                           "is a file: give a folder for the trials' run directories"),
+    "run root under a file": (lambda tmp, _: _file(tmp / "taken", "x") and ["--run-root", str(tmp / "taken" / "runs")],
+                              "which is a file"),
+    "no valid architecture in the space": (_bad_space(schedule={"families": ["uniform"], "heads": [7]}),
+                                           "no architecture of space bad is valid for translation-en-es (200 random samples,"
+                                           " all rejected), e.g. space bad: none of the head counts [7] divides d_model"),
+    # The data is read once in this process before any worker starts: the same line as with one worker.
+    "malformed data with two workers": (lambda tmp, _: ["--workers", "2", "--data-file", str(_file(tmp / "pairs.txt", "hello\n"))],
+                                        "pairs.txt, line 1"),
+    "storage is a folder": (lambda tmp, _: _folder(tmp / "db") and ["--storage", f"sqlite:///{tmp / 'db'}"], "is a folder, not a database file"),
+    "storage is not SQLite": (lambda tmp, _: _file(tmp / "x.db", "not a database") and ["--storage", f"sqlite:///{tmp / 'x.db'}"],
+                              "is not a SQLite database"),
 }
+
+
+def _file(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def _folder(path: Path) -> Path:
+    path.mkdir()
+    return path
 # Checked only when the study is opened, after the storage (the SQLite file) was created: see
 # test_pruner_options_are_checked_before_the_storage_is_created.
 LATE_CHECKS = ("negative pruner startup", "negative pruner warm-up")
