@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -279,8 +280,9 @@ class TrainConfig:
                 raise ConfigError(f"{name} = {value} must be a finite number")
         if not self.lr > 0:
             raise ConfigError(f"lr = {self.lr} must be positive")
-        if self.weight_decay < 0 or self.warmup_epochs < 0:
-            raise ConfigError("weight_decay and warmup_epochs must not be negative")
+        for name in ("weight_decay", "warmup_epochs"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} = {getattr(self, name)} must not be negative")
         if not self.eps > 0:
             raise ConfigError(f"eps = {self.eps} must be positive (Adam divides by sqrt(v) + eps), e.g. 1e-8")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
@@ -400,13 +402,27 @@ def parse_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)
 
 
+def path_problem(path: Path, kind: str = "file") -> str | None:
+    """What stops `path` being used as a `kind` ("file" or "folder") to read: "does not exist", "is a
+    folder, not a file", "is a file, not a folder", "is not readable (permission denied)"; None if nothing.
+    The one wording every path argument's error uses."""
+    path = Path(path)
+    if not path.exists():
+        return "does not exist"
+    if kind == "file" and path.is_dir():
+        return "is a folder, not a file"
+    if kind == "folder" and not path.is_dir():
+        return "is a file, not a folder"
+    if not os.access(path, os.R_OK | (os.X_OK if kind == "folder" else 0)):
+        return "is not readable (permission denied)"
+    return None
+
+
 def read_text_file(path: Path, what: str, hint: str) -> str:
     """A UTF-8 text file's content, or one ConfigError naming the path and what is wrong with it."""
     path = Path(path)
-    if path.is_dir():
-        raise ConfigError(f"{what} {path} is a directory, not a file: {hint}")
-    if not path.exists():
-        raise ConfigError(f"{what} {path} does not exist: {hint}")
+    if (problem := path_problem(path, "file")) is not None:
+        raise ConfigError(f"{what} {path} {problem}: {hint}")
     try:
         return path.read_text(encoding="utf-8")
     except PermissionError:

@@ -233,7 +233,7 @@ def test_optimizer_and_schedule_values_out_of_range_are_refused(train, message):
 
 
 @pytest.mark.parametrize("make, message", [
-    (lambda p: p.mkdir(), "is a directory, not a file"),
+    (lambda p: p.mkdir(), "is a folder, not a file"),
     (lambda p: p.write_bytes(b"\xff\xfe\x00binary\x80"), "is not UTF-8 text"),
 ])
 def test_config_files_that_are_not_text_files_get_their_own_line(tmp_path, make, message):

@@ -47,6 +47,7 @@ import contextlib
 import copy
 import hashlib
 import io
+import json
 import math
 import os
 import pickle
@@ -70,16 +71,27 @@ from hypothesis import strategies as st
 
 # ------------------------------------------------------------------------------------------------ settings
 
-COMMON = dict(deadline=None, database=None,
+# Derandomised, so that a run in CI checks the same examples every time (and a failure reproduces);
+# HEADSEARCH_FUZZ_RANDOM=1 draws fresh examples on each run instead, HEADSEARCH_FUZZ_SCALE=N runs N times
+# as many. No shrinking: the generated values are small already, and shrinking an example that slipped
+# through validation retrains it hundreds of times. No example database (nothing written to .hypothesis/).
+_RANDOM = os.environ.get("HEADSEARCH_FUZZ_RANDOM", "") not in ("", "0")
+_SCALE = max(1, int(os.environ.get("HEADSEARCH_FUZZ_SCALE", "1") or 1))
+COMMON = dict(deadline=None, database=None, derandomize=not _RANDOM, print_blob=False,
+              phases=(Phase.explicit, Phase.generate),
               suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                      HealthCheck.filter_too_much, HealthCheck.data_too_large])
-CHEAP = settings(max_examples=8, **COMMON)  # each example: milliseconds (validation only)
-PATHS = settings(max_examples=12, **COMMON)
-# Examples that load data (a second or two each): fewer, and no shrinking (the generated inputs are
-# small already; shrinking an example that trains would take minutes).
-LOADING = settings(max_examples=4, phases=(Phase.explicit, Phase.reuse, Phase.generate), **COMMON)
 
-FAST_LIMIT = 10.0  # seconds an example that only validates may take (the first one pays imports)
+
+def examples(n: int) -> settings:
+    return settings(max_examples=n * _SCALE, **COMMON)
+
+
+CHEAP = examples(10)  # each example: milliseconds (validation only)
+PATHS = examples(12)
+LOADING = examples(4)  # examples that may load data (a second or two each) before they should fail
+
+FAST_LIMIT = 6.0  # seconds an example that only validates may take (milliseconds are normal)
 LOAD_LIMIT = 25.0  # seconds an example that may legitimately load data first may take
 
 VIT, MT = "vit-cifar10", "translation-en-es"
@@ -236,7 +248,7 @@ class Box:
         for rel, note in sorted(self.inputs.items()):
             lines.append(f"  input <tmp>/{rel}: {hide(note)}")
         if self.fired:
-            lines.append(f"SLOW: the watchdog stopped it after {self.fired[0]:.0f} s (data loading or training started)")
+            lines.append(f"SLOW: the watchdog stopped it after {self.fired[0]:.0f} s (it went on to load data, train or serve)")
         lines.append(f"exit code: {r.exit_code}")
         out = hide(r.output)
         shown = out if len(out) < 3000 else out[:1500] + "\n[...]\n" + out[-1500:]
@@ -253,7 +265,7 @@ class Box:
     def assert_bad_input(self) -> None:
         r = self.result
         msg = self.describe()
-        assert not self.fired, "SLOW (bad input was not refused before data loading or training)" + msg
+        assert not self.fired, "SLOW (bad input was not refused: it went on to load data, train or serve)" + msg
         assert r.exit_code == 2, "exit code is not 2" + msg
         assert "Traceback" not in r.output, "a traceback was printed" + msg
         lines = [line for line in r.output.splitlines() if line.strip()]
@@ -349,6 +361,7 @@ _WORD = st.text(LETTERS, min_size=1, max_size=10)
 NONFINITE = st.sampled_from([math.nan, math.inf, -math.inf])
 LISTS = st.lists(st.integers(-2, 64), max_size=3)
 MAPS = st.dictionaries(st.text(string.ascii_lowercase, min_size=1, max_size=4), st.integers(-2, 9), max_size=2)
+NONEMPTY_MAPS = st.dictionaries(st.text(string.ascii_lowercase, min_size=1, max_size=4), st.integers(-2, 9), min_size=1, max_size=2)
 BOOLS = st.booleans()
 NON_INTEGRAL = st.floats(-1e6, 1e6, allow_nan=False).filter(lambda x: not x.is_integer())
 
@@ -361,9 +374,11 @@ def _numeric(s: str) -> bool:
         return False
 
 
-def words(exclude=()) -> st.SearchStrategy:
-    """Strings that are not numbers (a number-like string is leniently accepted) and not in `exclude`."""
-    return st.one_of(st.just(""), _WORD).filter(lambda s: s not in exclude and not _numeric(s))
+def words(exclude=(), empty: bool = True) -> st.SearchStrategy:
+    """Strings that are not numbers (a number-like string is leniently accepted) and not in `exclude`
+    (with the empty string unless `empty` is False)."""
+    base = st.one_of(st.just(""), _WORD) if empty else _WORD
+    return base.filter(lambda s: s not in exclude and not _numeric(s))
 
 
 def wrong_types(none: bool = True, bools: bool = True) -> st.SearchStrategy:
@@ -417,7 +432,7 @@ def head_list_with_a_bad_entry(draw):
 
 
 def heads_bad() -> st.SearchStrategy:
-    return st.one_of(st.integers(-50, 0), NON_DIVISORS, NON_INTEGRAL, NONFINITE, BOOLS, st.none(), MAPS.filter(bool),
+    return st.one_of(st.integers(-50, 0), NON_DIVISORS, NON_INTEGRAL, NONFINITE, BOOLS, st.none(), NONEMPTY_MAPS,
                      words(), head_list_with_a_bad_entry())
 
 
@@ -636,17 +651,17 @@ def cross_field(draw, task: str):
         from headsearch.tasks.vit_cifar10 import CifarData
 
         cls = {"arch": ArchConfig, "train": TrainConfig, "data": CifarData if task == VIT else TranslationData}[section]
-        key = draw(words(exclude=_dataclass_fields(cls)).filter(bool))
+        key = draw(words(exclude=_dataclass_fields(cls), empty=False))
         return kind, {section: {key: draw(st.one_of(st.integers(), words(), st.none()))}}
     if kind == "unknown section":
-        key = draw(words(exclude=("task", "seed", "arch", "train", "data")).filter(bool))
+        key = draw(words(exclude=("task", "seed", "arch", "train", "data"), empty=False))
         return kind, {key: draw(st.one_of(st.integers(), MAPS))}
     section = draw(st.sampled_from(["arch", "train", "data"]))
     return kind, {section: draw(st.one_of(LISTS, words(), st.integers(), st.floats(allow_nan=False), BOOLS))}
 
 
 @pytest.mark.parametrize("task", [VIT, MT])
-@settings(max_examples=40, **COMMON)
+@examples(40)
 @given(data=st.data())
 def test_contradictory_or_unknown_config(task, data, cifar_dir, spa_file, cache):
     kind, change = data.draw(cross_field(task), label="change")
@@ -679,10 +694,12 @@ def _yaml_mapping(data: bytes) -> bool:
         return False
 
 
+JUNK_FILE_KINDS = ("bytes", "empty", "directory", "missing", "non-mapping", "invalid-yaml")
+
+
 @st.composite
-def junk_text_file(draw, kinds=("bytes", "empty", "directory", "missing", "non-mapping", "invalid-yaml")):
+def junk_text_file(draw, kind: str):
     """(kind, payload) for a path where a YAML file is expected."""
-    kind = draw(st.sampled_from(kinds))
     if kind == "bytes":
         data = draw(st.binary(min_size=1, max_size=200))
         assume(not _yaml_mapping(data))  # random bytes could be a valid (empty) mapping
@@ -706,9 +723,11 @@ def place_junk(b: Box, rel: str, kind: str, payload: bytes) -> Path:
     return b.path(rel)
 
 
-@settings(CHEAP, max_examples=20)
-@given(junk=junk_text_file())
-def test_train_config_junk(junk, cifar_dir, spa_file, cache):
+@pytest.mark.parametrize("kind", JUNK_FILE_KINDS)
+@examples(4)
+@given(data=st.data())
+def test_train_config_junk(kind, data, cifar_dir, spa_file, cache):
+    junk = data.draw(junk_text_file(kind), label="junk")
     with box(cache) as b:
         path = place_junk(b, "config.yaml", *junk)
         b.invoke(train_args(VIT, b, cifar_dir, spa_file, "--config", path))
@@ -742,6 +761,17 @@ def synthetic_cifar(n: int = 200) -> dict[str, dict]:
     return {"train_0.npz": _shard(n, names=False), "test.npz": _shard(n, names=True, seed=1)}
 
 
+@pytest.fixture(scope="module")
+def small_cifar(tmp_path_factory) -> Path:
+    """The synthetic valid layout (200 + 200 images): loads in milliseconds where the real data takes
+    seconds, for the commands that load data before they can find the fault (storages, run roots,
+    checkpoints). The base configs fit it."""
+    d = tmp_path_factory.mktemp("small-cifar")
+    for name, arrays in synthetic_cifar().items():
+        (d / name).write_bytes(_npz(arrays))
+    return d
+
+
 def test_synthetic_cifar_baseline_is_valid(tmp_path):
     """The mutations below start from this layout: it must load, so each mutation is the only fault."""
     from headsearch.tasks.cifar_data import load_cifar10
@@ -752,18 +782,24 @@ def test_synthetic_cifar_baseline_is_valid(tmp_path):
     assert len(arrays.train_y) == 200 and len(arrays.test_y) == 200
 
 
+PY_MUTATIONS = ["truncated", "not-a-dict", "no-data", "data-shape", "labels-range", "missing-file"]
+CIFAR_CASES = (["file", "missing", "empty-dir"] + [f"npz:{m}" for m in CIFAR_MUTATIONS]
+               + [f"python:{m}" for m in PY_MUTATIONS])
+
+
 @st.composite
-def cifar_junk(draw):
-    kind = draw(st.sampled_from(["file", "missing", "empty-dir", "shard", "python-batches"]))
-    if kind == "file":
-        return kind, draw(st.binary(max_size=64))
-    if kind in ("missing", "empty-dir"):
-        return kind, None
-    if kind == "shard":
-        return kind, (draw(st.sampled_from(CIFAR_MUTATIONS)), draw(st.sampled_from(["train_0.npz", "test.npz"])),
-                      draw(st.binary(min_size=1, max_size=300)), draw(st.floats(0.05, 0.95)))
-    return kind, (draw(st.sampled_from(["truncated", "not-a-dict", "no-data", "data-shape", "labels-range", "missing-file"])),
-                  draw(st.sampled_from(["data_batch_1", "test_batch", "batches.meta"])))
+def cifar_junk(draw, case: str):
+    """A broken CIFAR-10 directory: `case` is "file", "missing", "empty-dir", "npz:MUTATION" (of a small
+    valid npz layout) or "python:MUTATION" (of small official-format pickles)."""
+    if case == "file":
+        return case, draw(st.binary(max_size=64))
+    if case in ("missing", "empty-dir"):
+        return case, None
+    layout, mutation = case.split(":")
+    if layout == "npz":
+        return "shard", (mutation, draw(st.sampled_from(["train_0.npz", "test.npz"])),
+                         draw(st.binary(min_size=1, max_size=300)), draw(st.floats(0.05, 0.95)))
+    return "python-batches", (mutation, draw(st.sampled_from(["data_batch_1", "test_batch", "batches.meta"])))
 
 
 def place_cifar_junk(b: Box, spec) -> Path:
@@ -870,9 +906,11 @@ def _place_python_batches(b: Box, rel: str, mutation: str, target: str) -> Path:
     return b.path(rel)
 
 
-@settings(LOADING, max_examples=10)
-@given(spec=cifar_junk())
-def test_train_data_dir_junk(spec, cache):
+@pytest.mark.parametrize("case", CIFAR_CASES)
+@examples(2)
+@given(data=st.data())
+def test_train_data_dir_junk(case, data, cache):
+    spec = data.draw(cifar_junk(case), label="data")
     with box(cache) as b:
         b.write_yaml("config.yaml", VIT_BASE)
         path = place_cifar_junk(b, spec)
@@ -883,10 +921,12 @@ def test_train_data_dir_junk(spec, cache):
 
 # -- parallel corpora ----------------------------------------------------------------------------------
 
+SPA_KINDS = ["bytes", "empty", "directory", "missing", "no-tabs", "empty-side", "bad-line", "blank", "too-few", "latin-1"]
+
+
 @st.composite
-def spa_junk(draw):
-    kind = draw(st.sampled_from(["bytes", "empty", "directory", "missing", "no-tabs", "empty-side", "bad-line",
-                                 "blank", "too-few", "latin-1"]))
+def spa_junk(draw, kind: str):
+    """A broken parallel corpus of the given kind."""
     pairs = "\n".join(f"Sentence {i}.\tFrase {i}." for i in range(300))
     if kind == "bytes":
         data = draw(st.binary(min_size=1, max_size=300))
@@ -895,7 +935,7 @@ def spa_junk(draw):
     if kind == "no-tabs":
         return kind, "\n".join(draw(st.lists(st.text(LETTERS + " .", min_size=1, max_size=30), min_size=1, max_size=5))).encode()
     if kind == "empty-side":
-        line = draw(st.sampled_from(["Hello.\t", "\tHola.", " \t ", "Hello.\t \tCC-BY"]))
+        line = draw(st.sampled_from(["Hello.\t", "\tHola.", "Hello.\t \tCC-BY", " \tHola.\tCC-BY"]))
         return kind, (pairs + "\n" + line + "\n" + pairs).encode()
     if kind == "bad-line":  # one line without a tab among good ones
         return kind, (pairs + "\n" + draw(st.text(LETTERS + " .", min_size=1, max_size=30)) + "\n" + pairs).encode()
@@ -913,13 +953,19 @@ def place_spa_junk(b: Box, spec) -> Path:
     kind, data = spec
     if kind in ("directory", "missing"):
         return place_junk(b, "spa.txt", kind, data)
-    b.write("spa.txt", data, f"{kind}: " + _show_bytes(data))
+    note = f"{kind}: " + _show_bytes(data)
+    if kind in ("empty-side", "bad-line", "latin-1"):  # 300 good pairs around one bad line
+        lines = data.split(b"\n")
+        note = f"{kind}: lines 1-300 'Sentence i.<TAB>Frase i.', then line 301 {lines[300]!r}, then 300 more good pairs"
+    b.write("spa.txt", data, note)
     return b.path("spa.txt")
 
 
-@settings(LOADING, max_examples=10)
-@given(spec=spa_junk())
-def test_train_data_file_junk(spec, cache):
+@pytest.mark.parametrize("kind", SPA_KINDS)
+@examples(3)
+@given(data=st.data())
+def test_train_data_file_junk(kind, data, cache):
+    spec = data.draw(spa_junk(kind), label="data")
     with box(cache) as b:
         b.write_yaml("config.yaml", MT_BASE)
         path = place_spa_junk(b, spec)
@@ -928,13 +974,24 @@ def test_train_data_file_junk(spec, cache):
         b.assert_bad_input()
 
 
+@pytest.mark.parametrize("command", ["train", "run"])
 @pytest.mark.parametrize("task", [VIT, MT])
-def test_train_wrong_kind_of_data_source(task, cifar_dir, spa_file, cache):
+def test_wrong_kind_of_data_source(command, task, small_cifar, spa_file, cache):
     """vit-cifar10 given --data-file, translation given --data-dir (both paths exist)."""
     with box(cache) as b:
-        source = ["--data-file", spa_file] if task == VIT else ["--data-dir", cifar_dir]
-        b.invoke(["train", "--task", task, "--preset", "tiny", *source, "--out", b.path("out"), "--device", "cpu"])
+        source = ["--data-file", spa_file] if task == VIT else ["--data-dir", small_cifar]
+        if command == "train":
+            config = b.write_yaml("config.yaml", BASES[task])
+            args = ["train", "--task", task, "--preset", "tiny", "--config", config, *source, "--out", b.path("out"),
+                    "--device", "cpu"]
+        else:
+            space = b.write_yaml("space.yaml", VIT_SPACE if task == VIT else MT_SPACE)
+            args = run_args(task, b, space, Path("x"), "--trials", "1")
+            j = args.index("--data-dir" if task == VIT else "--data-file")
+            args[j:j + 2] = source
+        b.invoke(args, limit=LOAD_LIMIT)
         b.assert_bad_input()
+        assert_no_study(b)
 
 
 # -- --out ------------------------------------------------------------------------------------------------
@@ -972,9 +1029,9 @@ ARCH_FIELDS = _names("headsearch.config.ArchConfig")
 TRAIN_FIELDS = _names("headsearch.config.TrainConfig")
 
 
-def space_content_bad() -> st.SearchStrategy:
-    """Search-space mappings that parse as YAML but are not valid spaces."""
-    return st.one_of(
+def space_content_bad() -> dict[str, st.SearchStrategy]:
+    """Search-space mappings that parse as YAML but are not valid spaces, by what is wrong."""
+    return dict(zip(SPACE_CONTENT, [
         st.fixed_dictionaries({"schedule": st.fixed_dictionaries({"families": st.lists(words(("uniform", "halving", "doubling", "free")), min_size=1, max_size=2)})}),
         st.fixed_dictionaries({"schedule": st.fixed_dictionaries({"heads": st.one_of(st.lists(st.integers(-8, 0), min_size=1, max_size=3), st.just([]), words(), st.lists(st.floats(0.1, 3.9).filter(lambda x: not x.is_integer()), min_size=1, max_size=2))})}),
         st.fixed_dictionaries({"schedule": st.fixed_dictionaries({"min_heads": st.one_of(st.integers(-5, 0), words(), st.floats(0.1, 2.9).filter(lambda x: not x.is_integer()))})}),
@@ -983,7 +1040,7 @@ def space_content_bad() -> st.SearchStrategy:
         st.fixed_dictionaries({"ranges": st.one_of(
             st.fixed_dictionaries({"lr": st.fixed_dictionaries({"low": st.floats(0.1, 1), "high": st.floats(0.001, 0.09)})}),
             st.fixed_dictionaries({"lr": st.fixed_dictionaries({"low": st.floats(-1, 0), "high": st.floats(0.1, 1), "log": st.just(True)})}),
-            st.dictionaries(words(exclude=ARCH_FIELDS + TRAIN_FIELDS).filter(bool), st.lists(st.integers(), min_size=1, max_size=2),
+            st.dictionaries(words(exclude=ARCH_FIELDS + TRAIN_FIELDS, empty=False), st.lists(st.integers(), min_size=1, max_size=2),
                             min_size=1, max_size=1),
             st.fixed_dictionaries({"d_model": st.one_of(st.just([]), st.integers(), words())}),
             st.fixed_dictionaries({"enc_heads": st.just([2, 4])}))}),
@@ -991,36 +1048,39 @@ def space_content_bad() -> st.SearchStrategy:
             st.fixed_dictionaries({"arch": st.fixed_dictionaries({"d_model": st.integers(-64, 0)})}),
             st.fixed_dictionaries({"train": st.fixed_dictionaries({"lr": below(0, True)})}),
             st.fixed_dictionaries({"data": st.fixed_dictionaries({"val_size": st.integers(-10, -1)})}),
-            st.dictionaries(words(("arch", "train", "data")).filter(bool), MAPS, min_size=1, max_size=1),
-            st.fixed_dictionaries({"arch": st.dictionaries(words(exclude=ARCH_FIELDS).filter(bool), st.integers(), min_size=1, max_size=1)}))}),
+            st.dictionaries(words(("arch", "train", "data"), empty=False), MAPS, min_size=1, max_size=1),
+            st.fixed_dictionaries({"arch": st.dictionaries(words(exclude=ARCH_FIELDS, empty=False), st.integers(), min_size=1, max_size=1)}))}),
         st.fixed_dictionaries({"tasks": st.one_of(st.just([MT]), words(), st.lists(st.integers(), min_size=1, max_size=2))}),
-        st.dictionaries(words(("description", "tasks", "schedule", "skip", "fusion", "ranges", "fixed")).filter(bool),
+        st.dictionaries(words(("description", "tasks", "schedule", "skip", "fusion", "ranges", "fixed"), empty=False),
                         st.integers(), min_size=1, max_size=1),
-    )
+    ]))
 
 
-@st.composite
-def space_junk(draw):
-    kind = draw(st.sampled_from(["file-junk", "file-junk", "content"]))
-    if kind == "content":
-        return "content", yaml.safe_dump(draw(space_content_bad())).encode()
-    return draw(junk_text_file())
+SPACE_CONTENT = ["families", "heads", "min_heads", "skip", "fusion", "ranges", "fixed", "tasks", "unknown key"]
+SPACE_CASES = list(JUNK_FILE_KINDS) + [f"content:{c}" for c in SPACE_CONTENT]
 
 
-@settings(PATHS, max_examples=25)
-@given(spec=space_junk())
-def test_run_space_junk(spec, cifar_dir, cache):
+@pytest.mark.parametrize("case", SPACE_CASES)
+@examples(3)
+@given(data=st.data())
+def test_run_space_junk(case, data, small_cifar, cache):
+    if case.startswith("content:"):
+        spec = "content", yaml.safe_dump(data.draw(space_content_bad()[case.split(":")[1]], label="space")).encode()
+    else:
+        spec = data.draw(junk_text_file(case), label="space")
     with box(cache) as b:
         kind, payload = spec
         path = place_junk(b, "space.yaml", kind, payload) if kind != "content" else b.write("space.yaml", payload)
-        b.invoke(run_args(VIT, b, path, cifar_dir, "--trials", "1"), limit=LOAD_LIMIT)
+        b.invoke(run_args(VIT, b, path, small_cifar, "--trials", "1"), limit=LOAD_LIMIT)
         b.assert_bad_input()
         assert_no_study(b)
 
 
-@settings(LOADING, max_examples=8)
-@given(spec=cifar_junk())
-def test_run_data_dir_junk(spec, cache):
+@pytest.mark.parametrize("case", CIFAR_CASES)
+@examples(1)
+@given(data=st.data())
+def test_run_data_dir_junk(case, data, cache):
+    spec = data.draw(cifar_junk(case), label="data")
     with box(cache) as b:
         space = b.write_yaml("space.yaml", VIT_SPACE)
         path = place_cifar_junk(b, spec)
@@ -1029,9 +1089,11 @@ def test_run_data_dir_junk(spec, cache):
         assert_no_study(b)
 
 
-@settings(LOADING, max_examples=8)
-@given(spec=spa_junk())
-def test_run_data_file_junk(spec, cache):
+@pytest.mark.parametrize("kind", SPA_KINDS)
+@examples(2)
+@given(data=st.data())
+def test_run_data_file_junk(kind, data, cache):
+    spec = data.draw(spa_junk(kind), label="data")
     with box(cache) as b:
         space = b.write_yaml("space.yaml", MT_SPACE)
         path = place_spa_junk(b, spec)
@@ -1042,22 +1104,24 @@ def test_run_data_file_junk(spec, cache):
 
 @LOADING
 @given(kind=st.sampled_from(["a file", "below a file"]), content=st.binary(max_size=40))
-def test_run_root_is_a_file(kind, content, cifar_dir, cache):
+def test_run_root_is_a_file(kind, content, small_cifar, cache):
     with box(cache) as b:
         space = b.write_yaml("space.yaml", VIT_SPACE)
         f = b.write("taken", content)
         root = f if kind == "a file" else f / "runs"
-        args = run_args(VIT, b, space, cifar_dir, "--trials", "1")
+        args = run_args(VIT, b, space, small_cifar, "--trials", "1")
         args[args.index("--run-root") + 1] = root
         b.invoke(args, limit=LOAD_LIMIT)
         b.assert_bad_input()
         assert_no_study(b)
 
 
+STORAGE_KINDS = ["no-scheme", "unknown-scheme", "sqlite-dir", "sqlite-missing-dir", "sqlite-below-a-file", "sqlite-junk-file",
+                 "sqlite-empty-file", "journal-dir", "journal-junk-file", "log-junk-file"]
+
+
 @st.composite
-def storage_junk(draw):
-    kind = draw(st.sampled_from(["no-scheme", "unknown-scheme", "sqlite-dir", "sqlite-missing-dir", "sqlite-junk-file",
-                                 "journal-dir", "journal-junk-file", "log-junk-file"]))
+def storage_junk(draw, kind: str):
     return kind, draw(st.binary(min_size=1, max_size=200)), draw(_WORD)
 
 
@@ -1071,6 +1135,10 @@ def place_storage_junk(b: Box, spec) -> str:
         return f"sqlite:///{b.mkdir('db')}"
     if kind == "sqlite-missing-dir":
         return f"sqlite:///{b.path('nowhere/h.db')}"
+    if kind == "sqlite-below-a-file":
+        return f"sqlite:///{b.write('taken', junk)}/h.db"
+    if kind == "sqlite-empty-file":
+        return f"sqlite:///{b.write('empty.db', b'')}"
     if kind == "sqlite-junk-file":
         return f"sqlite:///{b.write('junk.db', junk)}"
     if kind == "journal-dir":
@@ -1080,13 +1148,15 @@ def place_storage_junk(b: Box, spec) -> str:
     return str(b.write("study.log", junk))
 
 
-@settings(LOADING, max_examples=8)
-@given(spec=storage_junk())
-def test_run_storage_junk(spec, cifar_dir, cache):
+@pytest.mark.parametrize("kind", STORAGE_KINDS)
+@examples(2)
+@given(data=st.data())
+def test_run_storage_junk(kind, data, small_cifar, cache):
+    spec = data.draw(storage_junk(kind), label="storage")
     with box(cache) as b:
         space = b.write_yaml("space.yaml", VIT_SPACE)
         url = place_storage_junk(b, spec)
-        args = run_args(VIT, b, space, cifar_dir, "--trials", "1")
+        args = run_args(VIT, b, space, small_cifar, "--trials", "1")
         args[args.index("--storage") + 1] = url
         b.invoke(args, limit=LOAD_LIMIT)
         b.assert_bad_input()
@@ -1143,9 +1213,11 @@ RUN_DIR_FAULTS = ["missing", "a file", "empty dir", "config:bytes", "config:empt
 MT_RUN_DIR_FAULTS = ["tokenizer:bytes", "tokenizer:empty", "tokenizer:json", "tokenizer:directory"]
 
 
+RUN_DIR_CASES = [(t, f) for t in (VIT, MT) for f in RUN_DIR_FAULTS + (MT_RUN_DIR_FAULTS if t == MT else [])]
+
+
 @st.composite
-def run_dir_fault(draw, task: str):
-    fault = draw(st.sampled_from(RUN_DIR_FAULTS + (MT_RUN_DIR_FAULTS if task == MT else [])))
+def run_dir_fault(draw, task: str, fault: str):
     junk = draw(st.binary(min_size=1, max_size=200))
     frac = draw(st.floats(0.0, 0.99))
     section, name = draw(st.sampled_from([(s, n) for t, s, n in FIELD_CASES if t == task and s != "run"]))
@@ -1211,35 +1283,45 @@ def place_run_dir(b: Box, template: Path, task: str, spec) -> Path:
     return b.path(rel)
 
 
-@pytest.mark.parametrize("task", [VIT, MT])
-@settings(LOADING, max_examples=14)
+@pytest.mark.parametrize("task,fault", RUN_DIR_CASES, ids=[f"{t}-{f}" for t, f in RUN_DIR_CASES])
+@examples(2)
 @given(data=st.data())
-def test_analyze_run_dir_junk(task, data, run_templates, cifar_dir, spa_file, cache):
-    spec = data.draw(run_dir_fault(task), label="fault")
+def test_analyze_run_dir_junk(task, fault, data, run_templates, small_cifar, spa_file, cache):
+    spec = data.draw(run_dir_fault(task, fault), label="fault")
     with box(cache) as b:
         run = place_run_dir(b, run_templates[task], task, spec)
-        source = ["--data-dir", cifar_dir] if task == VIT else ["--data-file", spa_file]
+        source = ["--data-dir", small_cifar] if task == VIT else ["--data-file", spa_file]
         b.invoke(["analyze", run, *source, "--samples", "8", "--no-ablation", "--device", "cpu"], limit=LOAD_LIMIT)
         b.assert_bad_input()
 
 
 @PATHS
 @given(content=st.binary(max_size=60), task=st.sampled_from([VIT, MT]))
-def test_analyze_out_is_a_file(content, task, run_templates, cifar_dir, spa_file, cache):
+def test_analyze_out_is_a_file(content, task, run_templates, small_cifar, spa_file, cache):
     with box(cache) as b:
         run = b.copy(run_templates[task], "run", f"a valid {task} run directory")
         out = b.write("taken", content)
-        source = ["--data-dir", cifar_dir] if task == VIT else ["--data-file", spa_file]
+        source = ["--data-dir", small_cifar] if task == VIT else ["--data-file", spa_file]
         b.invoke(["analyze", run, *source, "--out", out, "--samples", "8", "--no-ablation", "--device", "cpu"],
                  limit=LOAD_LIMIT)
         b.assert_bad_input()
 
 
-@settings(LOADING, max_examples=8)
+ANALYZE_DATA_CASES = [(VIT, c) for c in CIFAR_CASES] + [(MT, k) for k in SPA_KINDS] + [(VIT, "a --data-file"), (MT, "a --data-dir")]
+
+
+@pytest.mark.parametrize("task,case", ANALYZE_DATA_CASES, ids=[f"{t}-{c}" for t, c in ANALYZE_DATA_CASES])
+@examples(1)
 @given(data=st.data())
-def test_analyze_data_junk(data, run_templates, cache):
-    task = data.draw(st.sampled_from([VIT, MT]), label="task")
-    spec = data.draw(cifar_junk() if task == VIT else spa_junk(), label="data")
+def test_analyze_data_junk(task, case, data, run_templates, small_cifar, spa_file, cache):
+    if case.startswith("a --"):  # the other task's kind of data source (which exists)
+        with box(cache) as b:
+            run = b.copy(run_templates[task], "run", f"a valid {task} run directory")
+            source = ["--data-file", spa_file] if task == VIT else ["--data-dir", small_cifar]
+            b.invoke(["analyze", run, *source, "--samples", "8", "--no-ablation", "--device", "cpu"], limit=LOAD_LIMIT)
+            b.assert_bad_input()
+        return
+    spec = data.draw(cifar_junk(case) if task == VIT else spa_junk(case), label="data")
     with box(cache) as b:
         run = b.copy(run_templates[task], "run", f"a valid {task} run directory")
         if task == VIT:
@@ -1252,14 +1334,26 @@ def test_analyze_data_junk(data, run_templates, cache):
 
 # -- report / export / dashboard -----------------------------------------------------------------------
 
-@settings(LOADING, max_examples=10)
-@given(spec=storage_junk(), command=st.sampled_from(["report", "export", "dashboard"]))
-def test_reading_commands_storage_junk(spec, command, cache):
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("command", ["report", "export", "dashboard"])
+@pytest.mark.parametrize("kind", STORAGE_KINDS)
+@examples(2)
+@given(data=st.data())
+def test_reading_commands_storage_junk(kind, command, data, cache):
+    spec = data.draw(storage_junk(kind), label="storage")
     with box(cache) as b:
         url = place_storage_junk(b, spec)
         extra = {"report": ["--format", "json"], "export": ["--pareto", "--out", b.path("out")],
-                 "dashboard": ["--port", "65123", "--artifact-dir", b.path("artifacts")]}[command]
-        b.invoke([command, "--storage", url, *extra], limit=LOAD_LIMIT)
+                 "dashboard": ["--port", free_port(), "--artifact-dir", b.path("artifacts")]}[command]
+        # A dashboard that starts serving has accepted the storage: the watchdog ends it.
+        b.invoke([command, "--storage", url, *extra], limit=FAST_LIMIT if command == "dashboard" else LOAD_LIMIT)
         b.assert_bad_input()
 
 
@@ -1275,7 +1369,7 @@ def test_reading_commands_output_is_a_file(content, case, study_template, cache)
             "report --plots": ["report", "--storage", url, "--plots", f],
             "export --out": ["export", "--storage", url, "--trial", "0", "--out", f],
             "export --out below a file": ["export", "--storage", url, "--trial", "0", "--out", f / "configs"],
-            "dashboard --artifact-dir": ["dashboard", "--storage", url, "--port", "65123", "--artifact-dir", f],
+            "dashboard --artifact-dir": ["dashboard", "--storage", url, "--port", free_port(), "--artifact-dir", f],
         }[case]
         b.invoke(args, limit=LOAD_LIMIT)
         b.assert_bad_input()
@@ -1285,19 +1379,24 @@ def test_reading_commands_output_is_a_file(content, case, study_template, cache)
 @given(data=st.data())
 def test_export_of_a_trial_whose_config_no_longer_resolves(data, study_template, cache):
     """A trial's recorded config that is invalid (edited storage, older version): refused, no --out."""
-    import optuna
 
     task, section, name = data.draw(st.sampled_from([c for c in FIELD_CASES if c[0] == VIT and c[1] != "run"]), label="field")
     value = data.draw(field_strategy(task, section, name), label=f"{section}.{name}")
     with box(cache) as b:
         db = b.copy(study_template, "h.db", "a valid study database")
         url = f"sqlite:///{db}"
-        study = optuna.load_study(study_name="s", storage=url)
-        t = study.trials[0]
-        cfg = copy.deepcopy(t.user_attrs["config"])
-        cfg[section][name] = value
-        study._storage.set_trial_user_attr(t._trial_id, "config", cfg)
-        b.inputs["h.db"] += f"; trial 0's config has {section}.{name} = {value!r}"
+        con = sqlite3.connect(db)
+        try:
+            (attr_id, text), = con.execute("SELECT trial_user_attribute_id, value_json FROM trial_user_attributes"
+                                           " WHERE key = 'config'").fetchall()
+            cfg = json.loads(text)
+            cfg[section][name] = value
+            con.execute("UPDATE trial_user_attributes SET value_json = ? WHERE trial_user_attribute_id = ?",
+                        (json.dumps(cfg), attr_id))
+            con.commit()
+        finally:
+            con.close()
+        b.inputs["h.db"] += f"; trial 0's recorded config has {section}.{name} = {value!r}"
         b.invoke(["export", "--storage", url, "--trial", "0", "--out", b.path("out")])
         b.assert_bad_input()
 
@@ -1336,7 +1435,7 @@ def test_unreadable_file(case, run_templates, cifar_dir, spa_file, cache):
 # ------------------------------------------------------------------------------------------------ 3. search settings
 
 def _not_known(known):
-    return words(exclude=known).filter(bool)
+    return words(exclude=known, empty=False)
 
 
 @st.composite
@@ -1449,7 +1548,7 @@ def all_trials_invalid_space(draw):
     return kind, space
 
 
-@settings(LOADING, max_examples=8)
+@examples(8)
 @given(spec=all_trials_invalid_space())
 def test_run_space_whose_every_trial_is_invalid(spec, cifar_dir, cache):
     kind, space = spec
@@ -1473,7 +1572,7 @@ BAD_DEVICES = st.one_of(st.sampled_from(["foo", "cuda", "cuda:7", "cuda:0", "gpu
                         st.text(string.ascii_lowercase + ":0123456789", min_size=1, max_size=8).filter(_not_a_device_here))
 
 
-@settings(max_examples=20, **COMMON)
+@examples(20)
 @given(device=BAD_DEVICES, command=st.sampled_from(["train vit", "train mt", "run", "analyze"]))
 def test_device_that_is_not_here(device, command, run_templates, cifar_dir, spa_file, cache):
     import torch
@@ -1501,7 +1600,7 @@ def test_device_that_is_not_here(device, command, run_templates, cifar_dir, spa_
 
 # ------------------------------------------------------------------------------------------------ 5. other flags
 
-@settings(max_examples=20, **COMMON)
+@examples(20)
 @given(data=st.data())
 def test_other_flags_that_parse_but_are_invalid(data, run_templates, study_template, cifar_dir, cache):
     case = data.draw(st.sampled_from(["analyze --samples", "analyze --format", "report --format", "export selectors",

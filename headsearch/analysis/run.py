@@ -18,11 +18,13 @@ def load_run(run_dir: Path, source: DataSource, device, samples: int | None = No
     """(task, cfg, bound, model) for a run directory written by `headsearch train` or a search trial."""
     import torch
 
-    from headsearch.config import load_yaml
+    from headsearch.config import load_yaml, path_problem
     from headsearch.training.rundir import load_checkpoint
     from headsearch.training.trainer import CHECKPOINT
 
     run_dir = Path(run_dir)
+    if problem := path_problem(run_dir, "folder"):
+        raise HeadsearchError(f"run directory {run_dir} {problem}: pass a folder written by headsearch train or run")
     if not (run_dir / "config.yaml").is_file() or not (run_dir / CHECKPOINT).is_file():
         raise HeadsearchError(
             f"{run_dir} is not a run directory: expected config.yaml and {CHECKPOINT} (written by headsearch train or run)"

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from headsearch.config import path_problem
 from headsearch.errors import ConfigError, DataError
 from headsearch.tasks.vit_cifar10 import AUGMENTATIONS  # the task names what it accepts
 
@@ -77,8 +78,8 @@ def load_cifar10(data_dir: str | Path | None, download_root: str | Path | None =
     if data_dir is None:
         return _download(Path(download_root or DEFAULT_DOWNLOAD_ROOT).expanduser())
     d = Path(data_dir).expanduser()
-    if not d.is_dir():
-        raise DataError(f"CIFAR-10 directory {d} does not exist: point --data-dir at a folder; {_EXPECTED}")
+    if problem := path_problem(d, "folder"):
+        raise DataError(f"CIFAR-10 directory {d} {problem}: point --data-dir at a folder; {_EXPECTED}")
     # The npz layout wins when both are present: it is the project's own format.
     if any(d.glob("train_*.npz")) or (d / "test.npz").exists():
         return _load_npz(d)

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from headsearch.config import ArchConfig, DataOptions, RunConfig, TrainConfig, _coerce
+from headsearch.config import ArchConfig, DataOptions, RunConfig, TrainConfig, _coerce, path_problem
 from headsearch.errors import ConfigError, DataError
 from headsearch.io import write_atomic
 from headsearch.tasks.base import DataSource, Metric, Task, TokenAttention, limited, rebound, seeded_subset
@@ -101,8 +101,8 @@ def footprint(cfg: RunConfig):
 def check_source(source: DataSource) -> None:
     if source.data_dir is not None:
         raise DataError("translation-en-es reads one tab-separated file: pass --data-file, not --data-dir")
-    if source.data_file is not None and not Path(source.data_file).is_file():
-        raise DataError(f"data file {source.data_file} does not exist: pass a UTF-8 file of 'English<TAB>Spanish' lines")
+    if source.data_file is not None and (problem := path_problem(source.data_file, "file")):
+        raise DataError(f"data file {source.data_file} {problem}: pass a UTF-8 file of 'English<TAB>Spanish' lines")
 
 
 def cache_dir() -> Path:

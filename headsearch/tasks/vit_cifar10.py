@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from headsearch.config import ArchConfig, DataOptions, RunConfig, TrainConfig, _coerce
+from headsearch.config import ArchConfig, DataOptions, RunConfig, TrainConfig, _coerce, path_problem
 from headsearch.errors import ConfigError, DataError
 from headsearch.io import write_atomic
 from headsearch.tasks.base import DataSource, Metric, PatchAttention, Task, limited, rebound, seeded_subset
@@ -91,9 +91,9 @@ def footprint(cfg: RunConfig):
 def check_source(source: DataSource) -> None:
     if source.data_file is not None:
         raise DataError("vit-cifar10 reads a directory of CIFAR-10 files: pass --data-dir, not --data-file")
-    if source.data_dir is not None and not Path(source.data_dir).is_dir():
+    if source.data_dir is not None and (problem := path_problem(source.data_dir, "folder")):
         raise DataError(
-            f"data directory {source.data_dir} does not exist: pass a folder with train_*.npz + test.npz"
+            f"data directory {source.data_dir} {problem}: pass a folder with train_*.npz + test.npz"
             " or the official cifar-10-batches-py files (or leave --data-dir out to download)"
         )
 

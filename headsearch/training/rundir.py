@@ -59,7 +59,9 @@ def default_run_dir(task: str, root: Path = Path("runs")) -> Path:
 def check_run_dir(path: Path) -> None:
     """Fail early (before any data is loaded) when the run directory cannot be created."""
     path = Path(path)
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+    if path.exists() and not path.is_dir():
+        raise HeadsearchError(f"output directory {path} is a file, not a folder: choose another --out")
+    if path.exists() and any(path.iterdir()):
         raise HeadsearchError(f"output directory {path} already exists and is not empty: choose another --out or remove it")
     parent = path
     while not parent.exists():
