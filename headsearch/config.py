@@ -62,6 +62,18 @@ def _coerce(obj: Any, ints: tuple[str, ...] = (), floats: tuple[str, ...] = (), 
             raise ConfigError(f"{name} = {value!r} must be {kind}") from None
 
 
+def _whole(value: Any) -> int | None:
+    """`value` as an int when it is a whole number (an int, or a float such as 4.0), else None
+    (booleans, infinities, NaN, fractions, strings, lists)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():  # False for inf and nan
+        return int(value)
+    return None
+
+
 def _heads_tuple(name: str, heads: Any, layers: int) -> tuple[int, ...]:
     """Accept an int (uniform), a list, or a comma string ("64,32,16") and return a tuple of ints."""
     if isinstance(heads, str):
@@ -69,14 +81,15 @@ def _heads_tuple(name: str, heads: Any, layers: int) -> tuple[int, ...]:
             heads = [int(h) for h in heads.replace(" ", "").split(",") if h]
         except ValueError:
             raise ConfigError(f"{name} = {heads!r} is not a list of head counts: write e.g. 64,32,16,8") from None
-    if isinstance(heads, int) and not isinstance(heads, bool):
-        return (heads,) * layers
-    try:
-        out = tuple(int(h) for h in heads)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{name} = {heads!r} is not a list of head counts: write e.g. [64, 32, 16, 8]") from None
-    if any(h != float(g) for h, g in zip(out, heads)):
-        raise ConfigError(f"{name} = {list(heads)} must hold whole numbers")
+    if (n := _whole(heads)) is not None:
+        if n < 1:
+            raise ConfigError(f"{name} = {n}: every layer needs at least one head")
+        return (n,) * layers
+    if not isinstance(heads, (list, tuple)):
+        raise ConfigError(f"{name} = {heads!r} is not a list of head counts: write e.g. [64, 32, 16, 8]")
+    out = tuple(_whole(h) for h in heads)
+    if None in out:
+        raise ConfigError(f"{name} = {list(heads)} must hold whole numbers of heads, e.g. [64, 32, 16, 8]")
     return out
 
 
@@ -122,11 +135,10 @@ class ArchConfig:
         for name in ("skip", "fusion", "soft_score", "activation"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name} = {getattr(self, name)!r} must be a name")
-        if self.head_dim != "split" and not isinstance(self.head_dim, bool):
-            try:
-                object.__setattr__(self, "head_dim", int(self.head_dim))
-            except (TypeError, ValueError):
-                raise ConfigError(f"head_dim = {self.head_dim!r} must be 'split' (d_model / heads) or a positive integer") from None
+        if self.head_dim != "split":
+            if (width := _whole(self.head_dim)) is None:
+                raise ConfigError(f"head_dim = {self.head_dim!r} must be 'split' (d_model / heads) or a positive integer")
+            object.__setattr__(self, "head_dim", width)
         object.__setattr__(self, "enc_heads", _heads_tuple("enc_heads", self.enc_heads, self.enc_layers))
         object.__setattr__(self, "dec_heads", _heads_tuple("dec_heads", self.dec_heads, self.dec_layers))
         self._validate()
@@ -263,10 +275,11 @@ class TrainConfig:
                 floats=("lr", "weight_decay", "eps", "warmup_epochs", "min_lr_ratio", "label_smoothing", "grad_clip", "target"),
                 optional=("grad_clip", "target", "max_steps_per_epoch"))
         object.__setattr__(self, "compile", _compile_mode(self.compile))
-        try:
-            object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
-        except (TypeError, ValueError):
-            raise ConfigError(f"betas = {self.betas!r} must be two numbers, e.g. [0.9, 0.999]") from None
+        betas = self.betas
+        if (not isinstance(betas, (list, tuple)) or len(betas) != 2
+                or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in betas)):
+            raise ConfigError(f"betas = {betas!r} must be two numbers, e.g. [0.9, 0.999]")
+        object.__setattr__(self, "betas", tuple(float(b) for b in betas))
         for name in ("optimizer", "schedule", "amp", "channels_last"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name} = {getattr(self, name)!r} must be a name")

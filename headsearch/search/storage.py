@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import re
 import threading
 import warnings
@@ -90,6 +91,29 @@ def check_sqlite_file(url: str, db: Path) -> None:
         raise HeadsearchError(f"storage {url}: {db} is not a SQLite database: pass another file (or a new name to create one)")
 
 
+def check_journal_file(url: str, path: Path) -> None:
+    """The file of a journal: storage, when it exists, must be an Optuna journal: one JSON object a
+    line (Optuna replays the whole file when it opens it, so reading it here costs no more)."""
+    if path.is_dir():
+        raise HeadsearchError(f"storage {url}: {path} is a folder, not a journal file: pass journal:FILE.log")
+    if not path.exists():
+        return
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise HeadsearchError(f"storage {url}: cannot read {path} ({e.strerror}): check its permissions") from None
+    for lineno, line in enumerate(data.split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            ok = isinstance(json.loads(line), dict)
+        except ValueError:  # not JSON, or not UTF-8
+            ok = False
+        if not ok:
+            raise HeadsearchError(f"storage {url}: {path} is not an Optuna journal (line {lineno} is not a JSON record):"
+                                  " pass another file (or a new name to create one)")
+
+
 def open_storage(url: str, heartbeat: int | None = 30, max_retry: int = 2):
     """An Optuna storage for `url`, with heartbeats and retries for RDB URLs."""
     import optuna
@@ -101,6 +125,7 @@ def open_storage(url: str, heartbeat: int | None = 30, max_retry: int = 2):
     url = normalize_url(url)
     try:
         if (path := journal_path(url)) is not None:
+            check_journal_file(url, path)
             path.parent.mkdir(parents=True, exist_ok=True)
             return JournalStorage(JournalFileBackend(str(path)))
         if url.startswith("redis://"):

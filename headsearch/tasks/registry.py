@@ -49,8 +49,9 @@ def apply_overrides(task: Task, cfg: RunConfig, overrides: Mapping[str, Any]) ->
     if overrides.get("task", task.name) != task.name:
         raise ConfigError(f"the config is for task {overrides['task']!r}, not {task.name!r}: pass --task {overrides['task']}")
     for section in ("arch", "train", "data"):
-        if section in overrides and not isinstance(overrides[section] or {}, Mapping):
-            raise ConfigError(f"config section {section!r} must be a mapping of keys to values")
+        if overrides.get(section) is not None and not isinstance(overrides[section], Mapping):
+            raise ConfigError(f"config section {section!r} must be a mapping of keys to values (or left out),"
+                              f" not {overrides[section]!r}")
     unknown_data = sorted(set(overrides.get("data") or {}) - {f.name for f in fields(task.data_options)})
     if unknown_data:
         raise ConfigError(f"unknown data option(s) {', '.join(unknown_data)} for task {task.name}: known are"

@@ -84,6 +84,21 @@ PRESETS = {
 }
 
 
+def load_run_tokenizer(path: Path):
+    """A trained run's tokenizer (its checkpoint's embeddings index this exact vocabulary), or one
+    DataError naming the file when it is missing, a folder or not a tokenizer."""
+    from tokenizers import Tokenizer
+
+    hint = "the run directory is damaged: restore the file from a copy, or train the run again"
+    if problem := path_problem(path, "file"):
+        raise DataError(f"{path} {problem}: {hint}")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises its own Exception type for any unreadable file
+        first = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+        raise DataError(f"{path} is not a tokenizer file ({first}): {hint}") from None
+
+
 def check_config(cfg: RunConfig) -> None:
     """What the encoder-decoder needs of an architecture, checked before any data loads or directory exists."""
     if cfg.arch.dec_layers < 1:
@@ -127,10 +142,7 @@ class BoundTranslation:
         pick = lambda texts, idx: [texts[i] for i in idx]  # noqa: E731
         if run_dir is not None and (Path(run_dir) / "tokenizer_src.json").exists():
             # A trained run: its checkpoint's embeddings index these exact vocabularies.
-            from tokenizers import Tokenizer
-
-            self.src_tok = Tokenizer.from_file(str(Path(run_dir) / "tokenizer_src.json"))
-            self.tgt_tok = Tokenizer.from_file(str(Path(run_dir) / "tokenizer_tgt.json"))
+            self.src_tok, self.tgt_tok = (load_run_tokenizer(Path(run_dir) / f"tokenizer_{side}.json") for side in ("src", "tgt"))
         else:
             self.src_tok, self.tgt_tok = td.load_or_train_tokenizers(
                 pick(corpus.src, train_idx), pick(corpus.tgt, train_idx),

@@ -81,9 +81,9 @@ def read_parallel_tsv(path: str | os.PathLike, src_col: int = 0, tgt_col: int = 
     needed = max(src_col, tgt_col) + 1
     # Decode line by line, so an encoding error can name its line.
     for lineno, raw in enumerate(path.read_bytes().split(b"\n"), start=1):
-        line = _decode_line(raw, lineno, path).strip()
-        if not line:
-            continue
+        line = _decode_line(raw, lineno, path).rstrip("\r")
+        if not line.strip():
+            continue  # blank lines are allowed; a tab is not stripped away, so an empty column is seen
         fields = line.split("\t")
         if len(fields) < needed:
             raise DataError(

@@ -120,6 +120,8 @@ def resolve_device(device: str | None = None) -> torch.device:
             raise ConfigError(f"--device {device}: this machine has no CUDA GPU (or torch has no CUDA): use cpu or auto")
         if dev.index is not None and dev.index >= count:
             raise ConfigError(f"--device {device}: only {count} CUDA device(s) are visible (cuda:0 .. cuda:{count - 1})")
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"--device {device}: this machine has no Apple GPU (MPS): use cpu or auto")
     elif dev.type not in ("cpu", "mps"):
         raise ConfigError(f"--device {device!r}: headsearch trains on cpu or cuda (or mps): use one of those, or auto")
     return dev
