@@ -1,4 +1,6 @@
 """ArchConfig/TrainConfig/RunConfig validation and YAML round trips."""
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -245,6 +247,30 @@ def test_config_files_that_are_not_text_files_get_their_own_line(tmp_path, make,
 
     with pytest.raises(ConfigError, match=message):
         load_space(str(path))
+
+
+def test_an_unreadable_file_is_said_to_be_unreadable(tmp_path, monkeypatch):
+    """Permission denied, whoever runs the tests: as root chmod 000 does not stop reading (test_fuzz.py
+    covers the real chmod as any other user), so the check is shown the answer a user would get."""
+    import os
+
+    from headsearch.config import path_problem
+
+    path = tmp_path / "c.yaml"
+    path.write_text("d_model: 48\n")
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if Path(p) == path else real_access(p, mode, **kw))
+    assert path_problem(path, "file") == "is not readable (permission denied)"
+    with pytest.raises(ConfigError, match="c.yaml is not readable \\(permission denied\\)"):
+        load_yaml(path)
+    monkeypatch.undo()
+
+    def denied(self, *args, **kwargs):  # readable by its mode bits, refused when opened (an ACL, a FUSE mount)
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "read_text", denied)
+    with pytest.raises(ConfigError, match="is not readable \\(permission denied\\): fix its permissions"):
+        load_yaml(path)
 
 
 @pytest.mark.parametrize("device, message", [
