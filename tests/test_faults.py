@@ -205,7 +205,7 @@ meta = {{"epoch": "3", "task": "vit-cifar10", "note": "x", "seed": "1", "a": "2"
 save_checkpoint({{"w": torch.arange(6.0).view(2, 3), "b": torch.ones(2)}}, sys.argv[1], meta)
 """
     digests = set()
-    for i in range(5):
+    for i in range(3):  # unsorted, three random orders of five keys agree about once in 14,400 runs
         path = tmp_path / f"{i}.safetensors"
         subprocess.run([sys.executable, "-c", code, str(path)], check=True)
         digests.add(path.read_bytes())
