@@ -1,6 +1,6 @@
 """Property-based (hypothesis) tests of the CLI's bad-input promise.
 
-The promise (README, "Errors"): bad input to any `headsearch` command ends with exit code 2, one line
+The promise (README, "What bad input gets"): bad input to any `headsearch` command ends with exit code 2, one line
 on stderr that starts with "error: ", no Python traceback, and nothing created on disk: no run
 directory, no study database, no output file or folder.
 
