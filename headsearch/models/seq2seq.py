@@ -27,11 +27,16 @@ def sinusoidal_positions(max_len: int, d_model: int) -> Tensor:
     return pe
 
 
+def check_seq2seq_arch(cfg: ArchConfig) -> None:
+    """What the encoder-decoder needs of an architecture (tasks call it before any data loads)."""
+    if cfg.dec_layers < 1:
+        raise ConfigError("arch.dec_layers = 0: the translation model needs a decoder, set dec_layers (and dec_heads), e.g. 6 and 8")
+
+
 class Seq2Seq(nn.Module):
     def __init__(self, cfg: ArchConfig, src_vocab: int, tgt_vocab: int, max_len: int, pad_id: int):
         super().__init__()
-        if cfg.dec_layers < 1:
-            raise ConfigError("the translation model needs a decoder: set dec_layers (and dec_heads), e.g. 6 and 8")
+        check_seq2seq_arch(cfg)
         self.cfg, self.pad_id, self.max_len = cfg, pad_id, max_len
         self.src_embed = nn.Embedding(src_vocab, cfg.d_model)
         self.tgt_embed = nn.Embedding(tgt_vocab, cfg.d_model)

@@ -14,13 +14,20 @@ from headsearch.errors import ConfigError
 from headsearch.models.transformer import Encoder, LayerWeights
 
 
+def check_vit_arch(cfg: ArchConfig, image_size: int) -> None:
+    """What the ViT needs of an architecture (tasks call it before any data loads)."""
+    if cfg.dec_layers:
+        raise ConfigError(f"arch.dec_layers = {cfg.dec_layers}: the ViT is encoder-only, set it to 0")
+    if image_size % cfg.patch_size:
+        fits = [p for p in range(1, image_size + 1) if image_size % p == 0]
+        raise ConfigError(f"arch.patch_size = {cfg.patch_size} does not divide the {image_size}x{image_size}"
+                          f" images: use one of {', '.join(map(str, fits))}")
+
+
 class ViT(nn.Module):
     def __init__(self, cfg: ArchConfig, image_size: int = 32, in_chans: int = 3, num_classes: int = 10):
         super().__init__()
-        if cfg.dec_layers:
-            raise ConfigError(f"the ViT is encoder-only: set dec_layers to 0 (got {cfg.dec_layers})")
-        if image_size % cfg.patch_size:
-            raise ConfigError(f"patch_size = {cfg.patch_size} does not divide the image size {image_size}")
+        check_vit_arch(cfg, image_size)
         self.cfg = cfg
         n_patches = (image_size // cfg.patch_size) ** 2
         self.patch_embed = nn.Conv2d(in_chans, cfg.d_model, cfg.patch_size, stride=cfg.patch_size)

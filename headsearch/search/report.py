@@ -23,7 +23,7 @@ from headsearch.errors import HeadsearchError
 from headsearch.jsonsafe import json_safe
 from headsearch.search.objectives import Objective, directions_of, objectives_of
 from headsearch.search.snapshot import TRIAL_STATES, count_states, trial_state
-from headsearch.search.storage import check_journal_file, check_sqlite_file, journal_path, open_storage, sqlite_path
+from headsearch.search.storage import check_sqlite_file, journal_path, open_storage, sqlite_path
 
 
 # -- opening a study without creating anything ----------------------------------------------
@@ -49,11 +49,9 @@ def open_existing_storage(url: str):
             raise HeadsearchError(f"storage {url}: {db} holds no Optuna studies: {where}")
     elif url.startswith("sqlite:"):
         raise HeadsearchError(f"storage {url!r} is not a sqlite URL with a file: write sqlite:///FILE.db")
-    elif (path := journal_path(url)) is not None:
-        if not path.exists():
-            raise HeadsearchError(f"storage {url}: no journal file {path}: {where}")
-        check_journal_file(url, path)
-    return open_storage(url, heartbeat=None)
+    elif (path := journal_path(url)) is not None and not path.exists():
+        raise HeadsearchError(f"storage {url}: no journal file {path}: {where}")
+    return open_storage(url, heartbeat=None)  # checks an existing journal file's records (check_journal_file)
 
 
 def study_names(storage) -> list[str]:

@@ -39,7 +39,7 @@ from headsearch.search.space import SearchSpace, load_space
 from headsearch.search.storage import Heartbeat, budget_lock
 from headsearch.search.study import default_sampler, make_sampler, open_study
 from headsearch.tasks import DataSource, Task, apply_overrides, flag_overrides, get_task, resolve_config
-from headsearch.training import check_device, check_fits, preflight
+from headsearch.training import check_fits, preflight
 from headsearch.training.trainer import Callback, EpochRecord, resolve_device
 
 __all__ = ["Search", "SearchCallback", "SearchSettings", "TrialPruning", "arch_summary", "record_result"]
@@ -82,10 +82,10 @@ class Search:
         self.study_name = s.study or "-".join([self.task.name, self.space.name] + ([s.preset] if s.preset else []))
         self.source = DataSource(Path(s.data_dir) if s.data_dir else None, Path(s.data_file) if s.data_file else None)
         preflight(self.task, self.base, self.source)  # e.g. CUDA graphs for a task whose shapes vary: before any study exists
-        check_device(self.settings.device)  # a device that is not there: also before any study exists
-        check_fits(self.task, self.base, resolve_device(self.settings.device))  # the size guard, on the base config
+        device = resolve_device(self.settings.device)  # a device that is not there: also before any study exists
+        check_fits(self.task, self.base, device)  # the size guard, on the base config
         self.make_pruner()  # bad pruner options fail here, before any storage is touched
-        self.check_space_feasible(resolve_device(self.settings.device))
+        self.check_space_feasible(device)
         self._bound_key: str | None = None
         self._bound = None
         self.current_trial: int | None = None  # the number of the trial this worker is running, if any

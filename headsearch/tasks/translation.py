@@ -101,8 +101,9 @@ def load_run_tokenizer(path: Path):
 
 def check_config(cfg: RunConfig) -> None:
     """What the encoder-decoder needs of an architecture, checked before any data loads or directory exists."""
-    if cfg.arch.dec_layers < 1:
-        raise ConfigError("arch.dec_layers = 0: the translation model needs a decoder, set dec_layers (and dec_heads), e.g. 6 and 8")
+    from headsearch.models.seq2seq import check_seq2seq_arch
+
+    check_seq2seq_arch(cfg.arch)
 
 
 def footprint(cfg: RunConfig):

@@ -74,12 +74,9 @@ IMAGE_SIZE, CHANNELS, CLASSES = 32, 3, 10
 
 def check_config(cfg: RunConfig) -> None:
     """What the ViT needs of an architecture, checked before any data loads or directory exists."""
-    if cfg.arch.dec_layers:
-        raise ConfigError(f"arch.dec_layers = {cfg.arch.dec_layers}: the ViT is encoder-only, set it to 0")
-    if IMAGE_SIZE % cfg.arch.patch_size:
-        fits = [p for p in range(1, IMAGE_SIZE + 1) if IMAGE_SIZE % p == 0]
-        raise ConfigError(f"arch.patch_size = {cfg.arch.patch_size} does not divide the {IMAGE_SIZE}x{IMAGE_SIZE}"
-                          f" CIFAR-10 images: use one of {', '.join(map(str, fits))}")
+    from headsearch.models.vit import check_vit_arch
+
+    check_vit_arch(cfg.arch, IMAGE_SIZE)
 
 
 def footprint(cfg: RunConfig):
