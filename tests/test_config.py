@@ -268,6 +268,18 @@ def test_an_unreadable_file_is_said_to_be_unreadable(tmp_path, monkeypatch):
     def denied(self, *args, **kwargs):  # readable by its mode bits, refused when opened (an ACL, a FUSE mount)
         raise PermissionError(13, "Permission denied", str(self))
 
+    from headsearch.analysis.run import load_run
+    from headsearch.errors import HeadsearchError
+
+    run = tmp_path / "run"  # an unreadable checkpoint is said to be unreadable, not "truncated or corrupt"
+    run.mkdir()
+    (run / "config.yaml").write_text("task: vit-cifar10\n")
+    (run / "model.safetensors").write_bytes(b"\0" * 16)
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if Path(p).name == "model.safetensors" else real_access(p, mode, **kw))
+    with pytest.raises(HeadsearchError, match="model.safetensors is not readable \\(permission denied\\)"):
+        load_run(run, None, "cpu")
+    monkeypatch.undo()
+
     monkeypatch.setattr(Path, "read_text", denied)
     with pytest.raises(ConfigError, match="is not readable \\(permission denied\\): fix its permissions"):
         load_yaml(path)

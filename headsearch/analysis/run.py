@@ -29,6 +29,8 @@ def load_run(run_dir: Path, source: DataSource, device, samples: int | None = No
         raise HeadsearchError(
             f"{run_dir} is not a run directory: expected config.yaml and {CHECKPOINT} (written by headsearch train or run)"
         )
+    if problem := path_problem(run_dir / CHECKPOINT, "file"):  # e.g. unreadable: not to be called "corrupt" below
+        raise HeadsearchError(f"{run_dir / CHECKPOINT} {problem}: fix its permissions or restore it")
     d = load_yaml(run_dir / "config.yaml")
     task = get_task(str(d.get("task")))
     cfg = resolve_config(task, config=d)
