@@ -26,8 +26,10 @@ ACTIVATIONS = ("gelu", "relu")
 OPTIMIZERS = ("adamw", "adam")
 LR_SCHEDULES = ("constant", "cosine")
 AMP_MODES = ("auto", "bf16", "off")
-# torch.compile modes; "reduce-overhead" adds CUDA graphs. "off" trains the eager model.
-COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")
+# How training steps run (headsearch/training/fastpath.py): "auto" is the fastest the device allows
+# (CUDA: compiled blocks + the whole step in a CUDA graph; CPU: eager); "off" eager; "graphs" eager in a
+# CUDA graph; "default" compiled blocks; "reduce-overhead"/"max-autotune" compiled blocks in a CUDA graph.
+COMPILE_MODES = ("auto", "off", "graphs", "default", "reduce-overhead", "max-autotune")
 CHANNELS_LAST = ("auto", "on", "off")
 
 
@@ -264,7 +266,7 @@ class TrainConfig:
     amp: str = "auto"  # "auto": bf16 autocast on CUDA, fp32 on CPU
     target: float | None = None  # validation metric value whose first reach is timed ("seconds to target")
     max_steps_per_epoch: int | None = None  # cut epochs short (smoke tests, quick benchmarks)
-    compile: str = "off"  # torch.compile mode (COMPILE_MODES); true/false in old configs mean default/off
+    compile: str = "auto"  # step mode (COMPILE_MODES); true/false in old configs mean default/off
     channels_last: str = "auto"  # image tasks: NHWC activations and weights; "auto": on for CUDA, off on CPU
     # After each epoch, measure the head-diversity layer scalars (the X-Raying article tracks them over
     # training) on this many validation samples; 0 = off.

@@ -80,18 +80,19 @@ def test_train_config_validation():
 
 @pytest.mark.parametrize("given, mode", [
     (True, "default"), (False, "off"), (None, "off"),  # configs from before compile took a mode
-    ("off", "off"), ("default", "default"), ("reduce-overhead", "reduce-overhead"), ("max-autotune", "max-autotune"),
+    ("auto", "auto"), ("off", "off"), ("graphs", "graphs"), ("default", "default"), ("reduce-overhead", "reduce-overhead"),
+    ("max-autotune", "max-autotune"),
 ])
 def test_compile_takes_a_mode_or_an_old_boolean(given, mode):
     assert TrainConfig(compile=given).compile == mode
     assert TrainConfig.from_dict({"compile": given}, base=TrainConfig()).compile == mode
 
 
-def test_compile_defaults_to_off_and_rejects_an_unknown_mode_in_one_line():
-    assert TrainConfig().compile == "off"
+def test_compile_defaults_to_auto_and_rejects_an_unknown_mode_in_one_line():
+    assert TrainConfig().compile == "auto"  # the fastest the device allows (eager on the CPU)
     with pytest.raises(ConfigError) as e:
         TrainConfig(compile="fast")
-    assert str(e.value) == "compile = 'fast' is not known: use one of off, default, reduce-overhead, max-autotune"
+    assert str(e.value) == "compile = 'fast' is not known: use one of auto, off, graphs, default, reduce-overhead, max-autotune"
 
 
 def test_old_yaml_booleans_and_new_modes_round_trip():
@@ -213,7 +214,7 @@ def test_resolution_order_is_defaults_preset_search_config_flags(tmp_path):
     path.write_text("task: vit-cifar10\narch: {}\ntrain: {epochs: 9}\n")
     assert resolve_config("vit-cifar10", preset="tiny", config=path).train.epochs == 9
     flagged = resolve_config("vit-cifar10", preset="tiny", config=path, overrides=flag_overrides(epochs=2, seed=3, compile=None))
-    assert (flagged.train.epochs, flagged.seed, flagged.train.compile) == (2, 3, "off")
+    assert (flagged.train.epochs, flagged.seed, flagged.train.compile) == (2, 3, "auto")
     assert flag_overrides(epochs=None, seed=None) == {}
 
 

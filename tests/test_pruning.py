@@ -530,7 +530,7 @@ def test_the_search_callback_judges_against_comparison_curves(rule, pruned):
     kw = dict(n_startup_trials=1, reduction_factor=2) if rule == "hyperband" else dict(n_startup_trials=3)
     callback = TrialPruning(study, running, "bleu", make_curve_pruner(rule, "maximize", **kw), rule, single_objective=False)
     assert isinstance(callback, Callback)
-    record = SimpleNamespace(epoch=1, metrics={"bleu": 0.55})
+    record = SimpleNamespace(epoch=1, metrics={"bleu": 0.55}, epoch_seconds_alone=2.5)
     if pruned:
         with pytest.raises(optuna.TrialPruned):
             callback.on_epoch_end(record)
@@ -538,4 +538,18 @@ def test_the_search_callback_judges_against_comparison_curves(rule, pruned):
     else:
         callback.on_epoch_end(record)
         assert "pruned" not in running.user_attrs
+    assert study.trials[running.number].intermediate_values == {1: 0.55}
+    assert running.user_attrs["epoch_seconds_alone"] == 2.5  # the fair clock's measure, kept even when pruned
+
+
+def test_the_last_epoch_is_recorded_but_never_pruned():
+    """The same curve that the median rule prunes at epoch 1 of a longer trial is kept when epoch 1 is the
+    trial's last: the epoch is trained already, and pruning would only discard its objectives."""
+    from headsearch.search.runner import TrialPruning
+
+    study, running = known_trials()
+    callback = TrialPruning(study, running, "bleu", make_curve_pruner("median", "maximize", n_startup_trials=3), "median",
+                            single_objective=False, epochs=1)
+    callback.on_epoch_end(SimpleNamespace(epoch=1, metrics={"bleu": 0.55}, epoch_seconds_alone=None))
+    assert "pruned" not in running.user_attrs and "epoch_seconds_alone" not in running.user_attrs
     assert study.trials[running.number].intermediate_values == {1: 0.55}

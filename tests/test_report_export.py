@@ -336,7 +336,7 @@ def _hand_made(url: str, name: str = "hand", directions=("maximize", "minimize")
         ua = {"config": config(heads, skip), "arch": f"{heads}x4 skip={skip} fusion=none", **attrs}
         if state == TrialState.COMPLETE:
             ua.update(val_metrics={"accuracy": values[0], "loss": 1.0}, test_metrics={"accuracy": values[0] - 0.01},
-                      best_epoch=len(curve), params=1000, best_train_seconds=values[-1])
+                      best_epoch=len(curve), params=1000, best_seconds_alone=values[-1])
         study.add_trial(create_trial(state=state, params={"heads": heads, "skip": skip}, distributions=dist,
                                      values=list(values)[: len(directions)] if values else None,
                                      intermediate_values=dict(enumerate(curve, start=1)), user_attrs=ua))
@@ -401,7 +401,7 @@ def test_single_objective_report_plots_and_importance_reasons(tmp_path):
 
 
 def test_axis_labels_name_metrics_units_and_directions():
-    assert axis_label("time", "minimize") == "time to best validation (training seconds), lower is better"
+    assert axis_label("time", "minimize") == "time to best validation (training seconds alone on the device), lower is better"
     assert axis_label("accuracy", "maximize") == "validation accuracy, higher is better"
     assert axis_label("epochs", "minimize") == "epochs to best validation (epochs), lower is better"
     assert axis_label("params") == "parameters (count)"
@@ -483,7 +483,7 @@ def test_the_objectives_table_reads_results_and_stored_trials(tmp_path):
     # From a training result (what a trial tells Optuna) and from the trial's record (report, export).
     from types import SimpleNamespace
 
-    result = SimpleNamespace(best_metrics={"accuracy": 0.5, "loss": 1.25}, best_train_seconds=12.5, best_epoch=3, params=900)
+    result = SimpleNamespace(best_metrics={"accuracy": 0.5, "loss": 1.25}, best_seconds_alone=12.5, best_epoch=3, params=900)
     assert [o.value(result) for o in objectives] == [1.25, 12.5, 3.0, 900.0]
     study = _hand_made(f"sqlite:///{tmp_path / 'hand.db'}")
     first = study.trials[0]

@@ -35,8 +35,9 @@ def fail_on_fault(e: BaseException, kept: str) -> None:
     fail(f"{fault}: {kept}", code=1)
 
 
-COMPILE_HELP = ("torch.compile the training step: off | default | reduce-overhead (+ CUDA graphs) | max-autotune;"
-                " overrides train.compile. The warm-up is timed apart (compile_seconds in final.json).")
+COMPILE_HELP = ("How training steps run: auto (default: on CUDA compiled blocks + the whole step in a CUDA graph,"
+                " on the CPU eager) | off | graphs | default | reduce-overhead | max-autotune; overrides train.compile."
+                " The warm-up is timed apart (compile_seconds in final.json).")
 
 
 @app.command()
@@ -127,7 +128,7 @@ def run(
     data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="Local dataset folder (vit-cifar10)."),
     data_file: Optional[Path] = typer.Option(None, "--data-file", help="Local tab-separated parallel file (translation-en-es)."),
     workers: Optional[int] = typer.Option(None, "--workers", help="Worker processes on this machine, spread round-robin over the GPUs (default 1)."),
-    trials_per_gpu: Optional[int] = typer.Option(None, "--trials-per-gpu", help="Instead of --workers: K concurrent trials on each visible GPU (K processes without GPUs); NVIDIA MPS helps them share a GPU."),
+    trials_per_gpu: Optional[int] = typer.Option(None, "--trials-per-gpu", help="Instead of --workers: K concurrent trials on each visible GPU (K processes without GPUs). Default on GPUs: chosen from the model's size and the GPU, with NVIDIA MPS started when available."),
     run_root: Path = typer.Option(Path("runs"), "--run-root", help="Trial run directories go in RUN_ROOT/<study>/."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda ..."),
     heartbeat: int = typer.Option(30, "--heartbeat", help="Seconds between heartbeats (RDB storages); a silent trial is retried after 3x."),
@@ -154,7 +155,7 @@ def run(
         search = Search(settings)
         study_obj = open_search(search)  # malformed data fails here, before a study exists
         with SearchProgress(study_obj, trials) as display:
-            failures = run_search(search, [display], argv=sys.argv, poll=display.refresh)
+            failures = run_search(search, [display], argv=sys.argv, poll=display.refresh, announce=display.announce)
     except HeadsearchError as e:
         fail(str(e))
     except KeyboardInterrupt:

@@ -48,6 +48,12 @@ class TrainProgress(Callback):
         self.task_id = self.progress.add_task("train", total=steps_per_epoch * epochs, epoch=f"0/{epochs}",
                                               loss="-", speed="-", metric="")
 
+    def on_prepared(self, step_mode: str, warm_up_seconds: float, note: str | None) -> None:
+        if note:  # a faster mode failed: one line, then training goes on in the slower one
+            self.progress.console.print(f"note: {note}; training as {step_mode}")
+        if warm_up_seconds:
+            self.progress.console.print(f"steps: {step_mode} (warm-up {warm_up_seconds:.1f} s, not timed)")
+
     def on_step(self, info: StepInfo) -> None:
         self.progress.update(self.task_id, completed=info.step, epoch=f"{info.epoch}/{info.epochs}",
                              loss=f"{info.loss:.4f}", speed=f"{info.samples_per_s:,.0f}", metric=self.last_metric)
@@ -101,6 +107,10 @@ class SearchProgress(SearchCallback):
         self.live.__exit__(*exc)
         if not self.console.is_terminal:
             self.console.line()  # Live ends its last line only on a terminal
+
+    def announce(self, line: str) -> None:
+        """The search's plan (workers, trials per GPU, step mode, MPS): one line above the live table."""
+        self.console.print(f"plan: {line}")
 
     def refresh(self) -> None:
         self.snap = snapshot(self.study)

@@ -9,6 +9,17 @@ for one batch: per layer and token, the normalised inputs, q/k/v, the context, t
 layer and residuals, and per head and query-key pair the scores and probabilities. It leaves out the
 allocator's slack, workspace and the soft branch's chunked temporaries, so it is a lower bound: a
 config above the device's memory cannot run, one below it may still not.
+
+The FLOPs estimate (`step_flops`) counts the floating-point operations of one training step, forward
+and backward, taken as 3 x forward (backward multiplies by the weights for the inputs' gradients and by
+the inputs for the weights'). The forward pass counts every matrix product at 2·m·k·n (the linear
+layers, the patch embedding, each head's scores and weighted sum, the soft branch's projections and
+weighted sum) and the soft branch's additive energy w^T tanh(W1 k + W2 q), whose adds and tanh run over
+(Tq, Tk, d_a) per head as often as its product does (4 operations an element; 3 an element of (Tk, d_a)
+for key scores). Other elementwise work is left out (biases, LayerNorms, activations, softmaxes,
+residual adds, dropout, the fusion's product or sum, the scores skip): a small part of the arithmetic,
+bound by memory bandwidth more than by it. A search reads the estimate to judge how much of a GPU one
+trial fills; tests/test_size.py checks the forward count against torch's FLOP counter.
 """
 from __future__ import annotations
 
@@ -22,10 +33,12 @@ OPTIMIZER_BYTES_PER_PARAM = 4 * FLOAT_BYTES  # weight, gradient, Adam's first an
 
 @dataclass(frozen=True)
 class Footprint:
-    """A model's parameter count and the activations one training batch keeps for backward (bytes)."""
+    """A model's parameter count, the activations one training batch keeps for backward (bytes), and the
+    floating-point operations of one training step on that batch (None: not estimated)."""
 
     params: int
     activation_bytes: int
+    step_flops: int | None = None
 
     @property
     def training_bytes(self) -> int:
@@ -98,6 +111,73 @@ def stack_activations(arch: ArchConfig, tokens: int, memory_tokens: int = 0) -> 
                for h in arch.dec_heads)
 
 
+# -- floating-point operations ----------------------------------------------------------------
+
+TRAINING_STEP_FACTOR = 3  # forward + backward ≈ 3 x forward: backward is a product for the inputs and one for the weights
+PAIRWISE_ENERGY_FLOPS = 4  # per (query, key, a): q + k, tanh, times w, summed over a
+KEY_ENERGY_FLOPS = 3  # per (key, a): tanh, times w, summed over a
+
+
+def _matmul(m: int, k: int, n: int) -> int:
+    """(m, k) @ (k, n): a multiply and an add per term."""
+    return 2 * m * k * n
+
+
+def soft_branch_flops(arch: ArchConfig, heads: int, queries: int, keys: int) -> int:
+    """Forward FLOPs of one sample in `SoftAttention`: per head, W1 k_j, W2 q_i (pairwise scores), the
+    additive energy w^T tanh(W1 k_j + W2 q_i) and the weighted sum alpha v."""
+    d_k = arch.head_width(heads)
+    d_a = arch.soft_dim or d_k
+    per_head = _matmul(keys, d_k, d_a) + _matmul(queries, keys, d_k)
+    if arch.soft_score == "pairwise":
+        per_head += _matmul(queries, d_k, d_a) + PAIRWISE_ENERGY_FLOPS * queries * keys * d_a
+    else:  # each key scored once, then the same scores serve every query
+        per_head += KEY_ENERGY_FLOPS * keys * d_a
+    return heads * per_head
+
+
+def attention_flops(arch: ArchConfig, heads: int, queries: int, keys: int) -> int:
+    """Forward FLOPs of one sample in one `Attention` layer (self-attention: `keys` == `queries`): the q, k,
+    v and output projections, each head's scores q k^T and weighted sum p v, and the soft branch."""
+    d, width = arch.d_model, arch.attn_dim(heads)
+    n = _matmul(queries, d, width) + _matmul(keys, d, 2 * width)  # q; k and v
+    n += 2 * heads * _matmul(queries, arch.head_width(heads), keys)  # scores, then weighted sum
+    n += _matmul(queries, width, d)  # W_o
+    if arch.fusion != "none":
+        n += soft_branch_flops(arch, heads, queries, keys)
+    return n
+
+
+def _mlp_flops(arch: ArchConfig, tokens: int) -> int:
+    return 2 * _matmul(tokens, arch.d_model, arch.d_ff)
+
+
+def stack_flops(arch: ArchConfig, tokens: int, memory_tokens: int = 0) -> int:
+    """Forward FLOPs of one sample in the encoder (`tokens` long) or, with `memory_tokens`, the decoder
+    (self-attention over its `tokens`, cross-attention to the encoder's `memory_tokens`)."""
+    if not memory_tokens:
+        return sum(attention_flops(arch, h, tokens, tokens) + _mlp_flops(arch, tokens) for h in arch.enc_heads)
+    return sum(attention_flops(arch, h, tokens, tokens) + attention_flops(arch, h, tokens, memory_tokens)
+               + _mlp_flops(arch, tokens) for h in arch.dec_heads)
+
+
+def vit_step_flops(arch: ArchConfig, batch: int, image_size: int = 32, in_chans: int = 3, num_classes: int = 10) -> int:
+    """FLOPs of one training step of `ViT(arch, image_size, in_chans, num_classes)` on `batch` images."""
+    patches = (image_size // arch.patch_size) ** 2
+    forward = (_matmul(patches, in_chans * arch.patch_size**2, arch.d_model)  # the patch embedding (a strided conv)
+               + stack_flops(arch, patches + 1)  # patches and the class token
+               + _matmul(1, arch.d_model, num_classes))  # the head reads the class token alone
+    return TRAINING_STEP_FACTOR * batch * forward
+
+
+def seq2seq_step_flops(arch: ArchConfig, batch: int, src_len: int, tgt_len: int, tgt_vocab: int) -> int:
+    """FLOPs of one training step of `Seq2Seq(arch, ...)` on `batch` pairs of `src_len` source and `tgt_len`
+    target tokens (embedding lookups cost none; the generator projects every target position)."""
+    forward = (stack_flops(arch, src_len) + stack_flops(arch, tgt_len, memory_tokens=src_len)
+               + _matmul(tgt_len, arch.d_model, tgt_vocab))
+    return TRAINING_STEP_FACTOR * batch * forward
+
+
 # -- the two models --------------------------------------------------------------------------
 
 def vit_footprint(arch: ArchConfig, batch: int, image_size: int = 32, in_chans: int = 3, num_classes: int = 10) -> Footprint:
@@ -107,7 +187,7 @@ def vit_footprint(arch: ArchConfig, batch: int, image_size: int = 32, in_chans: 
               + arch.d_model * (tokens + 1)  # class token and positions
               + encoder_params(arch) + _linear(arch.d_model, num_classes))
     floats = batch * (stack_activations(arch, tokens) + tokens * arch.d_model)
-    return Footprint(params, floats * FLOAT_BYTES)
+    return Footprint(params, floats * FLOAT_BYTES, vit_step_flops(arch, batch, image_size, in_chans, num_classes))
 
 
 def seq2seq_footprint(arch: ArchConfig, batch: int, src_vocab: int, tgt_vocab: int, max_len: int) -> Footprint:
@@ -116,4 +196,4 @@ def seq2seq_footprint(arch: ArchConfig, batch: int, src_vocab: int, tgt_vocab: i
               + _linear(arch.d_model, tgt_vocab))
     floats = batch * (stack_activations(arch, max_len) + stack_activations(arch, max_len, memory_tokens=max_len)
                       + 2 * max_len * tgt_vocab)  # logits and their softmax
-    return Footprint(params, floats * FLOAT_BYTES)
+    return Footprint(params, floats * FLOAT_BYTES, seq2seq_step_flops(arch, batch, max_len, max_len, tgt_vocab))

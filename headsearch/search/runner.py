@@ -32,6 +32,7 @@ from headsearch.analysis.tracking import diversity_callbacks
 from headsearch.config import RunConfig
 from headsearch.errors import ConfigError, Diverged, HeadsearchError
 from headsearch.search.artifacts import write_trial_link
+from headsearch.search.fairtime import alone_key, device_share, known_epoch_seconds
 from headsearch.search.objectives import CONVERGENCE, Objective, resolve_objectives
 from headsearch.search.pruning import comparison_curves, make_curve_pruner, make_optuna_pruner
 from headsearch.search.settings import SearchSettings, check_settings
@@ -40,7 +41,7 @@ from headsearch.search.storage import Heartbeat, budget_lock
 from headsearch.search.study import default_sampler, make_sampler, open_study
 from headsearch.tasks import DataSource, Task, apply_overrides, flag_overrides, get_task, resolve_config
 from headsearch.training import check_fits, preflight
-from headsearch.training.trainer import Callback, EpochRecord, resolve_device
+from headsearch.training.trainer import AloneClock, Callback, EpochRecord, resolve_device
 
 __all__ = ["Search", "SearchCallback", "SearchSettings", "TrialPruning", "arch_summary", "record_result"]
 
@@ -88,7 +89,12 @@ class Search:
         self.check_space_feasible(device)
         self._bound_key: str | None = None
         self._bound = None
+        self._share = None
+        self._plan = None
         self.current_trial: int | None = None  # the number of the trial this worker is running, if any
+        # Threads a process alone on this machine uses: what the fair time measures with on a CPU
+        # (a worker among several runs with fewer; `headsearch.search.workers` sets it from the parent's).
+        self.alone_threads: int | None = None
 
     # -- the study --------------------------------------------------------------------------
     @property
@@ -230,12 +236,14 @@ class Search:
         for cb in callbacks:
             cb.on_trial_start(trial.number, cfg)
         _, curve_pruner = self.make_pruner()
-        pruning = TrialPruning(study, trial, self.task.primary.name, curve_pruner, self.settings.pruner, not self.multi_objective)
+        pruning = TrialPruning(study, trial, self.task.primary.name, curve_pruner, self.settings.pruner, not self.multi_objective,
+                               epochs=cfg.train.epochs)
+        clock = self.alone_clock(study, trial, cfg, device)
         state, values = TrialState.FAIL, None
         try:
             with Heartbeat(study._storage, trial._trial_id, self.settings.heartbeat):
                 bound = self._bound_for(cfg, device)
-                result = train_bound(cfg, bound, run_dir, device=device, argv=argv,
+                result = train_bound(cfg, bound, run_dir, device=device, argv=argv, clock=clock,
                                      callbacks=[pruning, *diversity_callbacks(cfg), *callbacks])
             values = [o.value(result) for o in self.objectives]
             record_result(trial, result)
@@ -267,6 +275,27 @@ class Search:
         for cb in callbacks:
             cb.on_trial_end(trial.number, state.name)
         return state.name
+
+    def alone_clock(self, study, trial, cfg: RunConfig, device) -> AloneClock:
+        """The trial's fair clock (headsearch.search.fairtime): this device's lock, and the architecture's
+        epoch seconds alone if an earlier trial measured them (then nobody is paused again)."""
+        import torch
+
+        if self.alone_threads is None:
+            self.alone_threads = torch.get_num_threads()
+        if self._share is None:
+            self._share = device_share(device)
+        key = alone_key(cfg, device, self.alone_threads if device.type == "cpu" else None)
+        trial.set_user_attr("alone_key", key)
+        return AloneClock(self._share, known=known_epoch_seconds(study, key), alone_threads=self.alone_threads)
+
+    def machine_plan(self):
+        """How this machine runs the search (workers, trials per GPU, step mode, MPS): headsearch.search.plan."""
+        if self._plan is None:
+            from headsearch.search.plan import plan_search
+
+            self._plan = plan_search(self)
+        return self._plan
 
     def check_space_feasible(self, device, samples: int = FEASIBILITY_SAMPLES) -> None:
         """Sample the space at random (in memory, no study is touched) until one architecture passes
@@ -327,7 +356,7 @@ def arch_summary(cfg: RunConfig) -> str:
 
 # TrainResult fields a complete trial keeps under the same names (with every convergence objective's).
 RECORDED = ("epochs_run", "best_epoch", "best_train_seconds", "train_seconds", "compile_seconds", "seconds_to_target",
-            "params", "samples_per_s")
+            "params", "samples_per_s", "epoch_seconds_alone", "step_mode", "step_note")
 
 
 def record_result(trial, result) -> None:
@@ -345,25 +374,32 @@ class TrialPruning(Callback):
 
     One objective: `Trial.report` and Optuna's pruner. Several: the value goes to the storage directly
     and `curve_pruner` judges the curve against `comparison_curves` (see headsearch.search.pruning).
+    A trial's last epoch is recorded but not judged: it is trained already, so pruning it saves nothing
+    and would only throw its objectives away.
     """
 
-    def __init__(self, study, trial, metric: str, curve_pruner, pruner_name: str, single_objective: bool):
+    def __init__(self, study, trial, metric: str, curve_pruner, pruner_name: str, single_objective: bool,
+                 epochs: int | None = None):
         self.study, self.trial, self.metric = study, trial, metric
         self.curve_pruner, self.pruner_name, self.single = curve_pruner, pruner_name, single_objective
+        self.epochs = epochs  # the trial's last epoch: nothing is left to save there, so it is never pruned
         self.curve: dict[int, float] = {}
 
     def on_epoch_end(self, record: EpochRecord) -> None:
         epoch, value = record.epoch, float(record.metrics[self.metric])
         self.curve[epoch] = value
+        if epoch == 1 and record.epoch_seconds_alone is not None:  # a pruned trial's measurement serves later ones too
+            self.trial.set_user_attr("epoch_seconds_alone", record.epoch_seconds_alone)
+        last = self.epochs is not None and epoch >= self.epochs
         if self.single:
             self.trial.report(value, epoch)
-            if self.trial.should_prune():
+            if not last and self.trial.should_prune():
                 self._prune({"prune": True, "rule": self.pruner_name, "epoch": epoch, "value": value, "threshold": None,
                              "n_compared": None, "note": "Optuna's pruner (single objective): it does not expose its threshold"})
             return
         # Multi-objective: Trial.report refuses, the storage API does not (docs/design.md §7).
         self.study._storage.set_trial_intermediate_value(self.trial._trial_id, epoch, value)
-        if self.curve_pruner is None:
+        if self.curve_pruner is None or last:
             return
         others = comparison_curves(self.study.get_trials(deepcopy=False), self.curve_pruner.rule, self.trial.number)
         decision = self.curve_pruner.decide(epoch, self.curve, others)

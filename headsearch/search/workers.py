@@ -56,12 +56,6 @@ def worker_devices(n_workers: int, visible: Sequence[str]) -> list[str | None]:
     return [visible[i % len(visible)] for i in range(n_workers)]
 
 
-def planned_devices(s: SearchSettings) -> list[str | None]:
-    """CUDA_VISIBLE_DEVICES of each worker process this machine starts (None: CPU); its length is the count."""
-    visible = [] if s.device == "cpu" else visible_gpus()
-    return worker_devices(process_count(s, len(visible)), visible)
-
-
 @dataclass(frozen=True)
 class WorkerFailure:
     """A worker process that ended badly: exit code 2 for bad input (`message` is its one line), else a
@@ -82,7 +76,7 @@ def open_search(search):
     malformed data fails before a study exists: for the trials when they run in this process (one
     worker), else once on the CPU and let go (the workers load their own; a tokenizer trained here is
     cached for them)."""
-    if len(planned_devices(search.settings)) == 1:
+    if len(search.machine_plan().devices) == 1:
         search.prepare_data()
     else:
         search.check_data()
@@ -90,18 +84,33 @@ def open_search(search):
 
 
 def run_search(search, callbacks: Sequence = (), argv: list[str] | None = None,
-               poll: Callable[[], None] | None = None, every: float = 2.0) -> list[WorkerFailure]:
-    """Run the trials of `search` on this machine: in this process (with `callbacks`) when it has one
-    worker, else in worker processes (`run_workers`), calling `poll()` every `every` seconds until they
-    end. Returns the worker processes that failed (none in process: errors raise there)."""
-    if len(planned_devices(search.settings)) == 1:
+               poll: Callable[[], None] | None = None, every: float = 2.0,
+               announce: Callable[[str], None] | None = None) -> list[WorkerFailure]:
+    """Run the trials of `search` on this machine as its plan says (headsearch.search.plan): in this
+    process (with `callbacks`) when it has one worker, else in worker processes (`run_workers`), with
+    NVIDIA MPS started for them when several share a GPU and it can be (stopped when they end), calling
+    `poll()` every `every` seconds until they end. `announce(line)` hears the plan, once, before any trial.
+    Returns the worker processes that failed (none in process: errors raise there)."""
+    from headsearch.search.mps import managed_mps
+
+    plan = search.machine_plan()
+    if len(plan.devices) == 1:
+        if announce is not None:
+            announce(plan.describe())
         search.run_worker(0, callbacks=callbacks, argv=argv)
         return []
-    procs = run_workers(search, argv)
-    while any(p.is_alive() for p in procs):
-        time.sleep(every)
-        if poll is not None:
-            poll()
+    with managed_mps(plan.mps) as mps:
+        if announce is not None:
+            announce(plan.describe(mps if plan.mps else None))
+        procs = run_workers(search, argv)
+        try:
+            while any(p.is_alive() for p in procs):
+                time.sleep(every)
+                if poll is not None:
+                    poll()
+        finally:  # Ctrl-C reaches the workers too (one process group): let them record it before MPS stops
+            for p in procs:
+                p.join(timeout=60)
     logs = worker_log_dir(search)
     return [worker_failure(i, p.exitcode, logs) for i, p in enumerate(procs) if p.exitcode]
 
@@ -123,11 +132,11 @@ def worker_failure(index: int, exit_code: int, log_dir: Path) -> WorkerFailure:
 
 
 def run_workers(search, argv: list[str] | None = None) -> list:
-    """Start the worker processes of `search` (a `Search`; `planned_devices`), each pinned to its GPU;
+    """Start the worker processes of `search` (a `Search`; its plan's devices), each pinned to its GPU;
     return the processes."""
     import multiprocessing as mp
 
-    devices = planned_devices(search.settings)
+    devices = search.machine_plan().devices
     ctx = mp.get_context("spawn")
     procs = []
     for i, gpu in enumerate(devices):
@@ -142,13 +151,18 @@ def _worker_main(settings: SearchSettings, index: int, gpu: str | None, n_proces
         # The parent's own name for the GPU (CUDA_VISIBLE_DEVICES "2,3" gives "2" and "3"), set before
         # torch initialises CUDA in this process, which then sees it as cuda:0.
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
-    else:  # CPU workers share the cores instead of each starting one thread per core
-        import torch
+    import torch
 
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // n_processes))
-    from headsearch.search.runner import Search  # after CUDA_VISIBLE_DEVICES is set (it imports torch)
+    alone_threads = torch.get_num_threads()  # what a process alone here uses: the fair time's measure
+    # Workers share the cores instead of each starting one thread per core (and one compile job per core).
+    share = max(1, (os.cpu_count() or 1) // n_processes)
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(share))
+    if gpu is None:
+        torch.set_num_threads(share)
+    from headsearch.search.runner import Search  # after CUDA_VISIBLE_DEVICES is set
 
     search = Search(settings)
+    search.alone_threads = alone_threads
     log_dir = worker_log_dir(search)
     log_dir.mkdir(parents=True, exist_ok=True)
     failed = log_dir / f"worker-{index}.failed"

@@ -53,6 +53,8 @@ _EXPECTED = f"expected {_NPZ_FILES} (x, y, label_names), or a {_PY_DIR} folder w
 
 # torchvision's RandomResizedCrop tries this many (area, ratio) draws before its central-crop fallback.
 _CROP_ATTEMPTS = 10
+# U[0, 1) numbers each augmentation reads per image: a coin; an (area, ratio) pair per attempt and a corner; a corner.
+_UNIFORMS = {"flip": 1, "resized_crop": 2 * _CROP_ATTEMPTS + 2, "pad_crop": 2}
 
 
 @dataclass(frozen=True)
@@ -358,9 +360,28 @@ class GpuAugment:
 
     def __call__(self, x_uint8: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """Augment then normalise a batch: uint8 (B, 3, H, W) -> float32 (B, 3, H, W), on x's device."""
+        return self.apply(x_uint8, self.draw(x_uint8.shape[0], generator, x_uint8.device))
+
+    # The random numbers of a batch are drawn apart from their use, so a training step can take them as
+    # an input: drawn by the data stream from its own generator, used inside a captured CUDA graph.
+    def uniforms_per_image(self) -> int:
+        """How many U[0, 1) numbers `apply` reads per image (at least one, so a batch always has its draws)."""
+        return max(1, sum(_UNIFORMS[op] for op in self.ops))
+
+    def draw(self, b: int, generator: torch.Generator | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The random numbers `apply` needs for `b` images: (B, uniforms_per_image) float32 in [0, 1)."""
+        return torch.rand(b, self.uniforms_per_image(), generator=generator, device=device)
+
+    def apply(self, x_uint8: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """Augment with the drawn numbers `u` (from `draw`), then normalise: uint8 (B, 3, H, W) -> float32.
+
+        Pure tensor work on the device (no host syncs, fixed shapes), so it can run inside a CUDA graph."""
         x = _to_float(x_uint8)  # (B, 3, H, W), 0..255
+        at = 0
         for op in self.ops:
-            x = getattr(self, f"_{op}")(x, generator)
+            n = _UNIFORMS[op]
+            x = getattr(self, f"_{op}")(x, u[:, at : at + n])
+            at += n
         return self._normalize_(x)
 
     def normalize(self, x_uint8: torch.Tensor) -> torch.Tensor:
@@ -381,33 +402,32 @@ class GpuAugment:
             self._affine[device] = tuple(t.float().view(3, 1, 1).to(device) for t in (mul, add))
         return self._affine[device]
 
-    def _flip(self, x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-        flip = torch.rand(x.shape[0], generator=generator, device=x.device) < 0.5  # (B,) Bernoulli(0.5)
+    def _flip(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        flip = u[:, 0] < 0.5  # (B,) Bernoulli(0.5)
         return torch.where(flip[:, None, None, None], x.flip(-1), x)
 
-    def _pad_crop(self, x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    def _pad_crop(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         p = self.padding
         if p == 0:
             return x
         b, c, h, w = x.shape
         padded = F.pad(x, (p, p, p, p))  # (B, C, H + 2p, W + 2p), zeros: black, as in RandomCrop(padding=p)
-        dy, dx = torch.randint(0, 2 * p + 1, (2, b), generator=generator, device=x.device)  # window corners
+        # Window corners uniform in 0..2p; the clamp guards u * (2p + 1) rounding up to 2p + 1.
+        dy, dx = (u.t() * (2 * p + 1)).floor().long().clamp_(max=2 * p)  # (B,) each
         rows = dy[:, None] + torch.arange(h, device=x.device)  # (B, H)
         cols = dx[:, None] + torch.arange(w, device=x.device)  # (B, W)
         bi = torch.arange(b, device=x.device)[:, None, None, None]
         ci = torch.arange(c, device=x.device)[None, :, None, None]
         return padded[bi, ci, rows[:, None, :, None], cols[:, None, None, :]]  # (B, C, H, W)
 
-    def _resized_crop(self, x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    def _resized_crop(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         b, c, h, w = x.shape
-        top, left, ch, cw = self._crop_boxes(b, h, w, generator, x.device)  # (B,) each, whole pixels
+        top, left, ch, cw = self._boxes(u, h, w)  # (B,) each, whole pixels
         # affine_grid maps output coords in [-1, 1] (pixel edges, align_corners=False) to input coords:
         # the crop [left, left + cw] x [top, top + ch] has centre (2 left + cw) / W - 1 and half-width cw / W.
-        theta = torch.zeros(b, 2, 3, device=x.device)  # (B, 2, 3)
-        theta[:, 0, 0] = cw / w
-        theta[:, 0, 2] = (2 * left + cw) / w - 1
-        theta[:, 1, 1] = ch / h
-        theta[:, 1, 2] = (2 * top + ch) / h - 1
+        zero = torch.zeros_like(cw)
+        theta = torch.stack([torch.stack([cw / w, zero, (2 * left + cw) / w - 1], dim=-1),
+                             torch.stack([zero, ch / h, (2 * top + ch) / h - 1], dim=-1)], dim=1)  # (B, 2, 3)
         grid = F.affine_grid(theta, [b, c, h, w], align_corners=False)  # (B, H, W, 2), (x, y) order
         # torchvision crops first and then resizes, so a sample near the crop's edge is clamped to the
         # crop's edge pixel instead of blending in the pixel just outside: clamp to the edge pixels' centres.
@@ -419,23 +439,28 @@ class GpuAugment:
     def _crop_boxes(
         self, b: int, h: int, w: int, generator: torch.Generator | None, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The crop boxes of `b` images drawn from `generator` (see `_boxes`)."""
+        return self._boxes(torch.rand(b, 2 * _CROP_ATTEMPTS + 2, generator=generator, device=device), h, w)
+
+    def _boxes(self, u: torch.Tensor, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """torchvision's RandomResizedCrop.get_params for B images at once: (top, left, height, width).
 
         Each image gets `_CROP_ATTEMPTS` draws of an area fraction (uniform in `scale`) and an aspect
         ratio (log-uniform in `ratio`), rounded to whole pixels; the first draw that fits in the image
         wins and its corner is uniform over the positions where it fits. An image with no fitting draw
         gets torchvision's fallback: the largest central crop with the ratio clamped into `ratio`.
-        All four are float32 tensors (B,) holding integers.
+        `u` (B, 2 T + 2) holds the draws: T area fractions, T ratios, then the corner's two.
+        All four results are float32 tensors (B,) holding integers.
         """
         t = _CROP_ATTEMPTS
-        u = torch.rand(2, b, t, generator=generator, device=device)  # (2, B, T)
-        area = h * w * (self.scale[0] + (self.scale[1] - self.scale[0]) * u[0])  # (B, T)
+        u_area, u_ratio, corner = u[:, :t], u[:, t : 2 * t], u[:, 2 * t : 2 * t + 2].t()  # (B, T), (B, T), (2, B)
+        area = h * w * (self.scale[0] + (self.scale[1] - self.scale[0]) * u_area)  # (B, T)
         log_lo, log_hi = math.log(self.ratio[0]), math.log(self.ratio[1])
-        aspect = torch.exp(log_lo + (log_hi - log_lo) * u[1])  # (B, T), width / height
+        aspect = torch.exp(log_lo + (log_hi - log_lo) * u_ratio)  # (B, T), width / height
         cw = torch.sqrt(area * aspect).round()  # round half to even, as Python's round() in torchvision
         ch = torch.sqrt(area / aspect).round()
         fits = (cw >= 1) & (cw <= w) & (ch >= 1) & (ch <= h)  # (B, T)
-        attempt = torch.arange(t, device=device)
+        attempt = torch.arange(t, device=u.device)
         first = torch.where(fits, attempt, t).amin(dim=1, keepdim=True)  # (B, 1): first fitting draw, or T
         found = first.squeeze(1) < t  # (B,)
         first = first.clamp(max=t - 1)
@@ -443,7 +468,6 @@ class GpuAugment:
         cw = torch.where(found, cw.gather(1, first).squeeze(1), float(fb_w))  # (B,)
         ch = torch.where(found, ch.gather(1, first).squeeze(1), float(fb_h))
         # Uniform integer corner in [0, H - ch]; the clamp guards u * (H - ch + 1) rounding up to the bound.
-        corner = torch.rand(2, b, generator=generator, device=device)  # (2, B)
         top = torch.minimum(torch.floor(corner[0] * (h - ch + 1)), h - ch)
         left = torch.minimum(torch.floor(corner[1] * (w - cw + 1)), w - cw)
         top = torch.where(found, top, float((h - fb_h) // 2))

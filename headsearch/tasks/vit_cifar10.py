@@ -167,23 +167,29 @@ class BoundCifar:
         return -(-self.n_train // self.cfg.train.batch_size)
 
     def train_batches(self, epoch: int):
+        """(images uint8 (B, 3, 32, 32), labels (B,), augmentation draws (B, U)) on the device.
+
+        The augmentation itself runs in `loss`, from the draws: a training step is then pure tensor
+        work on fixed shapes, which the trainer can capture in one CUDA graph with the model."""
         bs = self.cfg.train.batch_size
         for x, y in self.train.batches(bs, shuffle=True, generator=self.generator):
-            yield self.layout(self.augment(x, self.generator)), y
+            yield x, y, self.augment.draw(len(y), self.generator, self.device)
 
     def warmup_batches(self, steps_per_epoch: int) -> list:
         """A first batch (from a fresh data order: the run's own is untouched) and, when an epoch reaches
         the last, partial batch, a batch of that size: both shapes compile before the timed epochs."""
-        x, y = batch = next(iter(self.rebind(self.cfg).train_batches(1)))
+        x, y, u = batch = next(iter(self.rebind(self.cfg).train_batches(1)))
         rest = self.n_train % self.cfg.train.batch_size
         reaches_last = steps_per_epoch * self.cfg.train.batch_size > self.n_train
-        return [batch, (x[:rest], y[:rest])] if rest and reaches_last and rest != len(y) else [batch]
+        return [batch, (x[:rest], y[:rest], u[:rest])] if rest and reaches_last and rest != len(y) else [batch]
 
     def loss(self, model, batch, label_smoothing: float):
+        """Augment (HAM's flips and crops, from the batch's draws), then cross-entropy of the model's logits."""
         import torch.nn.functional as F
 
-        x, y = batch
-        return F.cross_entropy(model(x), y, label_smoothing=label_smoothing), len(y)
+        x, y, u = batch
+        images = self.layout(self.augment.apply(x, u))  # (B, 3, 32, 32) float, normalised
+        return F.cross_entropy(model(images), y, label_smoothing=label_smoothing), len(y)
 
     def evaluate(self, model, split: str) -> dict[str, float]:
         import torch

@@ -64,8 +64,10 @@ def train_run(
     device: str | None = None,
     argv: list[str] | None = None,
     callbacks: Sequence = (),
+    clock=None,
 ):
     """Check inputs, load data, create the run directory, train, and return (run_dir, TrainResult).
+    `clock`: a `trainer.AloneClock`, to measure the architecture's epoch seconds with the device to itself.
 
     Everything that can be wrong with the input is found before the run directory is created, so a
     bad input leaves nothing behind.
@@ -80,14 +82,16 @@ def train_run(
     run_dir = Path(out) if out is not None else default_run_dir(task.name)
     check_run_dir(run_dir)
     bound = task.setup(cfg, source, dev)
-    return run_dir, train_bound(cfg, bound, run_dir, device=dev, argv=argv, callbacks=callbacks)
+    return run_dir, train_bound(cfg, bound, run_dir, device=dev, argv=argv, callbacks=callbacks, clock=clock)
 
 
-def train_bound(cfg: RunConfig, bound, run_dir: Path, *, device, argv: list[str] | None = None, callbacks: Sequence = ()):
-    """Create `run_dir` (config, command, versions, task artifacts) and train `bound` in it."""
+def train_bound(cfg: RunConfig, bound, run_dir: Path, *, device, argv: list[str] | None = None, callbacks: Sequence = (),
+                clock=None):
+    """Create `run_dir` (config, command, versions, task artifacts) and train `bound` in it (`clock`: a
+    search's `trainer.AloneClock`, for the fair time)."""
     from headsearch.training.rundir import create_run_dir
     from headsearch.training.trainer import fit
 
     create_run_dir(run_dir, cfg.to_yaml(), argv)
     bound.write_artifacts(run_dir)
-    return fit(get_task(cfg.task), cfg, bound, device=device, run_dir=run_dir, callbacks=callbacks)
+    return fit(get_task(cfg.task), cfg, bound, device=device, run_dir=run_dir, callbacks=callbacks, clock=clock)

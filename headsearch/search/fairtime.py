@@ -1,0 +1,66 @@
+"""The search's fair `time`: an architecture's training seconds as if it had the device to itself.
+
+Several trials share a device when `--trials-per-gpu` (or the plan) runs K workers on it; a trial's own
+seconds then grow with K and with what the others train. The `time` objective is therefore
+
+    time = best epoch x epoch_seconds_alone(architecture)
+
+where `epoch_seconds_alone` is one epoch's training seconds (evaluation excluded) measured with every
+other worker of the device paused: the trial's first epoch runs under the device's exclusive lock,
+which the other workers respect at their epoch boundaries (`headsearch.training.devicelock`,
+`headsearch.training.trainer.AloneClock`). It is measured once per architecture and device: a later
+trial with the same `alone_key` reuses the stored value instead of pausing the others again. The raw
+seconds (`best_train_seconds`, as measured in the crowd) are recorded beside it. docs/design.md §7.4.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any
+
+# Training fields that change how long an epoch takes (the learning rate and the like do not).
+SPEED_FIELDS = ("batch_size", "amp", "compile", "channels_last", "grad_clip", "optimizer", "max_steps_per_epoch")
+
+
+def device_model(device: Any) -> str:
+    """What the speed depends on: the GPU's model, or the CPU's with its thread count alone."""
+    import platform
+
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).name
+    return f"cpu {platform.machine()} x{os.cpu_count()}"
+
+
+def alone_key(cfg: Any, device: Any, threads: int | None = None) -> str:
+    """Equal for runs whose epochs take equally long alone on this kind of device: the task, architecture,
+    data options and the training fields of SPEED_FIELDS, the device model (and CPU threads), torch's version."""
+    import torch
+
+    train = cfg.train.to_dict()
+    what = {"task": cfg.task, "arch": cfg.arch.to_dict(), "data": cfg.data.to_dict() if hasattr(cfg.data, "to_dict") else cfg.data,
+            "train": {k: train[k] for k in SPEED_FIELDS}, "device": device_model(device), "threads": threads,
+            "torch": torch.__version__}
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def known_epoch_seconds(study: Any, key: str) -> float | None:
+    """The epoch seconds alone an earlier trial of the study measured for `key`, if any (the first one)."""
+    for t in study.get_trials(deepcopy=False):
+        a = t.user_attrs
+        if a.get("alone_key") == key and a.get("epoch_seconds_alone") is not None:
+            return float(a["epoch_seconds_alone"])
+    return None
+
+
+def device_share(device: Any):
+    """The lock every headsearch worker on this machine uses for `device` (by GPU UUID: the same GPU has
+    the same key whatever CUDA_VISIBLE_DEVICES numbers it)."""
+    import torch
+
+    from headsearch.training.devicelock import DeviceShare, default_lock_dir, device_key
+
+    gpu = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None
+    return DeviceShare(default_lock_dir(), device_key(gpu))

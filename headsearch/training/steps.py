@@ -1,0 +1,372 @@
+"""The training step, eager or captured whole in a CUDA graph, with its bookkeeping on the device.
+
+A step is: the task's loss on a batch (for the ViT this includes the augmentation, from random
+numbers drawn with the batch), backward, gradient clipping, the optimizer with the learning-rate
+schedule, and the loss bookkeeping (the epoch's loss sum, the first non-finite loss). Nothing in it
+reads a value back to the host, so the host never waits for the device inside an epoch.
+
+- `EagerSteps` launches each of these from Python every step: the CPU path, and `compile: off` or
+  `default` on a GPU. Its learning rate comes from a `LambdaLR` scheduler (a Python float).
+- `GraphSteps` computes the learning rate on the device from a step counter (`lr_multiplier_tensor`,
+  equal to `lr_multiplier`), uses an optimizer that accepts that tensor (fused AdamW, `capturable`
+  on CUDA), and on CUDA captures the whole step once per batch shape (PyTorch's whole-network
+  capture: warm-up iterations on a side stream, then `torch.cuda.graph`). A step is then a copy of
+  the batch into the graph's input buffers and one replay. On the CPU the same step runs uncaptured,
+  which is how the tests check it against `EagerSteps`.
+
+Both warm up before the clock starts (compiling, capturing) and put the weights, the optimizer
+state and the global RNG back as they were, so the timed run starts from the same point as an
+un-warmed one.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from headsearch.config import TrainConfig
+from headsearch.errors import Diverged
+from headsearch.training.fastpath import StepMode
+
+# Warm-up calls of each batch shape before capture: the first compiles, later ones settle lazy state
+# (optimizer moments, cuBLAS workspaces, autotuning) so that the captured call allocates nothing new.
+CAPTURE_WARMUP_CALLS = 3
+
+
+def lr_multiplier(step: int, total_steps: int, warmup_steps: int, schedule: str, min_ratio: float) -> float:
+    """Linear warm-up from ~0 to 1 over `warmup_steps`, then constant or cosine down to `min_ratio`."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def lr_multiplier_tensor(step: torch.Tensor, total_steps: int, warmup_steps: int, schedule: str,
+                         min_ratio: float) -> torch.Tensor:
+    """`lr_multiplier` of a step held in a device tensor, computed on the device (float64): no host sync,
+    so it can sit inside a captured graph."""
+    s = step.to(torch.float64)
+    if schedule == "constant":
+        main = torch.ones_like(s)
+    else:
+        progress = ((s - warmup_steps) / max(1, total_steps - warmup_steps)).clamp(max=1.0)
+        main = min_ratio + (1 - min_ratio) * 0.5 * (1 + torch.cos(math.pi * progress))
+    if warmup_steps <= 0:
+        return main
+    return torch.where(s < warmup_steps, (s + 1) / warmup_steps, main)
+
+
+@dataclasses.dataclass
+class StepState:
+    """What steps record, as device tensors updated in place (a captured graph writes them on replay)."""
+
+    step: torch.Tensor  # () long: optimizer steps taken
+    loss_sum: torch.Tensor  # () float32: this epoch's sum of loss x samples
+    last_loss: torch.Tensor  # () float32: the last step's loss
+    first_bad: torch.Tensor  # () long: the step (1-based) of the first non-finite loss, -1 while none
+    bad_loss: torch.Tensor  # () float32: that loss
+
+    @classmethod
+    def on(cls, device: torch.device) -> "StepState":
+        long = dict(dtype=torch.long, device=device)
+        real = dict(dtype=torch.float32, device=device)
+        return cls(torch.zeros((), **long), torch.zeros((), **real), torch.zeros((), **real),
+                   torch.full((), -1, **long), torch.zeros((), **real))
+
+    def reset(self) -> None:
+        for t in (self.step, self.loss_sum, self.last_loss, self.bad_loss):
+            t.zero_()
+        self.first_bad.fill_(-1)
+
+    def record(self, loss: torch.Tensor, n: int) -> None:
+        """After the optimizer step: count it, add the loss to the epoch's sum, note a first non-finite loss."""
+        detached = loss.detach().float()
+        self.step.add_(1)
+        newly_bad = (~torch.isfinite(detached)) & (self.first_bad < 0)
+        self.first_bad.copy_(torch.where(newly_bad, self.step, self.first_bad))
+        self.bad_loss.copy_(torch.where(newly_bad, detached, self.bad_loss))
+        self.loss_sum.add_(detached * n)
+        self.last_loss.copy_(detached)
+
+    def check_finite(self, epoch: int) -> None:
+        """Raise Diverged if a loss was not finite. Reads the device: call it where a sync is fine."""
+        bad_step = int(self.first_bad)
+        if bad_step >= 0:
+            raise Diverged(step=bad_step, epoch=epoch, loss=float(self.bad_loss))
+
+
+def autocast_context(t: TrainConfig, device: torch.device, cache: bool = True):
+    """bf16 autocast on CUDA (train.amp auto) or when asked. `cache=False` inside CUDA graphs: autocast's
+    cache of cast weights would hold tensors from the capture that replays never refresh."""
+    use_bf16 = t.amp == "bf16" or (t.amp == "auto" and device.type == "cuda")
+    if use_bf16:
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16, cache_enabled=cache)
+    return contextlib.nullcontext()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Steps:
+    """What the trainer drives: `warm_up` once, then `step` per batch; `state` on the device, `lr()` on the host."""
+
+    mode: StepMode
+    state: StepState
+    optimizer: torch.optim.Optimizer
+
+    def __init__(self, model: torch.nn.Module, step_model: torch.nn.Module, bound: Any, t: TrainConfig,
+                 device: torch.device, mode: StepMode, total_steps: int, warmup_steps: int):
+        self.model, self.step_model, self.bound, self.t, self.device = model, step_model, bound, t, device
+        self.mode, self.total_steps, self.warmup_steps = mode, total_steps, warmup_steps
+        self.state = StepState.on(device)
+        self.steps_taken = 0  # host count, for lr() without reading the device
+
+    def lr(self) -> float:
+        """The learning rate of the next step."""
+        return self.t.lr * lr_multiplier(self.steps_taken, self.total_steps, self.warmup_steps, self.t.schedule,
+                                         self.t.min_lr_ratio)
+
+    def clip(self) -> None:
+        if self.t.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.t.grad_clip)
+
+    def warm_up(self, batches: Sequence) -> float:
+        raise NotImplementedError
+
+    def step(self, batch: Any) -> int:
+        raise NotImplementedError
+
+    def snapshot(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of the weights and buffers, for `restore`."""
+        return ([p.detach().clone() for p in self.model.parameters()], [b.detach().clone() for b in self.model.buffers()])
+
+    def restore(self, snap: tuple[list[torch.Tensor], list[torch.Tensor]]) -> None:
+        """Weights and buffers from `snap`, the optimizer state and the step state back at their start, in place
+        (a captured graph keeps reading the same memory)."""
+        synchronize(self.device)
+        with torch.no_grad():
+            for p, saved in zip(self.model.parameters(), snap[0]):
+                p.copy_(saved)
+            for b, saved in zip(self.model.buffers(), snap[1]):
+                b.copy_(saved)
+        reset_optimizer_state(self.optimizer)
+        self.state.reset()
+        self.steps_taken = 0
+        synchronize(self.device)
+
+    @contextlib.contextmanager
+    def restored_afterwards(self):
+        """Run warm-up work, then put back the weights, the optimizer state, the step state and the RNG."""
+        snap = self.snapshot()
+        cuda = [self.device] if self.device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=cuda):
+                yield snap
+        finally:
+            self.restore(snap)
+
+
+def reset_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Zero every state tensor in place (Adam's step count and moments start at zero): tensors a
+    captured graph reads keep their addresses. Python numbers in the state are reset to 0 too."""
+    with torch.no_grad():
+        for state in optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    value.zero_()
+                elif isinstance(value, (int, float)):
+                    state[key] = type(value)(0)
+
+
+def make_optimizer(model: torch.nn.Module, t: TrainConfig, device: torch.device, lr: float | torch.Tensor | None = None,
+                   capturable: bool = False) -> torch.optim.Optimizer:
+    """Adam or AdamW over the model's parameters. Fused on CUDA (one kernel for the whole update), and
+    wherever the learning rate is a tensor (fused AdamW reads it on the device)."""
+    cls = torch.optim.AdamW if t.optimizer == "adamw" else torch.optim.Adam
+    kwargs: dict[str, Any] = dict(lr=t.lr if lr is None else lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay)
+    if device.type == "cuda" or isinstance(lr, torch.Tensor):
+        kwargs["fused"] = True
+    if capturable:
+        kwargs["capturable"] = True
+    return cls(model.parameters(), **kwargs)
+
+
+class EagerSteps(Steps):
+    """Each step launched from Python, the learning rate from a LambdaLR scheduler."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.optimizer = make_optimizer(self.model, self.t, self.device)
+        total, warmup, t = self.total_steps, self.warmup_steps, self.t
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_multiplier(s, total, warmup, t.schedule, t.min_lr_ratio))
+
+    def warm_up(self, batches: Sequence) -> float:
+        """Compile on each batch shape (forward and backward, no optimizer step); nothing when eager."""
+        if self.step_model is self.model:
+            return 0.0
+        synchronize(self.device)
+        start = time.perf_counter()
+        with self.restored_afterwards():
+            for batch in batches:
+                with autocast_context(self.t, self.device):
+                    loss, _ = self.bound.loss(self.step_model, batch, self.t.label_smoothing)
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+            self.optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+
+    def step(self, batch: Any) -> int:
+        with autocast_context(self.t, self.device):
+            loss, n = self.bound.loss(self.step_model, batch, self.t.label_smoothing)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.clip()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.state.record(loss, n)
+        self.steps_taken += 1
+        return n
+
+
+class GraphSteps(Steps):
+    """The whole step as device work: the learning rate from a device step counter, a fused optimizer
+    reading it as a tensor; captured in one CUDA graph per batch shape on CUDA, run as is elsewhere."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.capture = self.mode.cuda_graph and self.device.type == "cuda"
+        self.lr_tensor = torch.tensor(self.t.lr, dtype=torch.float32, device=self.device)
+        self.optimizer = make_optimizer(self.model, self.t, self.device, lr=self.lr_tensor, capturable=self.capture)
+        self.graphs: dict[tuple, tuple[Any, Any, int]] = {}  # batch signature -> (graph, static batch, samples)
+        self.uncaptured = 0  # steps of a shape no warm-up showed, run without a graph
+
+    def _step_body(self, batch: Any) -> int:
+        """One step, all on the device: the code a graph captures."""
+        t, s = self.t, self.state
+        mult = lr_multiplier_tensor(s.step, self.total_steps, self.warmup_steps, t.schedule, t.min_lr_ratio)
+        self.lr_tensor.copy_(t.lr * mult)
+        with autocast_context(t, self.device, cache=not self.capture):
+            loss, n = self.bound.loss(self.step_model, batch, t.label_smoothing)
+        self.optimizer.zero_grad(set_to_none=True)  # under capture: the grads become the graph's own buffers
+        loss.backward()
+        self.clip()
+        self.optimizer.step()
+        s.record(loss, n)
+        return n
+
+    def warm_up(self, batches: Sequence) -> float:
+        """Compile and capture on each batch shape, and check the first graph against the uncaptured step;
+        then weights, optimizer state, step state and RNG as before."""
+        synchronize(self.device)
+        start = time.perf_counter()
+        with self.restored_afterwards() as start_point:
+            for batch in batches:
+                static = clone_batch(batch)
+                if self.capture:
+                    graph, n = self._capture(static)
+                else:
+                    graph, n = None, self._step_body(static)  # compiles, if the model is compiled
+                self.graphs[signature(batch)] = (graph, static, n)
+            if self.capture and batches:
+                replay = lambda b: self.step(b)  # noqa: E731
+                verify_step(self, replay, batches[0], start_point)
+        return time.perf_counter() - start
+
+    def _capture(self, static: Any) -> tuple[Any, int]:
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(CAPTURE_WARMUP_CALLS):
+                self._step_body(static)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            n = self._step_body(static)
+        return graph, n
+
+    def step(self, batch: Any) -> int:
+        entry = self.graphs.get(signature(batch))
+        if entry is None or entry[0] is None:  # the CPU, or a shape no warm-up showed (then counted)
+            n = self._step_body(batch)
+            if entry is None and self.capture:
+                self.uncaptured += 1
+        else:
+            graph, static, n = entry
+            for dst, src in zip(batch_tensors(static), batch_tensors(batch)):
+                dst.copy_(src, non_blocking=True)
+            graph.replay()
+        self.steps_taken += 1
+        return n
+
+
+class CaptureMismatch(RuntimeError):
+    """A captured step computed something else than the same step run uncaptured."""
+
+
+def verify_step(steps: "GraphSteps", replay: Callable[[Any], int], batch: Any, start_point) -> None:
+    """One step from `start_point` through `replay` (the captured graph), and the same step uncaptured from
+    the same point: the losses (relative 1e-3) and the weights (within a tenth of one step's size, lr)
+    must agree, or CaptureMismatch. A wrong capture would otherwise train quietly wrong; this turns it
+    into a fallback (the trainer then runs without the graph and says why)."""
+    runs = []
+    # Both from the same RNG state: CUDA's graph-safe RNG gives a replay the numbers eager code draws from
+    # the same seed and offset, so dropout masks agree too.
+    rng = torch.cuda.get_rng_state(steps.device) if steps.device.type == "cuda" else None
+    for run in (replay, steps._step_body):
+        steps.restore(start_point)
+        if rng is not None:
+            torch.cuda.set_rng_state(rng, steps.device)
+        run(clone_batch(batch))
+        synchronize(steps.device)
+        runs.append((float(steps.state.last_loss), [p.detach().float().clone() for p in steps.model.parameters()]))
+    (got_loss, got), (want_loss, want) = runs
+    loss_ok = abs(got_loss - want_loss) <= 1e-3 * abs(want_loss) + 1e-6
+    moved = max((float((a - b).abs().max()) for a, b in zip(got, want)), default=0.0)
+    if not (loss_ok and moved <= 0.1 * steps.t.lr):
+        raise CaptureMismatch(f"the captured step gave loss {got_loss:.6g} against {want_loss:.6g} uncaptured"
+                              f" (weights apart by up to {moved:.3g})")
+    steps.restore(start_point)
+
+
+def make_steps(mode: StepMode, model, step_model, bound, t: TrainConfig, device, total_steps: int,
+               warmup_steps: int) -> Steps:
+    cls = GraphSteps if mode.cuda_graph else EagerSteps
+    return cls(model, step_model, bound, t, device, mode, total_steps, warmup_steps)
+
+
+# -- batches as a graph sees them: their tensors, in a fixed order --------------------------------------------
+
+
+def batch_tensors(batch: Any) -> list[torch.Tensor]:
+    """The tensors of a batch (a tuple or list of tensors, a dataclass or a mapping), in field order."""
+    if dataclasses.is_dataclass(batch):
+        values = [getattr(batch, f.name) for f in dataclasses.fields(batch)]
+    elif isinstance(batch, dict):
+        values = list(batch.values())
+    else:
+        values = list(batch)
+    return [v for v in values if isinstance(v, torch.Tensor)]
+
+
+def signature(batch: Any) -> tuple:
+    """Shapes and dtypes of a batch's tensors: batches with equal signatures replay the same graph."""
+    return tuple((tuple(v.shape), v.dtype) for v in batch_tensors(batch))
+
+
+def clone_batch(batch: Any) -> Any:
+    """The same batch in new memory (a graph's input buffers); plain values are kept as they are."""
+    copy: Callable[[Any], Any] = lambda v: v.clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
+    if dataclasses.is_dataclass(batch):
+        return dataclasses.replace(batch, **{f.name: copy(getattr(batch, f.name)) for f in dataclasses.fields(batch)})
+    if isinstance(batch, dict):
+        return {k: copy(v) for k, v in batch.items()}
+    return list(map(copy, batch)) if isinstance(batch, list) else tuple(map(copy, batch))

@@ -1,0 +1,205 @@
+"""The search's fair `time` (headsearch.search.fairtime, trainer.AloneClock, training.devicelock):
+best epoch x one epoch's seconds measured with the device to itself, whatever shares the device.
+
+The acceptance test runs the same architecture alone and beside two other CPU workers (three
+concurrent workers on this 2-core machine) and compares: the fair time agrees within 25%, while the
+raw seconds measured in the crowd do not.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+import torch
+import yaml
+
+from headsearch.search.fairtime import alone_key, known_epoch_seconds
+from headsearch.search.runner import Search, SearchSettings
+from headsearch.tasks import DataSource, apply_overrides, get_task, resolve_config
+from headsearch.training import train_run
+from headsearch.training.devicelock import LockHold
+from headsearch.training.trainer import AloneClock, StepClock, alone_epoch_seconds
+
+VIT = get_task("vit-cifar10")
+TINY = {"seed": 0, "train": {"epochs": 3, "max_steps_per_epoch": 4, "batch_size": 64},
+        "data": {"train_limit": 1000, "val_size": 200, "test_limit": 200}}
+
+
+def vit_config(**arch):
+    return apply_overrides(VIT, resolve_config(VIT), {**TINY, "arch": arch})
+
+
+class RecordingShare:
+    """A share that records which holds the trainer asks for, in order (the real lock is tested in
+    tests/test_devicelock.py; here: which epochs hold it how)."""
+
+    def __init__(self):
+        self.holds: list[str] = []
+        self.waited_total = 0.0
+
+    @contextlib.contextmanager
+    def shared(self):
+        self.holds.append("shared")
+        yield LockHold("shared", 0.0)
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        self.holds.append("exclusive")
+        yield LockHold("exclusive", 0.0)
+
+
+# ------------------------------------------------------------------------------ the trainer's clock
+
+
+def test_epoch_one_is_measured_alone_and_the_time_is_best_epoch_times_it(cifar_dir, tmp_path, one_thread):
+    share = RecordingShare()
+    _, result = train_run(vit_config(), DataSource(data_dir=cifar_dir), tmp_path / "run", device="cpu",
+                          clock=AloneClock(share, alone_threads=1))
+    # The warm-up shared, epoch 1 alone, then epochs 2 and 3 and the test evaluation shared like everyone.
+    assert share.holds == ["shared", "exclusive", "shared", "shared", "shared"]
+    # The median step of epoch 1 x its 4 batches: about the epoch's own seconds (the batch draws included).
+    assert 0.5 * result.history[0].train_seconds < result.epoch_seconds_alone < 1.5 * result.history[0].train_seconds
+    assert result.best_seconds_alone == pytest.approx(result.best_epoch * result.epoch_seconds_alone)
+    assert [r.epoch_seconds_alone for r in result.history] == [result.epoch_seconds_alone] * 3
+
+
+def test_a_known_speed_is_reused_and_nobody_is_paused(cifar_dir, tmp_path, one_thread):
+    share = RecordingShare()
+    _, result = train_run(vit_config(), DataSource(data_dir=cifar_dir), tmp_path / "run", device="cpu",
+                          clock=AloneClock(share, known=2.5, alone_threads=1))
+    assert share.holds == ["shared"] * 5
+    assert result.epoch_seconds_alone == 2.5 and result.best_seconds_alone == result.best_epoch * 2.5
+
+
+def test_without_a_clock_there_is_no_fair_time(cifar_dir, tmp_path, one_thread):
+    _, result = train_run(vit_config(), DataSource(data_dir=cifar_dir), tmp_path / "run", device="cpu")
+    assert result.epoch_seconds_alone is None and result.best_seconds_alone is None
+
+
+def test_an_epoch_alone_is_the_median_step_times_the_batches():
+    # 4 steps of 64 and a last one of 40 (296 samples): median 0.2 s x 296 / 64 batches; the slow 0.9 s step
+    # (something outside headsearch ran then) does not count.
+    assert alone_epoch_seconds([0.2, 0.9, 0.2, 0.21, 0.12], 296, 64) == pytest.approx(0.2 * 296 / 64)
+    assert alone_epoch_seconds([0.5], 64, 64) == 0.5
+
+
+def test_the_step_clock_times_each_step_with_its_batch(cifar_dir, one_thread):
+    from headsearch.training.trainer import prepare_steps, steps_per_epoch, train_epoch
+
+    cfg = vit_config()
+    bound = VIT.setup(cfg, DataSource(data_dir=cifar_dir), "cpu")
+    model = bound.build_model()
+    steps, _, _ = prepare_steps(VIT, cfg, bound, model, torch.device("cpu"), 4)
+    clock = StepClock(torch.device("cpu"))
+    seen, seconds = train_epoch(steps, bound, 1, 3, steps_per_epoch(bound, cfg.train), torch.device("cpu"), step_clock=clock)
+    durations = clock.seconds()
+    assert seen == 256 and len(durations) == 4 and all(d > 0 for d in durations)
+    assert sum(durations) <= seconds
+
+
+# --------------------------------------------------------------------------- the per-architecture cache
+
+
+def test_the_cache_key_follows_what_changes_an_epochs_length():
+    cpu = torch.device("cpu")
+    base = vit_config()
+    same = apply_overrides(VIT, base, {"train": {"lr": 0.1, "epochs": 9}, "seed": 3})  # speed unchanged
+    assert alone_key(base, cpu, 1) == alone_key(same, cpu, 1)
+    for changed in (vit_config(enc_heads=8), vit_config(skip="scores"), vit_config(fusion="add"),
+                    apply_overrides(VIT, base, {"train": {"batch_size": 32}}),
+                    apply_overrides(VIT, base, {"data": {"train_limit": 900}})):
+        assert alone_key(changed, cpu, 1) != alone_key(base, cpu, 1)
+    assert alone_key(base, cpu, 1) != alone_key(base, cpu, 2)  # threads alone on a CPU
+
+
+def test_known_epoch_seconds_reads_any_trial_that_measured_the_key(tmp_path):
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'k.db'}", directions=["maximize", "minimize"])
+    make = optuna.trial.create_trial
+    dist = {"x": optuna.distributions.FloatDistribution(0, 1)}
+    study.add_trial(make(state=optuna.trial.TrialState.PRUNED, params={"x": 0.1}, distributions=dist,
+                         user_attrs={"alone_key": "a", "epoch_seconds_alone": 1.5}))
+    study.add_trial(make(state=optuna.trial.TrialState.COMPLETE, values=[0.5, 3.0], params={"x": 0.2}, distributions=dist,
+                         user_attrs={"alone_key": "b", "epoch_seconds_alone": 4.0}))
+    assert known_epoch_seconds(study, "a") == 1.5 and known_epoch_seconds(study, "b") == 4.0
+    assert known_epoch_seconds(study, "c") is None
+
+
+# ------------------------------------------------------------------ acceptance: alone vs a crowd
+
+ONE_ARCH = {"schedule": {"families": ["uniform"], "heads": [4]}, "skip": ["none"], "fusion": ["none"],
+            "fixed": {"train": {"epochs": 3, "batch_size": 64}, "data": {"train_limit": 1024, "val_size": 200, "test_limit": 200}}}
+CROWD = {"schedule": {"families": ["uniform", "halving"], "heads": [1, 2, 4, 8, 16]}, "skip": ["none", "output", "scores"],
+         "fusion": ["none"], "fixed": {"train": {"epochs": 50, "batch_size": 64}, "data": {"train_limit": 1024, "val_size": 200}}}
+
+
+def search_alone(tmp_path: Path, cifar_dir: Path, name: str):
+    """One worker, in this process, one trial of the one architecture: its stored trial."""
+    space = tmp_path / "one.yaml"
+    space.write_text(yaml.safe_dump(ONE_ARCH))
+    url = f"sqlite:///{tmp_path / 'fair.db'}"
+    settings = SearchSettings(task="vit-cifar10", space=str(space), trials=1, storage=url, study=name, sampler="random",
+                              pruner="none", data_dir=str(cifar_dir), run_root=str(tmp_path / "runs"), device="cpu", heartbeat=0)
+    Search(settings).run_worker()
+    (trial,) = optuna.load_study(study_name=name, storage=url).get_trials()
+    return trial
+
+
+@pytest.mark.slow
+def test_the_same_architectures_time_alone_and_among_three_cpu_workers_agrees(cifar_dir, tmp_path, one_thread):
+    alone = search_alone(tmp_path, cifar_dir, "alone")
+
+    # Two more workers (another search, `--workers 2`) keep both cores busy while the same architecture
+    # trains again: three concurrent workers, all respecting the CPU's device lock.
+    crowd_space = tmp_path / "crowd.yaml"
+    crowd_space.write_text(yaml.safe_dump(CROWD))
+    crowd_url = f"sqlite:///{tmp_path / 'crowd.db'}"
+    cmd = [sys.executable, "-m", "headsearch", "run", "--task", "vit-cifar10", "--space", str(crowd_space),
+           "--trials", "200", "--workers", "2", "--pruner", "none", "--sampler", "random", "--storage", crowd_url,
+           "--study", "crowd", "--data-dir", str(cifar_dir), "--run-root", str(tmp_path / "crowd-runs"), "--device", "cpu"]
+    crowd = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        wait_for_two_running_trials(crowd_url, crowd)
+        crowded = search_alone(tmp_path, cifar_dir, "crowded")
+        still_two = running_trials(crowd_url) >= 2
+    finally:
+        os.killpg(crowd.pid, signal.SIGINT)  # Ctrl-C: the crowd's workers stop, its running trials fail
+        crowd.communicate(timeout=120)
+    assert still_two, "the crowd kept two workers busy until the measured trial ended"
+
+    a, c = alone.user_attrs, crowded.user_attrs
+    assert a["alone_key"] == c["alone_key"]  # the same architecture on the same device
+    assert a["best_epoch"] == c["best_epoch"]  # the same training (seed 0)
+    print(f"epoch seconds alone: {a['epoch_seconds_alone']:.2f} alone, {c['epoch_seconds_alone']:.2f} in the crowd;"
+          f" raw seconds to best: {a['best_train_seconds']:.2f} alone, {c['best_train_seconds']:.2f} in the crowd")
+    ratio = crowded.values[1] / alone.values[1]
+    assert 0.8 <= ratio <= 1.25, f"time in the crowd / time alone = {ratio:.2f}: not within 25%"
+    # The raw seconds of the shared epochs (2 and 3) do depend on the crowd: what the fair time avoids.
+    raw_alone = a["train_seconds"] - a["epoch_seconds_alone"]
+    raw_crowded = c["train_seconds"] - c["epoch_seconds_alone"]
+    assert raw_crowded > 1.25 * raw_alone, (raw_crowded, raw_alone)
+
+
+def running_trials(url: str) -> int:
+    try:
+        study = optuna.load_study(study_name="crowd", storage=url)
+    except KeyError:
+        return 0
+    return sum(t.state == optuna.trial.TrialState.RUNNING for t in study.get_trials(deepcopy=False))
+
+
+def wait_for_two_running_trials(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+    start = time.monotonic()
+    while running_trials(url) < 2:
+        if proc.poll() is not None:
+            pytest.fail(f"the crowd ended early: {proc.stderr.read()[-2000:]}")
+        if time.monotonic() - start > timeout:
+            pytest.fail("the crowd's two workers never ran trials together")
+        time.sleep(0.5)

@@ -1,0 +1,98 @@
+"""The search's plan (headsearch.search.plan): worker processes, trials per GPU from the model's size
+and the device, the step mode and MPS; CPU behaviour unchanged. GPUs are described, not needed: the
+rule reads a `GpuInfo` and CUDA_VISIBLE_DEVICES names."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from headsearch.search.plan import FILL_FLOPS_PER_SM, GpuInfo, Plan, plan_search, trials_per_gpu_for
+from headsearch.search.mps import MpsStatus
+from headsearch.search.runner import Search, SearchSettings
+
+H100 = GpuInfo("NVIDIA H100 80GB HBM3", 132, 80 * 2**30)
+SEED_STEP = 13_760_741_376  # FLOPs of one seed-ViT step at batch 256 (tests/test_size.py counts them)
+SEED_TRAINING_BYTES = 348_000_000
+
+
+def vit_search(**settings) -> Search:
+    return Search(SearchSettings(task="vit-cifar10", device="auto", **settings))
+
+
+def test_the_rule_fills_an_h100_with_eight_seed_vits():
+    # 8 x 13.76 GFLOP over 132 multiprocessors: the calibration point (issue 12's measurements).
+    assert FILL_FLOPS_PER_SM * 132 == pytest.approx(8 * 13.76e9)
+    k, why = trials_per_gpu_for(SEED_STEP, SEED_TRAINING_BYTES, H100, cpu_cores=16, trials=50)
+    assert k == 8 and why == "auto: a step is 13.8 GFLOP, 8 fill a NVIDIA H100 80GB HBM3"
+
+
+@pytest.mark.parametrize("flops, bytes_, cores, trials, expected, capped_by", [
+    (4 * SEED_STEP, SEED_TRAINING_BYTES, 16, 50, 2, None),  # 4x the work a step: a quarter of the trials
+    (560e9, 2.7 * 2**30, 16, 50, 1, None),  # a ViT-Tiny-sized model fills the GPU alone
+    (SEED_STEP / 100, SEED_TRAINING_BYTES, 64, 50, 16, "the maximum"),  # 800 would fill it: 16 at most
+    (SEED_STEP, 20 * 2**30, 16, 50, 3, "memory"),  # 0.8 x 80 GiB holds 3 of these
+    (SEED_STEP, SEED_TRAINING_BYTES, 4, 50, 4, "CPU cores"),  # one host thread drives each worker
+    (SEED_STEP, SEED_TRAINING_BYTES, 16, 3, 3, "trials"),  # no more workers than trials
+])
+def test_the_rule_and_its_caps(flops, bytes_, cores, trials, expected, capped_by):
+    k, why = trials_per_gpu_for(int(flops), int(bytes_), H100, cpu_cores=cores, trials=trials)
+    assert k == expected
+    assert (f"capped by {capped_by}" in why) if capped_by else ("capped" not in why)
+
+
+def test_a_smaller_gpu_takes_fewer():
+    small = GpuInfo("a 33-SM GPU", 33, 16 * 2**30)
+    assert trials_per_gpu_for(SEED_STEP, SEED_TRAINING_BYTES, small, 16, 50)[0] == 2
+
+
+def test_without_a_flops_estimate_one_trial_per_gpu():
+    assert trials_per_gpu_for(None, 0, H100, 16, 50) == (1, "auto: no FLOPs estimate for this task")
+
+
+def test_on_a_gpu_machine_the_default_plan_is_the_fast_path():
+
+    plan = plan_search(vit_search(), visible=["0"], gpu=H100, cpu_cores=16)
+    assert plan.devices == ("0",) * 8 and plan.per_gpu == 8 and plan.mps
+    assert plan.step_mode == "reduce-overhead: compiled blocks (default), whole step in a CUDA graph"
+    started = MpsStatus("started", "started by headsearch")
+    assert plan.describe(started) == ("8 trials per GPU on 1 GPU (auto: a step is 13.8 GFLOP, 8 fill a NVIDIA H100 80GB HBM3);"
+                                      " steps: reduce-overhead: compiled blocks (default), whole step in a CUDA graph; "
+                                      + started.describe())
+    two = plan_search(vit_search(), visible=["2", "3"], gpu=H100, cpu_cores=16)
+    assert two.devices == ("2", "3") * 8 and two.per_gpu == 8
+
+
+def test_flags_override_the_rule_on_a_gpu_machine():
+    k3 = plan_search(vit_search(trials_per_gpu=3), visible=["0", "1"], gpu=H100, cpu_cores=16)
+    assert (k3.devices, k3.per_gpu, k3.why, k3.mps) == (("0", "1", "0", "1", "0", "1"), 3, "--trials-per-gpu", True)
+    one = plan_search(vit_search(trials_per_gpu=1), visible=["0"], gpu=H100, cpu_cores=16)
+    assert one.devices == ("0",) and not one.mps  # one process a GPU: no MPS
+    w = plan_search(vit_search(workers=3), visible=["0", "1"], gpu=H100, cpu_cores=16)
+    assert (w.devices, w.per_gpu, w.why) == (("0", "1", "0"), 2, "--workers")
+    eager = plan_search(vit_search(compile="off"), visible=["0"], gpu=H100, cpu_cores=16)
+    assert eager.step_mode == "off: eager"
+
+
+def test_the_cpu_plan_is_unchanged():
+    for settings, n, why in (({}, 1, "default"), ({"workers": 3}, 3, "--workers"), ({"trials_per_gpu": 2}, 2, "--trials-per-gpu")):
+        plan = plan_search(vit_search(**settings), visible=[])
+        assert plan == Plan((None,) * n, None, why, "off: eager", mps=False)
+    assert plan_search(vit_search(workers=3), visible=[]).describe() == "3 workers on the CPU (--workers); steps: off: eager"
+    # --device cpu ignores the GPUs there are.
+    assert Search(SearchSettings(task="vit-cifar10", device="cpu")).machine_plan().devices == (None,)
+
+
+def test_a_search_says_its_plan_in_one_line(tmp_path, cifar_dir):
+    space = tmp_path / "space.yaml"
+    space.write_text("schedule: {families: [uniform], heads: [2]}\nskip: [none]\nfusion: [none]\n"
+                     "fixed: {train: {epochs: 1, max_steps_per_epoch: 1, batch_size: 32},"
+                     " data: {train_limit: 64, val_size: 32, test_limit: 32}}\n")
+    proc = subprocess.run([sys.executable, "-m", "headsearch", "run", "--task", "vit-cifar10", "--space", str(space),
+                           "--trials", "1", "--data-dir", str(cifar_dir), "--storage", f"sqlite:///{tmp_path / 'p.db'}",
+                           "--run-root", str(tmp_path / "runs"), "--device", "cpu"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [line for line in proc.stderr.splitlines() if line.startswith("plan:")] == [
+        "plan: 1 worker on the CPU (default); steps: off: eager"]
