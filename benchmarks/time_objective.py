@@ -99,7 +99,9 @@ def start_crowd(work: Path, workers: int, device, env) -> subprocess.Popen:
     per = ["--trials-per-gpu", workers] if device.type == "cuda" else ["--workers", workers]
     cmd = search_cmd(work, "crowd.yaml", "crowd", 1000, device, *per)
     print(f"crowd: {' '.join(cmd[3:])}", flush=True)
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    # Its own process group (to stop it with one signal) but this session: Linux's autogroup scheduler gives
+    # each session an equal share of the CPU, so a crowd in another session would not crowd the measured run.
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, preexec_fn=os.setpgrp)
 
 
 def wait_running(work: Path, n: int, proc: subprocess.Popen, timeout: float = 600) -> None:
@@ -111,8 +113,9 @@ def wait_running(work: Path, n: int, proc: subprocess.Popen, timeout: float = 60
             sys.exit("the crowd search ended early")
         try:
             study = optuna.load_study(study_name="crowd", storage=f"sqlite:///{work / 'crowd.db'}")
-            if sum(t.state == optuna.trial.TrialState.RUNNING for t in study.get_trials(deepcopy=False)) >= n:
-                time.sleep(2)  # past their warm-up, into their epochs
+            # Running, and past their own exclusive first epoch: from now on they train shared, for many epochs.
+            if sum(t.state == optuna.trial.TrialState.RUNNING and "epoch_seconds_alone" in t.user_attrs
+                   for t in study.get_trials(deepcopy=False)) >= n:
                 return
         except KeyError:
             pass

@@ -105,7 +105,7 @@ def test_fusion_combines_self_and_soft_heads_before_w_o(fusion, op):
     attn.hook_head_out.register_forward_hook(lambda m, i, o: seen.setdefault("heads", o))
     x = torch.randn(2, 5, 8)
     attn(x)
-    q, k, v = attn._project(x, None)
+    q, k, v, _ = attn._project(x, None)
     soft, _ = attn.soft(q, k, v, None)
     torch.testing.assert_close(seen["heads"], op(seen["sa"], soft))
 
@@ -135,9 +135,9 @@ def test_scores_skip_adds_previous_scores_before_softmax():
     b1, b2 = enc.blocks
     h = x + b1.attn(b1.norm1(x)).out
     h = h + b1.mlp(b1.norm2(h))
-    q1, k1, _ = b1.attn._project(b1.norm1(x), None)
+    q1, k1, _, _ = b1.attn._project(b1.norm1(x), None)
     s1 = q1 @ k1.transpose(-2, -1) / math.sqrt(2)
-    q2, k2, _ = b2.attn._project(b2.norm1(h), None)
+    q2, k2, _, _ = b2.attn._project(b2.norm1(h), None)
     s2 = q2 @ k2.transpose(-2, -1) / math.sqrt(4) + map_score_heads(s1, 2)
     torch.testing.assert_close(weights[1].self_attn, s2.softmax(-1), atol=1e-5, rtol=1e-5)
 
@@ -274,7 +274,7 @@ def test_batched_greedy_decoding_equals_one_sentence_at_a_time():
         n = single.shape[0]
         assert batched[i, :n].tolist() == single.tolist()
         assert (batched[i, n:] == 1).all()  # PAD after that sentence finished
-    # Each step is the argmax of a full forward pass on the prefix (no cache shortcuts).
+    # Each step (decoded with the key/value cache) is the argmax of a full forward pass on the prefix.
     ys = torch.tensor([[2]])
     for _ in range(4):
         nxt = model(src[:1], ys)[:, -1].argmax(-1, keepdim=True)

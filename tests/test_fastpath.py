@@ -22,7 +22,8 @@ from headsearch.training import train_run, trainer
 from headsearch.training import preflight
 from headsearch.training.fastpath import StepMode, check_compile, compile_blocks, resolve_mode
 from headsearch.training.steps import (
-    EagerSteps, GraphSteps, StepState, batch_tensors, clone_batch, lr_multiplier, lr_multiplier_tensor, signature,
+    CaptureMismatch, EagerSteps, GraphSteps, StepState, batch_tensors, clone_batch, lr_multiplier, lr_multiplier_tensor,
+    signature, verify_step,
 )
 from headsearch.training.trainer import fallbacks, fit, prepare_steps, steps_per_epoch
 
@@ -206,6 +207,28 @@ def test_a_vit_step_never_reads_the_device(cifar):
         steps.state.check_finite(1)  # the detector works: this one does read
 
 
+def test_translation_with_fixed_lengths_trains_in_graph_steps_of_warmed_up_shapes_only(translation_bound):
+    """The CUDA setup of translation, on the CPU: padded to fixed lengths (data.buckets, the CUDA default),
+    the warm-up sees every shape an epoch shows (so every step would replay a graph), and the graph-ready
+    step (device learning rate, fused AdamW, gradient clipping) trains like the eager one."""
+    cfg = apply_overrides(TRANSLATION, translation_config({"grad_clip": 1.0, "schedule": "cosine", "warmup_epochs": 0.3,
+                                                          "lr": 2e-3}),
+                          {"data": {"buckets": [8, 12, 16]}, "arch": {"dropout": 0.0}})  # the two draw masks in turn
+    bound = translation_bound.rebind(cfg)
+    graph = make_steps_for(GraphSteps, bound, cfg, GRAPHS)
+    spe = steps_per_epoch(bound, cfg.train)
+    graph.warm_up(bound.warmup_batches(spe))
+    epoch = list(bound.train_batches(1))
+    assert {signature(b) for b in epoch} <= set(graph.graphs)  # no shape left for an uncaptured step
+    assert len(graph.graphs) <= 4  # three lengths and the last, partial batch
+    eager = make_steps_for(EagerSteps, bound, cfg, EAGER)
+    for i, batch in enumerate(epoch[:12]):
+        assert eager.step(batch) == graph.step(batch)
+        assert float(graph.state.last_loss) == pytest.approx(float(eager.state.last_loss), rel=1e-5), f"step {i + 1}"
+    with NoHostReads():
+        graph._step_body(clone_batch(epoch[0]))
+
+
 def test_warm_up_captures_each_shape_and_leaves_weights_optimizer_steps_and_rng_as_they_were(cifar):
     cfg = vit_config({"schedule": "cosine"}, arch={"dropout": 0.1})  # dropout draws from the global RNG
     bound = VIT.setup(cfg, cifar, "cpu")
@@ -222,6 +245,35 @@ def test_warm_up_captures_each_shape_and_leaves_weights_optimizer_steps_and_rng_
         assert all(not v.any() for v in state.values() if isinstance(v, torch.Tensor))
     assert int(steps.state.step) == 0 and int(steps.state.first_bad) == -1 and steps.steps_taken == 0
     assert set(steps.graphs) == {signature(b) for b in warm} and len(steps.graphs) == 2  # 64 and the last 44
+
+
+def test_a_captured_step_is_checked_against_the_uncaptured_one(cifar):
+    """verify_step, which runs after capture on a GPU: a replay that computes the step agrees; one that
+    computes something else (other labels, a step skipped, a doubled learning rate) is a CaptureMismatch,
+    so the trainer falls back instead of training quietly wrong. Here the "replay" is the step itself."""
+    cfg = vit_config({"schedule": "cosine", "lr": 3e-3})
+    bound = VIT.setup(cfg, cifar, "cpu")
+    steps = make_steps_for(GraphSteps, bound, cfg, GRAPHS)
+    batch = next(iter(bound.train_batches(1)))
+    weights = [p.detach().clone() for p in steps.model.parameters()]
+
+    def other_labels(b):
+        x, y, u = b
+        return steps._step_body((x, (y + 1) % 10, u))
+
+    def doubled_lr(b):
+        n = steps._step_body(b)
+        with torch.no_grad():
+            for p, w in zip(steps.model.parameters(), weights):
+                p.add_(p - w)  # as if the update had been twice as large
+        return n
+
+    with steps.restored_afterwards() as start:
+        verify_step(steps, steps._step_body, batch, start)
+        for wrong in (other_labels, lambda b: 64, doubled_lr):
+            with pytest.raises(CaptureMismatch, match="the captured step gave loss"):
+                verify_step(steps, wrong, batch, start)
+    assert all(torch.equal(p, w) for p, w in zip(steps.model.parameters(), weights))  # and put back
 
 
 def test_batch_tensors_and_clones_keep_fields_in_order():

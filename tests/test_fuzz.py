@@ -573,7 +573,17 @@ def _data_fields(task: str) -> dict[str, st.SearchStrategy]:
         "vocab_size": ints_below(5),
         "min_frequency": ints_below(1),
         "eval_batch_size": ints_below(1),
+        "buckets": buckets_bad(),
     }
+
+
+def buckets_bad() -> st.SearchStrategy:
+    """TranslationData.buckets: valid are null and increasing whole numbers in 2..max_len (16 in MT_BASE)."""
+    bad_length = st.one_of(st.integers(-10**6, 1), st.integers(17, 10**6), NON_INTEGRAL, NONFINITE, words(), st.none(), BOOLS)
+    not_increasing = st.lists(st.integers(2, 16), min_size=2, max_size=4).filter(
+        lambda xs: any(a >= b for a, b in zip(xs, xs[1:])))
+    one_bad = st.tuples(st.lists(st.integers(2, 16), unique=True, max_size=2), bad_length).map(lambda t: sorted(t[0]) + [t[1]])
+    return st.one_of(st.just([]), not_increasing, one_bad, words(), st.integers(), st.floats(allow_nan=False), BOOLS, MAPS)
 
 
 def _dataclass_fields(cls) -> list[str]:
@@ -718,6 +728,8 @@ def edge_values(task: str, section: str, name: str) -> list:
             ("data", "vocab_size"): int_edges(5),
             ("data", "min_frequency"): int_edges(1),
             ("data", "eval_batch_size"): int_edges(1),
+            ("data", "buckets"): [[], [16, 8], [8, 8], [8, 17], [1, 8], [0], [8, 1.5], [8, NAN], [8, INF], [True], ["x"],
+                                  [None], 8, "8,16", True, {"a": 8}],
         })
     assert (section, name) in table, f"test bug: no edge values for {section}.{name} (a new field?)"
     return table[(section, name)]

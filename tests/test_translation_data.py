@@ -233,9 +233,17 @@ def _pad_fraction(batches):
     return pads / total
 
 
-def test_every_pair_once_with_correct_rows(encoded):
+LADDER = (8, 12, 16, 24, 32, 48, 64)  # bucket_ladder(64)
+
+
+def _need(src, tgt, i):
+    return max(len(src[i]), len(tgt[i])) + 1  # with EOS (source) / SOS or EOS (target)
+
+
+@pytest.mark.parametrize("buckets", [None, LADDER])
+def test_every_pair_once_with_correct_rows(encoded, buckets):
     src, tgt = encoded
-    batcher = td.BucketBatcher(src, tgt, batch_size=64)
+    batcher = td.BucketBatcher(src, tgt, batch_size=64, buckets=buckets)
     for shuffle in (True, False):
         batches = list(batcher.batches(shuffle=shuffle, seed=3))
         assert len(batches) == len(batcher) == -(-len(src) // 64)
@@ -245,7 +253,13 @@ def test_every_pair_once_with_correct_rows(encoded):
     for b in batches:
         assert b.src.dtype == b.tgt_in.dtype == b.tgt_out.dtype == b.index.dtype == torch.long
         assert b.tgt_in.shape == b.tgt_out.shape
+        if buckets is None:  # each side padded to its own longest sentence
+            assert b.src.shape[1] == max(len(src[i]) for i in b.index.tolist()) + 1
+            assert b.tgt_in.shape[1] == max(len(tgt[i]) for i in b.index.tolist()) + 1
+        else:  # one length for both sides, one of the buckets
+            assert b.src.shape == b.tgt_in.shape and b.src.shape[1] in LADDER
         assert b.n_tokens == int((b.tgt_out != td.PAD_ID).sum())
+        assert b.src_len == int((b.src != td.PAD_ID).sum(1).max())
         for t in (b.src, b.tgt_in, b.tgt_out):  # real tokens first, then only padding
             real = (t != td.PAD_ID).int()
             assert torch.all(real[:, 1:] <= real[:, :-1])
@@ -257,12 +271,41 @@ def test_every_pair_once_with_correct_rows(encoded):
             assert torch.equal(b.tgt_in[row, 1 : len(t) + 1], b.tgt_out[row, : len(t)])  # shifted by one
 
 
-def test_buckets_cut_padding(encoded):
+def test_fixed_buckets_pad_each_batch_to_the_smallest_length_that_holds_it(encoded):
     src, tgt = encoded
-    bucketed = _pad_fraction(td.BucketBatcher(src, tgt, 64).batches(shuffle=True, seed=0))
+    batcher = td.BucketBatcher(src, tgt, batch_size=64, buckets=LADDER)
+    n_partial = len(src) % 64
+    assert n_partial  # 5,000 pairs: 78 full batches and one of 8
+    longest = min(n for n in LADDER if n >= max(_need(src, tgt, i) for i in range(len(src))))
+    assert batcher.lengths[-1] == longest and set(batcher.lengths) <= set(LADDER)
+    for epoch in (1, 2):
+        batches = list(batcher.batches(shuffle=True, seed=epoch))
+        *full, last = batches
+        assert tuple(last.src.shape) == (n_partial, longest)  # the partial batch: last, and one shape
+        for b in full:
+            need = max(_need(src, tgt, i) for i in b.index.tolist())
+            assert b.src.shape == (64, min(n for n in LADDER if n >= need))
+    assert {b.src.shape[1] for b in full} == set(batcher.lengths)  # most lengths fill a batch in an epoch
+
+
+def test_padding_to_buckets_costs_little_over_each_batchs_own_lengths(encoded):
+    src, tgt = encoded
+    own = list(td.BucketBatcher(src, tgt, 64).batches(shuffle=True, seed=0))
+    fixed = list(td.BucketBatcher(src, tgt, 64, buckets=LADDER).batches(shuffle=True, seed=0))
+    assert [b.index.tolist() for b in own] == [b.index.tolist() for b in fixed]  # the same batches
+    for o, f in zip(own, fixed):
+        assert f.src.shape[1] >= o.src.shape[1] and f.tgt_in.shape[1] >= o.tgt_in.shape[1]
+    positions = lambda batches: sum(b.src.numel() + b.tgt_in.numel() for b in batches)  # noqa: E731
+    assert positions(fixed) / positions(own) < 1.35  # each bucket is at most 1.5x the one below it
+
+
+@pytest.mark.parametrize("buckets", [None, LADDER])
+def test_buckets_cut_padding(encoded, buckets):
+    src, tgt = encoded
+    bucketed = _pad_fraction(td.BucketBatcher(src, tgt, 64, buckets=buckets).batches(shuffle=True, seed=0))
     # bucket_factor=1: each bucket is one batch of a random permutation, i.e. plain random batching.
     random = _pad_fraction(td.BucketBatcher(src, tgt, 64, bucket_factor=1).batches(shuffle=True, seed=0))
-    assert bucketed < 0.5 * random, (bucketed, random)
+    assert bucketed < (0.5 if buckets is None else 0.75) * random, (bucketed, random)
 
 
 def test_batches_are_reproducible(encoded):
@@ -276,8 +319,63 @@ def test_batches_are_reproducible(encoded):
     assert order(shuffle=True, seed=5) != order(shuffle=True, seed=6)
     fixed = order(shuffle=False)
     assert fixed == order(shuffle=False)
-    src_len = [len(src[i]) for batch in fixed for i in batch]
-    assert src_len == sorted(src_len)
+    need = [_need(src, tgt, i) for batch in fixed for i in batch]
+    assert need == sorted(need)
+
+
+def test_shape_samples_show_every_shape_of_an_epoch_once(encoded):
+    src, tgt = encoded
+    batcher = td.BucketBatcher(src, tgt, batch_size=64, buckets=LADDER)
+    samples = batcher.shape_samples(seed=0)
+    shapes = [tuple(b.src.shape) for b in samples]
+    assert shapes == [(64, n) for n in batcher.lengths] + [(len(src) % 64, batcher.lengths[-1])]
+    shown = {tuple(b.src.shape) for epoch in range(1, 6) for b in batcher.batches(shuffle=True, seed=epoch)}
+    assert shown <= set(shapes)
+    assert [tuple(b.src.shape) for b in batcher.shape_samples(seed=0, partial=False)] == shapes[:-1]
+    for b in samples:  # real rows, each fitting its padded length
+        assert all(_need(src, tgt, i) <= b.src.shape[1] for i in b.index.tolist())
+        assert torch.equal(b.tgt_in != td.PAD_ID, b.tgt_out != td.PAD_ID)  # SOS + words, words + EOS
+    # Divisible: no partial batch. Fewer pairs than a batch: the one batch is the partial one.
+    even = td.BucketBatcher(src[:4992], tgt[:4992], batch_size=64, buckets=LADDER)
+    assert all(b.src.shape[0] == 64 for b in even.shape_samples(seed=0))
+    few = td.BucketBatcher(src[:40], tgt[:40], batch_size=64, buckets=LADDER)
+    assert [tuple(b.src.shape) for b in few.shape_samples(seed=0)] == [(40, few.lengths[-1])]
+    assert [tuple(b.src.shape) for b in few.batches(shuffle=True, seed=1)] == [(40, few.lengths[-1])]
+
+
+def test_without_buckets_shape_samples_are_three_batches_of_different_shapes(encoded):
+    """Shapes vary without a fixed set there: a few, for a compiler to see the lengths change."""
+    src, tgt = encoded
+    batcher = td.BucketBatcher(src, tgt, batch_size=64)
+    samples = batcher.shape_samples(seed=0)
+    first_of_each_shape = {}  # the epoch drawn with the same seed, in order
+    for batch in batcher.batches(shuffle=True, seed=0):
+        first_of_each_shape.setdefault((*batch.src.shape, batch.tgt_in.shape[1]), batch.index.tolist())
+    assert [b.index.tolist() for b in samples] == list(first_of_each_shape.values())[:3]
+    assert len({(*b.src.shape, b.tgt_in.shape[1]) for b in samples}) == 3
+
+
+def test_the_pairs_live_on_the_device_once_and_another_batch_size_shares_them(encoded):
+    src, tgt = encoded
+    batcher = td.BucketBatcher(src, tgt, batch_size=64, buckets=LADDER)
+    assert batcher.table.shape == (3, len(src), batcher.lengths[-1]) and batcher.table.dtype == torch.int16
+    other = batcher.with_batch_size(100)
+    assert other.table is batcher.table and batcher.batch_size == 64
+    assert len(other) == -(-len(src) // 100)
+    seen = torch.cat([b.index for b in other.batches(shuffle=True, seed=1)]).sort().values
+    assert torch.equal(seen, torch.arange(len(src)))
+
+
+def test_bucket_ladder():
+    assert td.bucket_ladder(32) == (8, 12, 16, 24, 32)
+    assert td.bucket_ladder(16) == (8, 12, 16)
+    assert td.bucket_ladder(64) == LADDER
+    assert td.bucket_ladder(4) == (4,)
+    assert td.bucket_ladder(350) == (8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 350)
+    for n in range(4, 400):
+        ladder = td.bucket_ladder(n)
+        assert ladder[-1] == n and list(ladder) == sorted(set(ladder))
+        assert all(b <= 1.5 * a for a, b in zip(ladder, ladder[1:]))
 
 
 def test_batcher_rejects_bad_input():
@@ -285,6 +383,8 @@ def test_batcher_rejects_bad_input():
         td.BucketBatcher([[4]], [[5]], batch_size=0)
     with pytest.raises(DataError):
         td.BucketBatcher([], [], batch_size=8)
+    with pytest.raises(ConfigError, match=r"end below the longest pair \(4 tokens"):
+        td.BucketBatcher([[4, 5, 6]], [[5]], batch_size=8, buckets=(2, 3))
 
 
 # --- metrics ---------------------------------------------------------------------------------------

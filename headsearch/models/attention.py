@@ -8,7 +8,8 @@
   Martínez-Marín et al.; docs/design.md §3);
 - a head mask multiplying each head's output (Michel et al. 2019, "Are Sixteen Heads Really Better
   than One?", arXiv:1905.10650), settable from outside so importance is a gradient w.r.t. it;
-- optional attention probabilities for analysis.
+- optional attention probabilities for analysis;
+- a key/value cache for incremental (token by token) decoding: see `KVCache`.
 
 The fused `F.scaled_dot_product_attention` kernel is used whenever nothing needs the explicit scores
 (no "scores" skip, no weights asked for); `tests/test_attention.py` checks both paths agree.
@@ -42,6 +43,40 @@ def map_score_heads(scores: Tensor, n_heads: int) -> Tensor:
     if h_prev > n_heads:
         return scores.view(b, n_heads, h_prev // n_heads, tq, tk).mean(dim=2)
     return scores.repeat_interleave(n_heads // h_prev, dim=1)
+
+
+class KVCache:
+    """What one attention layer keeps between the steps of incremental decoding (nanoGPT-style).
+
+    Self-attention appends the new position's keys and values at each step, so only the new query runs
+    through the layer; cross-attention stores the encoder memory's keys and values at the first step and
+    reuses them. `soft` holds the soft branch's projected keys W1 k_j (`SoftAttention.project_keys`) the
+    same way, when the layer has one. Buffers are allocated on the first `extend`, for `capacity`
+    positions (or as many as that first call brings), in the dtype and on the device of the keys.
+    """
+
+    def __init__(self, capacity: int = 0):
+        self.capacity, self.length = capacity, 0
+        self.k = self.v = self.soft = None  # (B, H, capacity, d_k), and (B, H, capacity, A) for soft
+
+    def extend(self, k: Tensor, v: Tensor, soft: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Append n positions ((B, H, n, d_k) each, soft (B, H, n, A)); return every position cached so far."""
+        start, end = self.length, self.length + k.shape[2]
+        if self.k is None:
+            size = max(self.capacity, end)
+            self.k, self.v = (t.new_empty(*t.shape[:2], size, t.shape[3]) for t in (k, v))
+            self.soft = soft.new_empty(*soft.shape[:2], size, soft.shape[3]) if soft is not None else None
+        if end > self.k.shape[2]:
+            raise ValueError(f"the cache holds {self.k.shape[2]} positions; position {end - 1} does not fit")
+        self.k[:, :, start:end], self.v[:, :, start:end] = k, v
+        if soft is not None:
+            self.soft[:, :, start:end] = soft
+        self.length = end
+        return self.cached()
+
+    def cached(self) -> tuple[Tensor, Tensor, Tensor | None]:
+        n = self.length
+        return self.k[:, :, :n], self.v[:, :, :n], self.soft[:, :, :n] if self.soft is not None else None  # (B, H, n, .)
 
 
 class AdditiveEnergy(torch.autograd.Function):
@@ -118,8 +153,13 @@ class SoftAttention(nn.Module):
         bound = 1 / math.sqrt(self.w_energy.shape[1])
         nn.init.uniform_(self.w_energy, -bound, bound)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
-        keys = torch.einsum("bhtd,hda->bhta", k, self.w_key)  # (B, H, Tk, A)
+    def project_keys(self, k: Tensor) -> Tensor:
+        """W1 k_j for every key: (B, H, Tk, d_k) -> (B, H, Tk, A). A decoding cache keeps these."""
+        return torch.einsum("bhtd,hda->bhta", k, self.w_key)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, keys: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """`keys`: `project_keys(k)` when already known (a decoding cache), else computed here."""
+        keys = self.project_keys(k) if keys is None else keys  # (B, H, Tk, A)
         if self.w_query is not None:
             queries = torch.einsum("bhtd,hda->bhta", q, self.w_query)  # (B, H, Tq, A)
             energy = additive_energy(queries, keys, self.w_energy)  # (B, H, Tq, Tk)
@@ -138,6 +178,10 @@ class Attention(nn.Module):
     `skip` is the kind of skip this layer's stack uses; `skip_in` says whether this layer receives one
     (False for the first layer of a stack, which only emits). `layer_index` is the position in the
     stack, used by the running-mean variant of the scores skip.
+
+    Incremental decoding passes a `KVCache` and only the new position as `x` (B, 1, d_model): every
+    per-position quantity (projections, merged heads, the output skip) is the same for that row as in a
+    full pass, and the scores skip it receives and emits is that row's (B, H, 1, Tk) over all cached keys.
     """
 
     def __init__(
@@ -181,15 +225,29 @@ class Attention(nn.Module):
     def needs_explicit_scores(self, need_weights: bool) -> bool:
         return need_weights or self.skip == "scores"
 
-    def _project(self, x: Tensor, context: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-        b, tq, _ = x.shape
+    def _project(self, x: Tensor, context: Tensor | None,
+                 cache: KVCache | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """q (B, H, Tq, d_k); k, v (B, H, Tk, d_k); and the soft branch's projected keys (B, H, Tk, A)
+        when a cache holds them (None: the soft branch projects k itself).
+
+        With a cache, k and v span every position cached so far: self-attention appends this call's
+        positions; cross-attention projects the memory at the first step only.
+        """
+        b = x.shape[0]
         heads = lambda t: t.view(b, t.shape[1], self.n_heads, self.head_dim).transpose(1, 2)  # noqa: E731
         if self.cross:
-            q = self.q_proj(x)
+            q = heads(self.q_proj(x))
+            if cache is not None and cache.length:  # the memory's keys and values, from the first step
+                return (q, *cache.cached())
             k, v = self.kv_proj(context).chunk(2, dim=-1)
         else:
             q, k, v = self.qkv_proj(x).chunk(3, dim=-1)
-        return heads(q), heads(k), heads(v)  # (B, H, T, d_k)
+            q = heads(q)
+        k, v = heads(k), heads(v)
+        if cache is None:
+            return q, k, v, None
+        soft_keys = self.soft.project_keys(k) if self.soft is not None else None
+        return (q, *cache.extend(k, v, soft_keys))
 
     def forward(
         self,
@@ -198,11 +256,13 @@ class Attention(nn.Module):
         mask: Tensor | None = None,
         skip_state: Tensor | None = None,
         need_weights: bool = False,
+        cache: KVCache | None = None,
     ) -> AttentionOutput:
         """x: (B, Tq, d_model); context: (B, Tk, d_model) for cross-attention; mask: bool, broadcastable
-        to (B, H, Tq, Tk), True where attention is allowed; skip_state: the previous layer's emission."""
+        to (B, H, Tq, Tk), True where attention is allowed; skip_state: the previous layer's emission;
+        cache: this layer's decoding cache (x then holds the new positions only)."""
         b, tq, _ = x.shape
-        q, k, v = self._project(x, context)
+        q, k, v, soft_keys = self._project(x, context, cache)
         q = self.hook_q(q)
         weights = emitted_scores = None
 
@@ -224,7 +284,7 @@ class Attention(nn.Module):
 
         soft_weights = None
         if self.soft is not None:
-            soft, soft_weights = self.soft(q, k, v, mask)  # (B, H, Tq, d_k)
+            soft, soft_weights = self.soft(q, k, v, mask, soft_keys)  # (B, H, Tq, d_k)
             heads = heads * soft if self.fusion == "hadamard" else heads + soft  # HAM A / HAM B
         if self.head_mask is not None:
             heads = heads * self.head_mask.view(1, -1, 1, 1).to(heads.dtype)

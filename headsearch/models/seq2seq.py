@@ -4,6 +4,9 @@ Defaults follow the repository of Deep Head (Cruz et al.; docs/design.md §4.2):
 layers, d_ff 2048, dropout 0.1, pre-LN, ReLU, sinusoidal positions, embeddings scaled by
 sqrt(d_model), Xavier init; with masks that really mask: that repository filled them with `-1**9`,
 which is -1, so padding leaked everywhere (docs/design.md §4.3).
+
+Greedy decoding runs one new position at a time against a key/value cache (`decode_step`); the full
+recomputation of the prefix at every step stays available as the reference (`use_cache=False`).
 """
 from __future__ import annotations
 
@@ -14,7 +17,12 @@ from torch import Tensor, nn
 
 from headsearch.config import ArchConfig
 from headsearch.errors import ConfigError
+from headsearch.models.attention import KVCache
 from headsearch.models.transformer import Decoder, Encoder
+
+# Decoding stops once every sentence has ended. On a GPU, reading that flag waits for the device, so
+# it is read every few tokens there (a few wasted steps at most); on the CPU it costs nothing.
+STOP_CHECK_EVERY = 4
 
 
 def sinusoidal_positions(max_len: int, d_model: int) -> Tensor:
@@ -49,10 +57,12 @@ class Seq2Seq(nn.Module):
             if p.dim() > 1:
                 nn.init.xavier_uniform_(p)
 
-    def _embed(self, table: nn.Embedding, ids: Tensor) -> Tensor:
-        if ids.shape[1] > self.max_len:
-            raise ValueError(f"sequence of {ids.shape[1]} tokens exceeds the model's max_len {self.max_len}")
-        x = table(ids) * math.sqrt(self.cfg.d_model) + self.positions[: ids.shape[1]]  # (B, T, D)
+    def _embed(self, table: nn.Embedding, ids: Tensor, start: int = 0) -> Tensor:
+        """Embeddings of `ids` (B, T) at positions start .. start + T - 1 -> (B, T, D)."""
+        end = start + ids.shape[1]
+        if end > self.max_len:
+            raise ValueError(f"sequence of {end} tokens exceeds the model's max_len {self.max_len}")
+        x = table(ids) * math.sqrt(self.cfg.d_model) + self.positions[start:end]  # (B, T, D)
         return self.drop(x)
 
     def padding_mask(self, ids: Tensor) -> Tensor:
@@ -78,13 +88,58 @@ class Seq2Seq(nn.Module):
             return logits, {"encoder": enc_w, "decoder_self": self_w, "decoder_cross": cross_w}
         return logits
 
+    def decode_step(self, ys: Tensor, memory: Tensor, src_mask: Tensor, cache: list[tuple[KVCache, KVCache]]) -> Tensor:
+        """Next-token logits (B, V) after `ys` (B, t + 1), running only position t through the decoder.
+
+        `cache` (from `self.decoder.empty_cache`) holds positions 0 .. t - 1 of `ys` and gains position t.
+        """
+        t = ys.shape[1] - 1
+        x = self._embed(self.tgt_embed, ys[:, t:], start=t)  # (B, 1, D)
+        # Row t of `decode`'s mask: every earlier position is visible (causal), except PAD ones.
+        self_mask = self.padding_mask(ys)  # (B, 1, 1, t + 1)
+        h, _, _ = self.decoder(x, memory, self_mask, src_mask, cache=cache)
+        return self.generator(h)[:, -1]  # (B, V)
+
     @torch.no_grad()
-    def greedy_decode(self, src: Tensor, sos_id: int, eos_id: int, max_new_tokens: int | None = None) -> Tensor:
-        """Batched greedy decoding: (B, S) -> (B, <= max_new_tokens) ids after SOS, PAD after each EOS."""
+    def greedy_decode(self, src: Tensor, sos_id: int, eos_id: int, max_new_tokens: int | None = None,
+                      use_cache: bool = True, check_every: int | None = None) -> Tensor:
+        """Batched greedy decoding: (B, S) -> (B, <= max_new_tokens) ids after SOS, PAD after each EOS.
+
+        With `use_cache` (the default) each step runs only the new position through the decoder, against
+        the keys and values of the earlier ones (`decode_step`): O(T) decoder work instead of O(T^2). It
+        gives the same tokens as `use_cache=False`, which recomputes the whole prefix at every step (the
+        reference; tests/test_kv_cache.py compares them for every skip and fusion). `check_every`: how
+        many tokens between reads of "has every sentence ended?" (default: 1 on the CPU, STOP_CHECK_EVERY
+        elsewhere); the output is cut back to where the last sentence ended either way.
+        """
         limit = min(max_new_tokens or self.max_len - 1, self.max_len - 1)
         memory, src_mask, _ = self.encode(src)
-        ys = torch.full((src.shape[0], 1), sos_id, dtype=torch.long, device=src.device)
-        done = torch.zeros(src.shape[0], dtype=torch.bool, device=src.device)
+        if not use_cache:
+            return self._greedy_uncached(memory, src_mask, sos_id, eos_id, limit)
+        b, device = src.shape[0], src.device
+        ys = torch.full((b, limit + 1), self.pad_id, dtype=torch.long, device=device)  # SOS, then the output
+        ys[:, 0] = sos_id
+        done = torch.zeros(b, dtype=torch.bool, device=device)
+        lengths = torch.zeros(b, dtype=torch.long, device=device)  # tokens of each output, EOS included
+        cache = self.decoder.empty_cache(limit)
+        check_every = check_every or (1 if device.type == "cpu" else STOP_CHECK_EVERY)
+        for t in range(limit):
+            nxt = self.decode_step(ys[:, : t + 1], memory, src_mask, cache).argmax(dim=-1)  # (B,)
+            nxt = nxt.masked_fill(done, self.pad_id)
+            ys[:, t + 1] = nxt
+            lengths.masked_fill_(~done, t + 1)
+            done |= nxt == eos_id
+            if (t + 1) % check_every == 0 and bool(done.all()):
+                break
+        # The step at which the last sentence ended (or the limit): the width the reference returns.
+        width = int(lengths.max()) if b else 1
+        return ys[:, 1 : width + 1]
+
+    def _greedy_uncached(self, memory: Tensor, src_mask: Tensor, sos_id: int, eos_id: int, limit: int) -> Tensor:
+        """The reference: each step is the argmax of a full decoder pass over the prefix."""
+        b, device = memory.shape[0], memory.device
+        ys = torch.full((b, 1), sos_id, dtype=torch.long, device=device)
+        done = torch.zeros(b, dtype=torch.bool, device=device)
         for _ in range(limit):
             logits, _, _ = self.decode(ys, memory, src_mask)
             nxt = logits[:, -1].argmax(dim=-1)  # (B,)

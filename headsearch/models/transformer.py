@@ -1,7 +1,8 @@
 """Pre-LN transformer blocks and stacks built from an `ArchConfig`, shared by the ViT and the seq2seq model.
 
 A stack threads the skip state from each attention layer to the next; a decoder has two chains,
-one through its self-attention layers and one through its cross-attention layers.
+one through its self-attention layers and one through its cross-attention layers. A decoder can also
+run one new position at a time against a key/value cache (`Decoder.empty_cache`), for greedy decoding.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import NamedTuple
 from torch import Tensor, nn
 
 from headsearch.config import ArchConfig
-from headsearch.models.attention import Attention, AttentionOutput
+from headsearch.models.attention import Attention, AttentionOutput, KVCache
 
 
 def make_attention(cfg: ArchConfig, heads: int, index: int, cross: bool = False) -> Attention:
@@ -77,10 +78,13 @@ class DecoderBlock(nn.Module):
         cross_mask: Tensor | None,
         skips: tuple[Tensor | None, Tensor | None],
         need_weights: bool,
+        cache: tuple[KVCache, KVCache] | None = None,
     ) -> tuple[Tensor, AttentionOutput, AttentionOutput]:
-        s = self.self_attn(self.norm1(x), mask=self_mask, skip_state=skips[0], need_weights=need_weights)
+        self_cache, cross_cache = cache if cache is not None else (None, None)
+        s = self.self_attn(self.norm1(x), mask=self_mask, skip_state=skips[0], need_weights=need_weights, cache=self_cache)
         x = x + self.drop(s.out)
-        c = self.cross_attn(self.norm2(x), memory, mask=cross_mask, skip_state=skips[1], need_weights=need_weights)
+        c = self.cross_attn(self.norm2(x), memory, mask=cross_mask, skip_state=skips[1], need_weights=need_weights,
+                            cache=cross_cache)
         x = x + self.drop(c.out)
         x = x + self.drop(self.mlp(self.norm3(x)))
         return x, s, c
@@ -117,13 +121,25 @@ class Decoder(nn.Module):
         self.blocks = nn.ModuleList(DecoderBlock(cfg, h, i) for i, h in enumerate(cfg.dec_heads))
         self.norm = nn.LayerNorm(cfg.d_model)
 
+    def empty_cache(self, steps: int) -> list[tuple[KVCache, KVCache]]:
+        """A (self-attention, cross-attention) cache per block, for decoding up to `steps` positions."""
+        return [(KVCache(steps), KVCache()) for _ in self.blocks]
+
     def forward(
-        self, x: Tensor, memory: Tensor, self_mask: Tensor | None, cross_mask: Tensor | None, need_weights: bool = False
+        self,
+        x: Tensor,
+        memory: Tensor,
+        self_mask: Tensor | None,
+        cross_mask: Tensor | None,
+        need_weights: bool = False,
+        cache: list[tuple[KVCache, KVCache]] | None = None,
     ) -> tuple[Tensor, list[LayerWeights], list[LayerWeights]]:
+        """x: (B, T, D) target embeddings; memory: (B, S, D). With `cache` (from `empty_cache`), x holds the
+        new positions only and the self-attention mask covers every cached position: (B, 1, T, T_cached)."""
         skips: tuple[Tensor | None, Tensor | None] = (None, None)
         self_w, cross_w = [], []
-        for block in self.blocks:
-            x, s, c = block(x, memory, self_mask, cross_mask, skips, need_weights)
+        for i, block in enumerate(self.blocks):
+            x, s, c = block(x, memory, self_mask, cross_mask, skips, need_weights, cache[i] if cache is not None else None)
             skips = (s.skip_state, c.skip_state)
             if need_weights:
                 self_w.append(LayerWeights(s.weights, s.soft_weights))

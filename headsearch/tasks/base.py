@@ -79,6 +79,11 @@ class BoundTask(Protocol):
     evaluation). Search: `rebind` (the same data under another config). Analysis: `with_eval_limit`,
     `analysis_batches` (fixed evaluation batches with padding masks), `summed_loss` (for head
     importance) and `attention_views` (what the attention maps show).
+
+    A training step (`loss` on a batch of `train_batches`, then backward and the optimizer) must be pure
+    device work: nothing read back to the host (no `.item()`, `bool()` of a tensor, data-dependent
+    shapes), so that the trainer can capture it in a CUDA graph; batches of equal tensor shapes must be
+    interchangeable for `loss` (plain numbers in a batch are not used by it).
     """
 
     n_train: int  # training samples per epoch

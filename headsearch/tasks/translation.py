@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from headsearch.config import ArchConfig, DataOptions, RunConfig, TrainConfig, _coerce, path_problem
+from headsearch.config import ArchConfig, DataOptions, RunConfig, TrainConfig, _coerce, _whole, path_problem
 from headsearch.errors import ConfigError, DataError
 from headsearch.io import write_atomic
 from headsearch.tasks.base import DataSource, Metric, Task, TokenAttention, limited, rebound, seeded_subset
@@ -45,6 +45,9 @@ class TranslationData(DataOptions):
     vocab_size: int = 30000  # per language; the WordLevel trainer keeps the most frequent words
     min_frequency: int = 2
     eval_batch_size: int = 256
+    # Padded lengths of batches (source and target share one). null: a few fixed lengths up to max_len on
+    # CUDA (8, 12, 16, 24, 32, ...; see bucket_lengths); elsewhere each side of a batch to its longest sentence.
+    buckets: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "val_size", _split_size("val_size", self.val_size))
@@ -60,6 +63,40 @@ class TranslationData(DataOptions):
             raise ConfigError(f"data.min_frequency = {self.min_frequency} must be at least 1")
         if self.eval_batch_size < 1:
             raise ConfigError(f"data.eval_batch_size = {self.eval_batch_size} must be at least 1")
+        if self.buckets is not None:
+            object.__setattr__(self, "buckets", self._checked_buckets())
+
+    def _checked_buckets(self) -> tuple[int, ...]:
+        from headsearch.tasks.translation_data import bucket_ladder
+
+        value, example = self.buckets, list(bucket_ladder(self.max_len))
+        if not isinstance(value, (list, tuple)) or not value:
+            raise ConfigError(f"data.buckets = {value!r} must be a list of padded lengths, e.g. {example}, or null")
+        lengths = tuple(_whole(n) for n in value)
+        if None in lengths:
+            raise ConfigError(f"data.buckets = {list(value)} must hold whole numbers of tokens, e.g. {example}")
+        if any(a >= b for a, b in zip(lengths, lengths[1:])):
+            raise ConfigError(f"data.buckets = {list(lengths)} must be increasing lengths, e.g. {example}")
+        if lengths[0] < 2 or lengths[-1] > self.max_len:
+            raise ConfigError(f"data.buckets = {list(lengths)}: each length must be between 2 (a word and EOS)"
+                              f" and max_len = {self.max_len}")
+        return lengths
+
+    def bucket_lengths(self, device_type: str) -> tuple[int, ...] | None:
+        """The padded lengths of batches on a device (data.buckets, with max_len last), or None: each
+        side of each batch padded to its own longest sentence.
+
+        Unset, CUDA gets `bucket_ladder(max_len)` (8, 12, 16, 24, 32, ... max_len): a few fixed shapes,
+        each compiled and captured in a CUDA graph once, for at most 50% more padding than a batch's
+        longest pair. Other devices pay for every padded position and have no graphs to gain, so each
+        side of a batch is padded to its own longest sentence there. Padding never changes the loss or
+        the translations (masks), only the time they take (tests/test_translation_buckets.py).
+        """
+        from headsearch.tasks.translation_data import bucket_ladder
+
+        if self.buckets is None:
+            return bucket_ladder(self.max_len) if device_type == "cuda" else None
+        return self.buckets if self.buckets[-1] == self.max_len else self.buckets + (self.max_len,)
 
 
 def default_config() -> RunConfig:
@@ -126,7 +163,8 @@ def cache_dir() -> Path:
 
 
 class BoundTranslation:
-    """The tokenised corpus: length-bucketed training batches, whole validation and test splits."""
+    """The tokenised corpus: length-bucketed training batches resident on the device (padded to a few
+    fixed lengths on CUDA: `TranslationData.bucket_lengths`), whole validation and test splits."""
 
     def __init__(self, cfg: RunConfig, source: DataSource, device, run_dir: Path | None = None):
         import torch
@@ -154,7 +192,9 @@ class BoundTranslation:
         keep = td.filter_by_length(src_ids, tgt_ids, max_len)
         if len(keep) == 0:
             raise DataError(f"no training pair fits in max_len = {max_len} tokens: raise max_len")
-        self.batcher = td.BucketBatcher([src_ids[i] for i in keep], [tgt_ids[i] for i in keep], cfg.train.batch_size)
+        self.buckets = opts.bucket_lengths(self.device.type)
+        self.batcher = td.BucketBatcher([src_ids[i] for i in keep], [tgt_ids[i] for i in keep], cfg.train.batch_size,
+                                        buckets=self.buckets, device=self.device)
         self.n_train = len(keep)
         # Validation and test keep every pair (a shorter test set would flatter the model): sources
         # longer than max_len are truncated, references are scored whole.
@@ -169,17 +209,22 @@ class BoundTranslation:
         return {"src": src, "refs": [corpus.tgt[i] for i in idx], "src_text": [corpus.src[i] for i in idx],
                 "tgt": self.td.encode(self.tgt_tok, [corpus.tgt[i] for i in idx])}
 
-    def _eval_batcher(self, split: str, batch_size: int):
+    def eval_batcher(self, split: str, batch_size: int):
         """Unshuffled length buckets over a whole split, targets cut to max_len - 1 tokens."""
         data = self.eval_sets[split]
-        return self.td.BucketBatcher(data["src"], [ids[: self.max_len - 1] for ids in data["tgt"]], batch_size)
+        return self.td.BucketBatcher(data["src"], [ids[: self.max_len - 1] for ids in data["tgt"]], batch_size,
+                                     buckets=self.buckets, device=self.device)
 
     # -- the same data under another config ------------------------------------------------------
     def rebind(self, cfg: RunConfig) -> "BoundTranslation":
         """The same tokenised data under another architecture/training config (a search trial)."""
         new = rebound(self, cfg, last_outputs={})
-        if cfg.train.batch_size != self.cfg.train.batch_size:
-            new.batcher = self.td.BucketBatcher(self.batcher.src_ids, self.batcher.tgt_ids, cfg.train.batch_size)
+        new.buckets = cfg.data.bucket_lengths(self.device.type)
+        if new.buckets != self.buckets:  # another padding: a new device table of the same pairs
+            new.batcher = self.td.BucketBatcher(self.batcher.src_ids, self.batcher.tgt_ids, cfg.train.batch_size,
+                                                buckets=new.buckets, device=self.device)
+        elif cfg.train.batch_size != self.batcher.batch_size:  # the same device table, cut differently
+            new.batcher = self.batcher.with_batch_size(cfg.train.batch_size)
         return new
 
     def with_eval_limit(self, n: int | None) -> "BoundTranslation":
@@ -197,13 +242,27 @@ class BoundTranslation:
         return len(self.batcher)
 
     def train_batches(self, epoch: int):
-        return self.batcher.batches(shuffle=True, seed=self.cfg.seed * 100003 + epoch, device=self.device)
+        """Epoch `epoch`'s `TranslationBatch`es, shuffled with (seed, epoch); the partial batch last."""
+        return self.batcher.batches(shuffle=True, seed=self._epoch_seed(epoch))
 
     def warmup_batches(self, steps_per_epoch: int) -> list:
-        """The first batch of a fresh epoch 1 (lengths vary: the compiled model is dynamic in them)."""
-        return [next(iter(self.train_batches(1)))]
+        """One batch of each shape an epoch can show: (batch_size, L) for each bucket length L the data
+        fills, and the partial last batch (padded to the longest L) when an epoch of `steps_per_epoch`
+        steps reaches it. Drawn with a generator of their own (epoch 0's): the run's data order is untouched.
+
+        Without buckets (the CPU) shapes vary with every batch: three batches of different shapes, for a
+        compiler to see that (`BucketBatcher.shape_samples`)."""
+        return self.batcher.shape_samples(self._epoch_seed(0), partial=steps_per_epoch >= len(self.batcher))
+
+    def _epoch_seed(self, epoch: int) -> int:
+        return self.cfg.seed * 100003 + epoch
 
     def loss(self, model, batch, label_smoothing: float):
+        """Mean cross-entropy over the non-pad target tokens, and the batch's pair count (from its shape).
+
+        Nothing here reads the device (no .item(), no data-dependent shapes), so a step can be captured
+        in a CUDA graph; the padding up to the batch's bucket changes nothing (masks, ignore_index).
+        """
         import torch.nn.functional as F
 
         logits = model(batch.src, batch.tgt_in)  # (B, T, V)
@@ -212,7 +271,7 @@ class BoundTranslation:
         return loss, batch.src.shape[0]
 
     def evaluate(self, model, split: str) -> dict[str, float]:
-        """Teacher-forced loss, then batched greedy decoding scored on the whole split."""
+        """Teacher-forced loss, then batched greedy decoding (key/value cache) scored on the whole split."""
         import torch
         import torch.nn.functional as F
 
@@ -222,12 +281,13 @@ class BoundTranslation:
         hyps: list[str] = [""] * len(data["refs"])
         loss_sum = torch.zeros((), device=self.device)
         tokens = 0
-        for batch in self._eval_batcher(split, self.cfg.data.eval_batch_size).batches(shuffle=False, device=self.device):
+        for batch in self.eval_batcher(split, self.cfg.data.eval_batch_size).batches(shuffle=False):
             logits = model(batch.src, batch.tgt_in).float()
             loss_sum += F.cross_entropy(logits.flatten(0, 1), batch.tgt_out.flatten(), ignore_index=td.PAD_ID, reduction="sum")
             tokens += batch.n_tokens
             # Outputs rarely exceed 1.5x the source length; the cap keeps decoding from running to max_len.
-            limit = min(self.max_len - 1, int(batch.src.shape[1] * 1.5) + 10)
+            # From the real longest source, not the padded width: translations do not depend on padding.
+            limit = min(self.max_len - 1, int(batch.src_len * 1.5) + 10)
             out = model.greedy_decode(batch.src, td.SOS_ID, td.EOS_ID, max_new_tokens=limit)
             for i, ids in zip(batch.index.tolist(), out.tolist()):
                 hyps[i] = td.decode_ids(self.tgt_tok, ids)
@@ -256,9 +316,9 @@ class BoundTranslation:
         """The first `samples` pairs of `split` in unshuffled length buckets: {"inputs": (src, tgt_in),
         "masks": {"src": src != PAD, "tgt": tgt_in != PAD}, "targets": tgt_out}."""
         pad = self.td.PAD_ID
-        batcher = self.with_eval_limit(samples)._eval_batcher(split, batch_size)
+        batcher = self.with_eval_limit(samples).eval_batcher(split, batch_size)
         return [{"inputs": (b.src, b.tgt_in), "masks": {"src": b.src != pad, "tgt": b.tgt_in != pad}, "targets": b.tgt_out}
-                for b in batcher.batches(shuffle=False, device=self.device)]
+                for b in batcher.batches(shuffle=False)]
 
     def summed_loss(self, model, batch):
         """Cross-entropy summed over the non-pad target tokens (no label smoothing), and their count."""
@@ -311,8 +371,9 @@ TASK = register(
         data_options=TranslationData,
         check_source=check_source,
         setup=setup,
-        static_shapes=False,
-        shape_note="translation batches vary in length",
+        # On CUDA, batches are padded to a few fixed lengths (data.buckets), all shown by warmup_batches.
+        static_shapes=True,
+        shape_note="translation batches are padded to a few fixed lengths (data.buckets) on CUDA",
         check_config=check_config,
         footprint=footprint,
     )

@@ -314,9 +314,11 @@ class CaptureMismatch(RuntimeError):
 
 def verify_step(steps: "GraphSteps", replay: Callable[[Any], int], batch: Any, start_point) -> None:
     """One step from `start_point` through `replay` (the captured graph), and the same step uncaptured from
-    the same point: the losses (relative 1e-3) and the weights (within a tenth of one step's size, lr)
-    must agree, or CaptureMismatch. A wrong capture would otherwise train quietly wrong; this turns it
-    into a fallback (the trainer then runs without the graph and says why)."""
+    the same point: the losses (relative 1e-3) and the weights (within half of one step's size, lr: Adam
+    moves a weight by about lr, so a step missed, doubled or taken with stale gradients shows as lr or
+    more, while kernels that add in another order move it by far less) must agree, or CaptureMismatch. A
+    wrong capture would otherwise train quietly wrong; this turns it into a fallback (the trainer then
+    runs without the graph and says why)."""
     runs = []
     # Both from the same RNG state: CUDA's graph-safe RNG gives a replay the numbers eager code draws from
     # the same seed and offset, so dropout masks agree too.
@@ -331,7 +333,7 @@ def verify_step(steps: "GraphSteps", replay: Callable[[Any], int], batch: Any, s
     (got_loss, got), (want_loss, want) = runs
     loss_ok = abs(got_loss - want_loss) <= 1e-3 * abs(want_loss) + 1e-6
     moved = max((float((a - b).abs().max()) for a, b in zip(got, want)), default=0.0)
-    if not (loss_ok and moved <= 0.1 * steps.t.lr):
+    if not (loss_ok and moved <= 0.5 * steps.t.lr):
         raise CaptureMismatch(f"the captured step gave loss {got_loss:.6g} against {want_loss:.6g} uncaptured"
                               f" (weights apart by up to {moved:.3g})")
     steps.restore(start_point)
