@@ -708,6 +708,34 @@ SLOWER_TRAIN = {"epochs": 12, "max_steps_per_epoch": 30}  # 1,000 pairs are 16 s
 
 
 @pytest.mark.slow
+def test_sigint_to_the_parent_alone_stops_its_workers(tmp_path, spa_file, tokenizer_cache, write_space):
+    """`kill -INT` of the `headsearch run` process alone (not its process group, as a terminal's Ctrl-C
+    would): its workers are told too, record their running trials as failed, and nobody trains on."""
+    space = write_space(tmp_path / "space.yaml", train={"epochs": 200, "max_steps_per_epoch": 30})
+    url = sqlite_url(tmp_path / "h.db")
+    cmd = run_cmd(space, url, "s", 4, spa_file, tmp_path / "runs", "--pruner", "none", "--workers", 2)
+    poller = StoragePoller(url, "s", tmp_path / "runs" / "s")
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=sub_env(tokenizer_cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, preexec_fn=lambda: (os.setpgrp(), signal.signal(signal.SIGINT, signal.SIG_DFL)))
+    try:
+        wait_until(lambda: len([t for t in poller.trials() or () if t.state == TrialState.RUNNING and t.intermediate_values]) == 2,
+                   proc, 120, "two trials ran together")
+        proc.send_signal(signal.SIGINT)  # the parent only
+        out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err[-3000:]
+    assert err.rstrip().endswith("run the same command to resume")
+    trials = load(url, "s").get_trials(deepcopy=False)
+    assert [t.state for t in trials].count(TrialState.RUNNING) == 0
+    assert sorted(t.user_attrs.get("fail_reason") for t in trials if t.state == TrialState.FAIL) == ["interrupted (Ctrl-C)"] * 2
+    # Worker processes (multiprocessing's spawn_main) of the group; its resource tracker may outlive the parent briefly.
+    alive = subprocess.run(["pgrep", "-g", str(proc.pid), "-f", "spawn_main"], capture_output=True, text=True).stdout.split()
+    assert alive == [], f"worker processes left running: {alive}"
+
+
+@pytest.mark.slow
 def test_killed_worker_trial_is_failed_and_retried(tmp_path, spa_file, tokenizer_cache, write_space):
     space = write_space(tmp_path / "space.yaml", train=SLOWER_TRAIN)
     url, n = sqlite_url(tmp_path / "h.db"), 2

@@ -108,11 +108,31 @@ def run_search(search, callbacks: Sequence = (), argv: list[str] | None = None,
                 time.sleep(every)
                 if poll is not None:
                     poll()
-        finally:  # Ctrl-C reaches the workers too (one process group): let them record it before MPS stops
-            for p in procs:
-                p.join(timeout=60)
+        except KeyboardInterrupt:
+            stop_workers(procs)  # before MPS stops, and so that none goes on training alone
+            raise
     logs = worker_log_dir(search)
     return [worker_failure(i, p.exitcode, logs) for i, p in enumerate(procs) if p.exitcode]
+
+
+def stop_workers(procs, grace: float = 5.0, patience: float = 60.0) -> None:
+    """After Ctrl-C: a terminal's Ctrl-C reached the workers too (one process group), so give them `grace`
+    seconds to record their running trial as failed and exit; send SIGINT to any still running (the
+    parent alone was interrupted, e.g. by `kill -INT`), wait `patience` seconds, then terminate the rest."""
+    import signal
+
+    deadline = time.monotonic() + grace
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGINT)
+    deadline = time.monotonic() + patience
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.terminate()
+            p.join(timeout=5)
 
 
 def worker_log_dir(search) -> Path:
