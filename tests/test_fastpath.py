@@ -371,7 +371,8 @@ def test_a_worker_compiles_each_block_kind_once_across_trials(cifar, tmp_path, o
         warm_up.append(result.compile_seconds)
         assert result.step_note is None
     assert new_frames[:2] == [1, 1] and new_frames[2:] == [0, 0]
-    assert max(warm_up[2:]) < 0.1 * warm_up[0]
+    # Faster than either compiling trial (which may themselves hit Inductor's on-disk cache from an earlier run).
+    assert max(warm_up[2:]) < min(warm_up[:2])
 
 
 def test_a_fast_path_that_fails_falls_back_with_one_note(cifar, monkeypatch):
