@@ -94,7 +94,7 @@ def plan_search(search: Any, visible: list[str] | None = None, gpu: GpuInfo | No
     `cpu_cores` default to what the machine has (tests pass their own)."""
     import torch
 
-    from headsearch.search.workers import visible_gpus, worker_devices
+    from headsearch.search.workers import process_count, visible_gpus, worker_devices
     from headsearch.training.fastpath import resolve_mode
 
     s = search.settings
@@ -102,21 +102,17 @@ def plan_search(search: Any, visible: list[str] | None = None, gpu: GpuInfo | No
         visible = [] if s.device == "cpu" else visible_gpus()
     device = torch.device("cuda" if visible else "cpu")
     step_mode = resolve_mode(search.base.train, search.task, device).describe()
+    flag = "--workers" if s.workers else "--trials-per-gpu" if s.trials_per_gpu else None
     if not visible:
-        n = s.workers or s.trials_per_gpu or 1
-        why = "--workers" if s.workers else "--trials-per-gpu" if s.trials_per_gpu else "default"
-        return Plan(tuple(worker_devices(n, [])), None, why, step_mode, mps=False)
-    if s.workers:
-        devices = worker_devices(s.workers, visible)
-        per_gpu, why = math.ceil(s.workers / len(visible)), "--workers"
+        return Plan(tuple(worker_devices(process_count(s, 0), [])), None, flag or "default", step_mode, mps=False)
+    if flag:
+        devices = worker_devices(process_count(s, len(visible)), visible)
+        per_gpu, why = math.ceil(len(devices) / len(visible)), flag
     else:
-        if s.trials_per_gpu:
-            per_gpu, why = s.trials_per_gpu, "--trials-per-gpu"
-        else:
-            footprint = search.task.footprint(search.base) if search.task.footprint else None
-            per_gpu, why = trials_per_gpu_for(footprint.step_flops if footprint else None,
-                                              footprint.training_bytes if footprint else 0,
-                                              gpu or GpuInfo.of(0), cpu_cores or os.cpu_count() or 1,
-                                              math.ceil(s.trials / len(visible)))
+        footprint = search.task.footprint(search.base) if search.task.footprint else None
+        per_gpu, why = trials_per_gpu_for(footprint.step_flops if footprint else None,
+                                          footprint.training_bytes if footprint else 0,
+                                          gpu or GpuInfo.of(0), cpu_cores or os.cpu_count() or 1,
+                                          math.ceil(s.trials / len(visible)))
         devices = worker_devices(per_gpu * len(visible), visible)
     return Plan(tuple(devices), per_gpu, why, step_mode, mps=len(devices) > len(set(devices)))

@@ -128,6 +128,7 @@ class Steps:
         self.mode, self.total_steps, self.warmup_steps = mode, total_steps, warmup_steps
         self.state = StepState.on(device)
         self.steps_taken = 0  # host count, for lr() without reading the device
+        self.uncaptured = 0  # steps of a batch shape no warm-up showed, run outside the CUDA graphs
 
     def lr(self) -> float:
         """The learning rate of the next step."""
@@ -247,7 +248,6 @@ class GraphSteps(Steps):
         self.lr_tensor = torch.tensor(self.t.lr, dtype=torch.float32, device=self.device)
         self.optimizer = make_optimizer(self.model, self.t, self.device, lr=self.lr_tensor, capturable=self.capture)
         self.graphs: dict[tuple, tuple[Any, Any, int]] = {}  # batch signature -> (graph, static batch, samples)
-        self.uncaptured = 0  # steps of a shape no warm-up showed, run without a graph
 
     def _step_body(self, batch: Any) -> int:
         """One step, all on the device: the code a graph captures."""
@@ -277,8 +277,7 @@ class GraphSteps(Steps):
                     graph, n = None, self._step_body(static)  # compiles, if the model is compiled
                 self.graphs[signature(batch)] = (graph, static, n)
             if self.capture and batches:
-                replay = lambda b: self.step(b)  # noqa: E731
-                verify_step(self, replay, batches[0], start_point)
+                verify_step(self, self.step, batches[0], start_point)
         return time.perf_counter() - start
 
     def _capture(self, static: Any) -> tuple[Any, int]:

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from headsearch.config import RunConfig
+from headsearch.config import RunConfig, TrainConfig
 from headsearch.errors import ConfigError, Diverged
 from headsearch.io import append_line, write_atomic
 from headsearch.tasks import BoundTask, Task
@@ -122,8 +122,8 @@ class AloneClock:
     device (which respect the same lock) wait at their next epoch boundary, and epoch 1's steps, timed
     one by one, give the architecture's `epoch_seconds_alone` (the median step x the epoch's batches,
     `alone_epoch_seconds`). Every hold covers a whole epoch (training, evaluation, checkpoint, callbacks),
-    the warm-up and the final test too: on a CPU all of it competes for the cores. On a CPU the run uses `alone_threads`
-    threads meanwhile (what a process alone on the machine uses). When an earlier trial of the same
+    the warm-up and the final test too: on a CPU all of it competes for the cores. On a CPU the measured
+    epoch uses `alone_threads` threads (what a process alone on the machine uses). When an earlier trial of the same
     architecture measured it, `known` is that value and epoch 1 runs shared like the others.
     `share` is a `headsearch.training.devicelock.DeviceShare` (or `NoShare` for a worker alone).
     """
@@ -183,7 +183,7 @@ def resolve_device(device: str | None = None) -> torch.device:
     return dev
 
 
-def steps_per_epoch(bound: BoundTask, t) -> int:
+def steps_per_epoch(bound: BoundTask, t: TrainConfig) -> int:
     n = bound.batches_per_epoch()
     return min(n, t.max_steps_per_epoch) if t.max_steps_per_epoch else n
 
@@ -245,7 +245,7 @@ def fit(
                     metrics = bound.evaluate(model, "val")
                 result.train_seconds += epoch_seconds
                 result.steps, result.epochs_run, result.samples = steps.steps_taken, epoch, result.samples + seen
-                result.uncaptured_steps = getattr(steps, "uncaptured", 0)
+                result.uncaptured_steps = steps.uncaptured
                 record = EpochRecord(epoch, steps.steps_taken, float(steps.state.loss_sum) / max(seen, 1), steps.lr(),
                                      result.train_seconds, time.perf_counter() - start, seen / epoch_seconds, metrics,
                                      epoch_seconds_alone=result.epoch_seconds_alone)
