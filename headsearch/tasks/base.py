@@ -110,7 +110,8 @@ class Task:
 
     `data_options` is the task's frozen dataclass of data options (validated on construction, with
     `from_dict(d, base)` and `to_dict()`); `static_shapes` says whether every training batch has the same
-    shape (up to an epoch's last), which CUDA graphs need, and `shape_note` why not.
+    shape (up to an epoch's last), which CUDA graphs need, and `shape_note` why not. A task whose
+    `stack_refusal` is set can train cohorts.
     """
 
     name: str
@@ -128,6 +129,10 @@ class Task:
     # The model's size for a config, before any data loads (headsearch.models.size): training checks
     # it against the device's memory. None: no size guard for this task.
     footprint: Callable[[RunConfig], Any] | None = field(default=None, repr=False)
+    # Whether its bound task can train several architectures as one stacked model (a cohort,
+    # headsearch.training.cohort): then it has `build_cohort(models, soft_columns)` and
+    # `cohort_loss(stacked, batches, label_smoothing)`, and `stack_refusal(cfg)` says which configs cannot.
+    stack_refusal: Callable[[RunConfig], str | None] | None = field(default=None, repr=False)
 
     @property
     def primary(self) -> Metric:

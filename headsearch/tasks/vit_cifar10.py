@@ -191,6 +191,26 @@ class BoundCifar:
         images = self.layout(self.augment.apply(x, u))  # (B, 3, 32, 32) float, normalised
         return F.cross_entropy(model(images), y, label_smoothing=label_smoothing), len(y)
 
+    # -- cohorts (headsearch.training.cohort) -------------------------------------------------------
+    def build_cohort(self, models, soft_columns: int | None):
+        """The solo ViTs `models` as one `StackedViT` (slot k = models[k])."""
+        from headsearch.models.cohort import StackedViT
+
+        return StackedViT.from_models(models, soft_columns)
+
+    def cohort_loss(self, stacked, batches, label_smoothing: float):
+        """Each slot's cross-entropy on its own batch (a list of `train_batches` items, one a slot, of one size):
+        (K,) losses and the batch size. Augmentation is per image, so one call augments every slot's images."""
+        import torch
+        import torch.nn.functional as F
+
+        x, y, u = (torch.stack(parts) for parts in zip(*batches))  # (K, B, 3, 32, 32), (K, B), (K, B, U)
+        k, b = y.shape
+        images = self.augment.apply(x.flatten(0, 1), u.flatten(0, 1))  # (K·B, 3, 32, 32)
+        logits = stacked(images.view(k, b, *images.shape[1:]))  # (K, B, classes)
+        losses = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), label_smoothing=label_smoothing, reduction="none")
+        return losses.view(k, b).mean(dim=1), b
+
     def evaluate(self, model, split: str) -> dict[str, float]:
         import torch
         import torch.nn.functional as F
@@ -244,6 +264,12 @@ class BoundCifar:
         )]
 
 
+def stack_refusal(cfg: RunConfig) -> str | None:
+    from headsearch.models.cohort import stack_refusal as arch_refusal
+
+    return arch_refusal(cfg.arch)
+
+
 def setup(cfg: RunConfig, source: DataSource, device, run_dir: Path | None = None) -> BoundCifar:
     return BoundCifar(cfg, source, device)
 
@@ -262,5 +288,6 @@ TASK = register(
         static_shapes=True,
         check_config=check_config,
         footprint=footprint,
+        stack_refusal=stack_refusal,
     )
 )

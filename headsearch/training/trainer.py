@@ -251,19 +251,7 @@ def fit(
                                      epoch_seconds_alone=result.epoch_seconds_alone)
                 for cb in callbacks:
                     cb.on_evaluate(model, bound, record)
-                result.history.append(record)
-                value = metrics[task.primary.name]
-                if result.best_value is None or task.primary.better(value, result.best_value):
-                    result.best_epoch, result.best_value, result.best_metrics = epoch, value, dict(metrics)
-                    result.best_diversity = dict(record.diversity)
-                    result.best_train_seconds, result.best_wall_seconds = record.train_seconds, record.wall_seconds
-                    best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-                    if run_dir is not None:
-                        save_checkpoint(best_state, run_dir / CHECKPOINT, {"epoch": str(epoch), "task": task.name})
-                if t.target is not None and result.seconds_to_target is None and not task.primary.better(t.target, value):
-                    result.seconds_to_target = record.train_seconds
-                if run_dir is not None:
-                    append_line(run_dir / "metrics.jsonl", json.dumps(asdict(record)))
+                best_state = keep_epoch(task, t, result, record, model, run_dir, best_state)
                 try:
                     for cb in callbacks:
                         cb.on_epoch_end(record)
@@ -284,15 +272,42 @@ def fit(
         _finish(result, run_dir, start)
         raise
 
+    with _shared(clock):
+        evaluate_test_on_best(model, best_state, bound, t, device, result, run_dir)
+    _finish(result, run_dir, start)
+    return result
+
+
+def keep_epoch(task: Task, t: TrainConfig, result: TrainResult, record: EpochRecord, model: torch.nn.Module,
+               run_dir: Path | None, best_state: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
+    """Keep an evaluated epoch: its record in the history and metrics.jsonl, the best figures so far, the
+    best weights (returned, and checkpointed atomically in `run_dir`), the time to the target."""
+    result.history.append(record)
+    value = record.metrics[task.primary.name]
+    if result.best_value is None or task.primary.better(value, result.best_value):
+        result.best_epoch, result.best_value, result.best_metrics = record.epoch, value, dict(record.metrics)
+        result.best_diversity = dict(record.diversity)
+        result.best_train_seconds, result.best_wall_seconds = record.train_seconds, record.wall_seconds
+        best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        if run_dir is not None:
+            save_checkpoint(best_state, run_dir / CHECKPOINT, {"epoch": str(record.epoch), "task": task.name})
+    if t.target is not None and result.seconds_to_target is None and not task.primary.better(t.target, value):
+        result.seconds_to_target = record.train_seconds
+    if run_dir is not None:
+        append_line(run_dir / "metrics.jsonl", json.dumps(asdict(record)))
+    return best_state
+
+
+def evaluate_test_on_best(model: torch.nn.Module, best_state: dict[str, torch.Tensor] | None, bound: BoundTask, t: TrainConfig,
+              device: torch.device, result: TrainResult, run_dir: Path | None) -> None:
+    """The test figures of the best weights (into `result`), and the task's outputs in `run_dir`."""
     if best_state is not None:
         model.load_state_dict(best_state)
     model.eval()
-    with _shared(clock), torch.no_grad(), autocast_context(t, device):
+    with torch.no_grad(), autocast_context(t, device):
         result.test_metrics = bound.evaluate(model, "test")
     if run_dir is not None:
         bound.write_outputs(run_dir)
-    _finish(result, run_dir, start)
-    return result
 
 
 def _reporter(step_callbacks: Sequence[Callback]):
@@ -419,3 +434,37 @@ def _finish(result: TrainResult, run_dir: Path | None, start: float) -> None:
     result.samples_per_s = result.samples / result.train_seconds if result.train_seconds else 0.0
     if run_dir is not None:
         write_atomic(run_dir / "final.json", json.dumps(result.to_dict(), indent=2) + "\n")
+
+
+ALONE_STEPS = 25  # steps timed by measure_alone (after one untimed): enough for a stable median
+
+
+def measure_alone(task: Task, cfg: RunConfig, bound: BoundTask, device: torch.device, clock: AloneClock,
+                  steps: int = ALONE_STEPS) -> float:
+    """An architecture's epoch seconds with the device to itself, measured apart from its run: a solo copy of
+    the model, warmed up in the step mode a solo run would use, times `steps` training steps under the
+    clock's exclusive hold (a process alone's threads on a CPU); the median step x the epoch's batches, as
+    `AloneClock` measures a solo run's epoch 1. A cohort's trials get their `time` this way, so it is the
+    same figure whatever cohort they trained in. `bound` is used under a fresh data order (its own is
+    untouched), and the global RNG is put back as it was."""
+    t = cfg.train
+    spe = steps_per_epoch(bound, t)
+    scratch = bound.rebind(cfg)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        seed_everything(cfg.seed)
+        model = bound.build_model().to(device)
+        with _shared(clock):
+            solo_steps, _, _ = prepare_steps(task, cfg, scratch, model, device, spe)
+        model.train()
+        with _alone(clock.share.exclusive(), device, clock.alone_threads):
+            step_clock = StepClock(device)
+            synchronize(device)
+            batches = itertools.islice(itertools.chain.from_iterable(scratch.train_batches(e) for e in itertools.count(1)),
+                                       steps + 1)
+            for i, batch in enumerate(batches):
+                if i:
+                    step_clock.mark()
+                solo_steps.step(batch)
+            step_clock.mark()
+            synchronize(device)
+    return alone_epoch_seconds(step_clock.seconds(), min(bound.n_train, spe * t.batch_size), t.batch_size)

@@ -1,0 +1,156 @@
+"""Cohorts (headsearch.models.cohort, headsearch.training.cohort): K runs trained as one stacked model, each
+slot exactly as it trains alone."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from headsearch.config import ArchConfig
+from headsearch.models.cohort import StackedViT, soft_width, stack_refusal
+from headsearch.models.vit import ViT
+from headsearch.tasks import DataSource, apply_overrides, get_task, resolve_config
+from headsearch.training import train_bound
+from headsearch.training.cohort import Cohort, cohort_key
+from headsearch.training.trainer import Callback, resolve_device
+
+VIT = get_task("vit-cifar10")
+# Mixed: schedules, every skip, every fusion (and the scores skip's running mean).
+MIXED = [
+    dict(enc_heads=[4, 4, 4, 4]),
+    dict(enc_heads=[8, 4, 2, 1], skip="scores"),
+    dict(enc_heads=[1, 2, 4, 8], skip="output", fusion="hadamard"),
+    dict(enc_heads=[2, 2, 16, 16], skip="scores", skip_mean=True, fusion="add"),
+]
+SMALL = {"seed": 0, "train": {"epochs": 2, "max_steps_per_epoch": 10, "batch_size": 32, "lr": 3e-3, "weight_decay": 0.05,
+                              "warmup_epochs": 0.5, "schedule": "cosine", "grad_clip": 1.0},
+         "data": {"train_limit": 640, "val_size": 200, "test_limit": 200, "augment": ["resized_crop", "flip"]}}
+
+
+def config(arch: dict, overrides: dict = SMALL, **train):
+    o = json.loads(json.dumps(overrides))
+    o["train"].update(train)
+    return apply_overrides(VIT, resolve_config(VIT), {**o, "arch": arch})
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ------------------------------------------------------------------------------ the stacked model
+
+
+def test_each_slot_computes_what_its_solo_model_computes_forward_and_backward():
+    archs = [ArchConfig(**a) for a in MIXED] + [ArchConfig(enc_heads=4, skip="scores"), ArchConfig(enc_heads=4, fusion="add")]
+    models = []
+    for i, a in enumerate(archs):
+        torch.manual_seed(i)
+        models.append(ViT(a).double())
+    stacked = StackedViT.from_models(models, soft_columns=48).double()
+    x = torch.randn(len(archs), 3, 3, 32, 32, dtype=torch.float64)
+    out = stacked(x)
+    out.square().sum().backward()
+    for k, m in enumerate(models):
+        torch.testing.assert_close(out[k], m(x[k]), rtol=1e-12, atol=1e-12)
+        m(x[k]).square().sum().backward()
+        for name, p in m.named_parameters():
+            g = stacked.params[name.replace(".", "__")].grad[k]
+            if ".soft." in name:  # stored as rows (h·d_k or h) x columns
+                flat = p.grad.reshape(-1, p.grad.shape[-1])
+                g, ref = g[: flat.shape[0], : flat.shape[1]], flat
+            else:
+                ref = p.grad
+            torch.testing.assert_close(g, ref, rtol=1e-10, atol=1e-12, msg=f"slot {k} {name}")
+
+
+def test_a_slot_round_trips_to_a_solo_state_dict_and_a_refill_replaces_it():
+    a, b = ArchConfig(enc_heads=[8, 4, 2, 1], skip="output", fusion="hadamard"), ArchConfig(enc_heads=2, skip="scores")
+    torch.manual_seed(0)
+    ma, mb = ViT(a), ViT(b)
+    stacked = StackedViT.from_models([ma, ma], soft_columns=48)
+    state = stacked.slot_state(1)
+    assert state.keys() == ma.state_dict().keys()
+    for name, value in ma.state_dict().items():
+        assert torch.equal(state[name], value), name
+    stacked.load_slot(1, mb)
+    assert stacked.archs[1] == b and stacked.slot_state(1).keys() == mb.state_dict().keys()
+    x = torch.randn(2, 2, 3, 32, 32)
+    out = stacked(x)
+    torch.testing.assert_close(out[0], ma(x[0]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out[1], mb(x[1]), rtol=1e-5, atol=1e-6)
+    # Refilled without fusion, slot 1's soft weights start at zero: nothing of the previous trial is left.
+    assert stacked.params["encoder__blocks__1__attn__soft__w_key"][1].abs().sum() == 0
+
+
+def test_what_cannot_stack_says_why():
+    assert stack_refusal(ArchConfig()) is None
+    assert "head count" in stack_refusal(ArchConfig(head_dim=16))
+    assert "dropout" in stack_refusal(ArchConfig(dropout=0.1))
+    assert soft_width(ArchConfig(enc_heads=[4, 2, 2, 1]), 1) == 48 and soft_width(ArchConfig(soft_dim=8), 1) == 8
+    with pytest.raises(ValueError, match="soft-branch columns"):
+        StackedViT.from_models([ViT(ArchConfig(fusion="add"))], soft_columns=None)
+
+
+def test_the_cohort_key_ignores_only_what_a_slot_keeps_for_itself():
+    base = config(MIXED[0])
+    assert cohort_key(base) == cohort_key(config(MIXED[3], lr=1e-2))
+    assert cohort_key(base) != cohort_key(config(MIXED[0], batch_size=64))
+    assert cohort_key(base) != cohort_key(config({**MIXED[0], "d_ff": 96}))
+
+
+# ------------------------------------------------------------------------------ equality with solo training
+
+
+class StepLosses(Callback):
+    def __init__(self):
+        self.losses: list[float] = []
+
+    def on_step(self, info):
+        self.losses.append(info.loss)
+
+
+def solo(cfg, bound, run_dir):
+    steps = StepLosses()
+    from headsearch.training.trainer import fit
+
+    from headsearch.training.rundir import create_run_dir
+
+    create_run_dir(run_dir, cfg.to_yaml(), None)
+    result = fit(VIT, cfg, bound.rebind(cfg), device=torch.device("cpu"), run_dir=run_dir, callbacks=[steps], log_seconds=0)
+    return result, steps.losses
+
+
+def test_a_cohort_of_four_mixed_slots_trains_each_as_alone(cifar_dir, tmp_path, one_thread):
+    """Per-step losses over 20 steps (2 epochs of 10) within 1e-4 relative in float32, and the same metrics,
+    for schedules, skips and fusions mixed, with per-slot learning rates."""
+    cfgs = [config(a, lr=lr) for a, lr in zip(MIXED, (3e-3, 1e-3, 3e-3, 2e-3))]
+    bound = VIT.setup(cfgs[0], DataSource(cifar_dir), torch.device("cpu"))
+    cohort = Cohort(VIT, 4, torch.device("cpu"), soft_columns=48, keep_step_losses=True)
+    for i, cfg in enumerate(cfgs):
+        cohort.add(cfg, bound.rebind(cfg), tmp_path / f"cohort-{i}")
+    ends = cohort.train_epoch()
+    assert ends == [] and cohort.occupied == [0, 1, 2, 3]
+    ends = cohort.train_epoch()
+    assert sorted(e.slot for e in ends) == [0, 1, 2, 3] and cohort.free == [0, 1, 2, 3]
+    stacked_losses = torch.stack(cohort.step_losses)  # (20, 4)
+    assert stacked_losses.shape == (20, 4)
+    for end in ends:
+        k, cfg = end.slot, cfgs[end.slot]
+        ref, losses = solo(cfg, bound, tmp_path / f"solo-{k}")
+        torch.testing.assert_close(stacked_losses[:, k].double(), torch.tensor(losses, dtype=torch.float64),
+                                   rtol=1e-4, atol=0, msg=f"slot {k}")
+        got = end.result
+        assert got.status == "completed" and got.error is None and got.epochs_run == 2 and got.steps == 20
+        assert got.params == ref.params and got.best_epoch == ref.best_epoch
+        assert abs(got.best_metrics["accuracy"] - ref.best_metrics["accuracy"]) <= 0.01
+        assert abs(got.test_metrics["accuracy"] - ref.test_metrics["accuracy"]) <= 0.01
+        # The run directory holds what a solo run's holds.
+        run_dir = tmp_path / f"cohort-{k}"
+        for name in ("config.yaml", "model.safetensors", "metrics.jsonl", "final.json", "split.json"):
+            assert (run_dir / name).exists(), name
+        assert (run_dir / "config.yaml").read_text() == (tmp_path / f"solo-{k}" / "config.yaml").read_text()
