@@ -154,3 +154,91 @@ def test_a_cohort_of_four_mixed_slots_trains_each_as_alone(cifar_dir, tmp_path, 
         for name in ("config.yaml", "model.safetensors", "metrics.jsonl", "final.json", "split.json"):
             assert (run_dir / name).exists(), name
         assert (run_dir / "config.yaml").read_text() == (tmp_path / f"solo-{k}" / "config.yaml").read_text()
+
+
+class PruneAt(Callback):
+    """Stops its run after `epoch`, as the search's pruner does (raising optuna.TrialPruned)."""
+
+    def __init__(self, epoch: int):
+        self.epoch = epoch
+
+    def on_epoch_end(self, record):
+        import optuna
+
+        if record.epoch == self.epoch:
+            raise optuna.TrialPruned(f"pruned at epoch {record.epoch}")
+
+
+def test_a_pruned_slot_is_refilled_and_the_newcomer_trains_from_its_own_epoch_one(cifar_dir, tmp_path, one_thread):
+    """Slot 0 is pruned after epoch 1; a new run takes it and trains its epoch 1 beside slot 1's epoch 2. The
+    newcomer's losses are its solo run's, and slot 1 never noticed."""
+    import optuna
+
+    cfg_a, cfg_b, cfg_c = config(MIXED[0]), config(MIXED[1]), config(MIXED[3], lr=2e-3)
+    bound = VIT.setup(cfg_a, DataSource(cifar_dir), torch.device("cpu"))
+    cohort = Cohort(VIT, 2, torch.device("cpu"), soft_columns=48, keep_step_losses=True)
+    cohort.add(cfg_a, bound.rebind(cfg_a), callbacks=[PruneAt(1)], tag="a")
+    cohort.add(cfg_b, bound.rebind(cfg_b), tag="b")
+    (end,) = cohort.train_epoch()
+    assert (end.slot, end.tag, end.result.status, end.result.epochs_run) == (0, "a", "stopped", 1)
+    assert isinstance(end.error, optuna.TrialPruned) and cohort.free == [0]
+    assert cohort.add(cfg_c, bound.rebind(cfg_c), tag="c") == 0
+    (end,) = cohort.train_epoch()
+    assert (end.tag, end.result.status, end.result.epochs_run) == ("b", "completed", 2)
+    losses = torch.stack(cohort.step_losses)  # (20, 2)
+    _, solo_b = solo(cfg_b, bound, tmp_path / "b")
+    _, solo_c = solo(cfg_c, bound, tmp_path / "c")
+    torch.testing.assert_close(losses[:, 1].double(), torch.tensor(solo_b, dtype=torch.float64), rtol=1e-4, atol=0)
+    torch.testing.assert_close(losses[10:, 0].double(), torch.tensor(solo_c[:10], dtype=torch.float64), rtol=1e-4, atol=0)
+    # The newcomer finishes alone in the cohort: an empty slot takes no part in anything.
+    (end,) = cohort.train_epoch()
+    assert (end.tag, end.result.status) == ("c", "completed")
+    torch.testing.assert_close(losses.new_tensor([float(s[0]) for s in cohort.step_losses[20:]]).double(),
+                               torch.tensor(solo_c[10:], dtype=torch.float64), rtol=1e-4, atol=0)
+
+
+def test_a_slots_time_is_its_architectures_alone_not_the_cohorts(cifar_dir, tmp_path, one_thread):
+    """A known speed is taken as is (nobody paused); an unknown one is measured by a solo copy under the exclusive
+    hold. Either way time = best epoch x that figure, whatever else trains in the cohort."""
+    from tests.test_fairtime import RecordingShare
+    from headsearch.training.trainer import AloneClock
+
+    cfg_a, cfg_b = config(MIXED[0]), config(MIXED[2])
+    bound = VIT.setup(cfg_a, DataSource(cifar_dir), torch.device("cpu"))
+    share = RecordingShare()
+    cohort = Cohort(VIT, 2, torch.device("cpu"), soft_columns=48, share=share)
+    cohort.add(cfg_a, bound.rebind(cfg_a), clock=AloneClock(share, known=1.5, alone_threads=1))
+    assert share.holds == []
+    cohort.add(cfg_b, bound.rebind(cfg_b), clock=AloneClock(share, known=None, alone_threads=1))
+    assert "exclusive" in share.holds
+    share.holds.clear()
+    cohort.train_epoch()
+    ends = cohort.train_epoch()
+    assert share.holds == ["shared", "shared"]  # each cohort epoch: one shared hold
+    a, b = sorted(ends, key=lambda e: e.slot)
+    assert a.result.epoch_seconds_alone == 1.5 and a.result.best_seconds_alone == a.result.best_epoch * 1.5
+    assert 0 < b.result.epoch_seconds_alone < 60
+    assert b.result.best_seconds_alone == pytest.approx(b.result.best_epoch * b.result.epoch_seconds_alone)
+    # The raw seconds are the cohort's epochs', the same for both runs.
+    assert a.result.train_seconds == b.result.train_seconds
+
+
+class InterruptAt(Callback):
+    def on_epoch_end(self, record):
+        raise KeyboardInterrupt
+
+
+def test_an_interrupted_epoch_keeps_what_ended_before_it_and_ends_the_rest_as_interrupted(cifar_dir, one_thread):
+    import optuna
+
+    cfg_a, cfg_b = config(MIXED[0]), config(MIXED[1])
+    bound = VIT.setup(cfg_a, DataSource(cifar_dir), torch.device("cpu"))
+    cohort = Cohort(VIT, 2, torch.device("cpu"), soft_columns=48)
+    cohort.add(cfg_a, bound.rebind(cfg_a), callbacks=[PruneAt(1)], tag="a")
+    cohort.add(cfg_b, bound.rebind(cfg_b), callbacks=[InterruptAt()], tag="b")
+    with pytest.raises(KeyboardInterrupt):
+        cohort.train_epoch()
+    a, b = cohort.interrupt()
+    assert (a.tag, a.result.status, type(a.error)) == ("a", "stopped", optuna.TrialPruned)
+    assert (b.tag, b.result.status, b.result.epochs_run) == ("b", "interrupted", 1)
+    assert cohort.occupied == [] and cohort.interrupt() == []

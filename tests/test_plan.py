@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from headsearch.errors import ConfigError
 from headsearch.search.plan import FILL_FLOPS_PER_SM, GpuInfo, Plan, plan_search, trials_per_gpu_for
 from headsearch.search.mps import MpsStatus
 from headsearch.search.runner import Search, SearchSettings
@@ -52,16 +53,39 @@ def test_without_a_flops_estimate_one_trial_per_gpu():
 
 
 def test_on_a_gpu_machine_the_default_plan_is_the_fast_path():
-
+    # The ViT stacks: one worker per GPU trains the K trials the rule gives as one cohort.
     plan = plan_search(vit_search(), visible=["0"], gpu=H100, cpu_cores=16)
-    assert plan.devices == ("0",) * 8 and plan.per_gpu == 8 and plan.mps
+    assert plan.devices == ("0",) and plan.per_gpu == 8 and plan.cohort == 8 and not plan.mps
+    assert plan.describe() == ("8 trials per GPU on 1 GPU, as a cohort of 8 in 1 worker (auto: a step is 13.8 GFLOP,"
+                               " 8 fill a NVIDIA H100 80GB HBM3); steps: stacked, eager")
+    two = plan_search(vit_search(), visible=["2", "3"], gpu=H100, cpu_cores=16)
+    assert two.devices == ("2", "3") and two.per_gpu == 8 and two.cohort == 8
+    # A cohort is one process: a machine with few cores still gets the rule's K.
+    assert plan_search(vit_search(), visible=["0"], gpu=H100, cpu_cores=2).cohort == 8
+
+
+def test_cohort_1_gives_the_processes_of_the_rule():
+    plan = plan_search(vit_search(cohort=1), visible=["0"], gpu=H100, cpu_cores=16)
+    assert plan.devices == ("0",) * 8 and plan.per_gpu == 8 and plan.mps and plan.cohort == 1
     assert plan.step_mode == "reduce-overhead: compiled blocks (default), whole step in a CUDA graph"
     started = MpsStatus("started", "started by headsearch")
     assert plan.describe(started) == ("8 trials per GPU on 1 GPU (auto: a step is 13.8 GFLOP, 8 fill a NVIDIA H100 80GB HBM3);"
                                       " steps: reduce-overhead: compiled blocks (default), whole step in a CUDA graph; "
                                       + started.describe())
-    two = plan_search(vit_search(), visible=["2", "3"], gpu=H100, cpu_cores=16)
+    two = plan_search(vit_search(cohort=1), visible=["2", "3"], gpu=H100, cpu_cores=16)
     assert two.devices == ("2", "3") * 8 and two.per_gpu == 8
+
+
+def test_an_explicit_cohort_anywhere_and_where_it_cannot_be():
+    cpu = plan_search(vit_search(cohort=4), visible=[])
+    assert (cpu.devices, cpu.cohort, cpu.why) == ((None,), 4, "--cohort")
+    assert cpu.describe() == "cohorts of 4 trials (one stacked model) in 1 worker on the CPU (--cohort); steps: stacked, eager"
+    gpu = plan_search(vit_search(cohort=4, trials_per_gpu=2), visible=["0"], gpu=H100, cpu_cores=16)
+    assert (gpu.devices, gpu.cohort, gpu.per_gpu, gpu.mps) == (("0", "0"), 4, 8, True)
+    with pytest.raises(ConfigError, match="--cohort 4: task translation-en-es trains its trials one at a time"):
+        plan_search(Search(SearchSettings(task="translation-en-es", cohort=4)), visible=[])
+    with pytest.raises(ConfigError, match="--cohort 0"):
+        Search(SearchSettings(task="vit-cifar10", cohort=0))
 
 
 def test_flags_override_the_rule_on_a_gpu_machine():
@@ -78,7 +102,7 @@ def test_flags_override_the_rule_on_a_gpu_machine():
 def test_the_cpu_plan_is_unchanged():
     for settings, n, why in (({}, 1, "default"), ({"workers": 3}, 3, "--workers"), ({"trials_per_gpu": 2}, 2, "--trials-per-gpu")):
         plan = plan_search(vit_search(**settings), visible=[])
-        assert plan == Plan((None,) * n, None, why, "off: eager", mps=False)
+        assert plan == Plan((None,) * n, None, why, "off: eager", mps=False, cohort=1)
     assert plan_search(vit_search(workers=3), visible=[]).describe() == "3 workers on the CPU (--workers); steps: off: eager"
     # --device cpu ignores the GPUs there are.
     assert Search(SearchSettings(task="vit-cifar10", device="cpu")).machine_plan().devices == (None,)

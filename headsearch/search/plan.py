@@ -7,6 +7,12 @@ trials' kernels run side by side (started and stopped by headsearch, headsearch/
 `--trials-per-gpu K` or `--workers N` override the count. On a machine without a GPU nothing
 changes: one worker unless told otherwise, eager steps.
 
+Cohorts (headsearch/training/cohort.py): where the task stacks its models (the ViT), the K trials a GPU
+takes train as one stacked model in one worker per GPU instead of K processes: every kernel gets K
+times the work for the same launches. That is the default on CUDA when the base config stacks and no
+process count was given; `--cohort K` asks for cohorts of K anywhere (the CPU included), `--cohort 1`
+turns them off.
+
 The rule for the count (`trials_per_gpu_for`): a step that does little arithmetic leaves the GPU idle
 between its kernels, so more of them can share it. K = FILL_FLOPS_PER_SM x the GPU's multiprocessors /
 the FLOPs of one training step (headsearch/models/size.py), rounded, then capped by memory (K models
@@ -22,6 +28,8 @@ import math
 import os
 from dataclasses import dataclass
 from typing import Any
+
+from headsearch.errors import ConfigError
 
 # GFLOP of concurrent training steps one multiprocessor absorbs before the GPU is busy: 8 seed-ViT
 # steps (13.76 GFLOP each at batch 256) over an H100's 132 multiprocessors.
@@ -55,15 +63,21 @@ class Plan:
     why: str  # how the count was chosen
     step_mode: str  # what the trials' train.compile means on their device
     mps: bool  # several workers share a GPU: NVIDIA MPS is worth starting
+    cohort: int = 1  # trials each worker trains together as one stacked model (1: one at a time)
 
     def describe(self, mps_status: Any = None) -> str:
         """One line, e.g. "8 trials per GPU on 1 GPU (auto: ...); steps: compiled blocks + CUDA graphs; MPS on"."""
+        workers = len(self.devices)
         if self.per_gpu is None:
-            where = f"{len(self.devices)} worker{'s' * (len(self.devices) > 1)} on the CPU"
+            where = f"{workers} worker{'s' * (workers > 1)} on the CPU"
         else:
             gpus = len(set(self.devices))
             where = f"{self.per_gpu} trial{'s' * (self.per_gpu > 1)} per GPU on {gpus} GPU{'s' * (gpus > 1)}"
-        parts = [f"{where} ({self.why})", f"steps: {self.step_mode}"]
+        if self.cohort > 1:
+            where = f"cohorts of {self.cohort} trials (one stacked model) in {where}" if self.per_gpu is None else \
+                f"{where}, as a cohort of {self.cohort} in {workers} worker{'s' * (workers > 1)}"
+        steps = "stacked, eager" if self.cohort > 1 else self.step_mode
+        parts = [f"{where} ({self.why})", f"steps: {steps}"]
         if mps_status is not None:
             parts.append(mps_status.describe())
         return "; ".join(parts)
@@ -103,8 +117,19 @@ def plan_search(search: Any, visible: list[str] | None = None, gpu: GpuInfo | No
     device = torch.device("cuda" if visible else "cpu")
     step_mode = resolve_mode(search.base.train, search.task, device).describe()
     flag = "--workers" if s.workers else "--trials-per-gpu" if s.trials_per_gpu else None
+    stacks = search.task.stack_refusal is not None and search.task.stack_refusal(search.base) is None
+    if s.cohort is not None and s.cohort > 1 and not stacks:
+        why = (search.task.stack_refusal(search.base) if search.task.stack_refusal else
+               f"task {search.task.name} trains its trials one at a time")
+        raise ConfigError(f"--cohort {s.cohort}: {why}; leave --cohort out (or give 1)")
     if not visible:
-        return Plan(tuple(worker_devices(process_count(s, 0), [])), None, flag or "default", step_mode, mps=False)
+        devices = tuple(worker_devices(process_count(s, 0), []))
+        return Plan(devices, None, "--cohort" if s.cohort and s.cohort > 1 else flag or "default", step_mode, mps=False,
+                    cohort=s.cohort or 1)
+    if s.cohort is not None and s.cohort > 1:  # asked for: this many together in each worker (one per GPU by default)
+        devices = worker_devices(process_count(s, len(visible)) if flag else len(visible), visible)
+        return Plan(tuple(devices), s.cohort * math.ceil(len(devices) / len(visible)), "--cohort", step_mode,
+                    mps=len(devices) > len(set(devices)), cohort=s.cohort)
     if flag:
         devices = worker_devices(process_count(s, len(visible)), visible)
         per_gpu, why = math.ceil(len(devices) / len(visible)), flag
@@ -112,7 +137,11 @@ def plan_search(search: Any, visible: list[str] | None = None, gpu: GpuInfo | No
         footprint = search.task.footprint(search.base) if search.task.footprint else None
         per_gpu, why = trials_per_gpu_for(footprint.step_flops if footprint else None,
                                           footprint.training_bytes if footprint else 0,
-                                          gpu or GpuInfo.of(0), cpu_cores or os.cpu_count() or 1,
+                                          gpu or GpuInfo.of(0),
+                                          # a cohort is one process: the cores cap only processes
+                                          MAX_PER_GPU if stacks and s.cohort is None else cpu_cores or os.cpu_count() or 1,
                                           math.ceil(s.trials / len(visible)))
+        if stacks and s.cohort is None and per_gpu > 1:  # the default on CUDA: one worker per GPU, a cohort of K
+            return Plan(tuple(visible), per_gpu, why, step_mode, mps=False, cohort=per_gpu)
         devices = worker_devices(per_gpu * len(visible), visible)
     return Plan(tuple(devices), per_gpu, why, step_mode, mps=len(devices) > len(set(devices)))

@@ -49,6 +49,17 @@ FEASIBILITY_SAMPLES = 200  # random architectures tried before a space is declar
 WAIT = object()  # _next_trial: the budget is held by running trials; ask again later
 
 
+@dataclass
+class TrialRun:
+    """A trial being trained: its config, run directory, pruning callback and fair clock."""
+
+    trial: Any
+    cfg: RunConfig
+    run_dir: Path
+    pruning: "TrialPruning"
+    clock: AloneClock
+
+
 class SearchCallback(Callback):
     """A trainer callback that also hears when each trial starts and ends (the CLI's live display)."""
 
@@ -175,6 +186,8 @@ class Search:
 
     def run_worker(self, worker_index: int = 0, callbacks: Sequence[SearchCallback] = (), argv: list[str] | None = None) -> None:
         """Run trials until the study holds `trials` finished ones or `timeout` passes."""
+        if self.machine_plan().cohort > 1:
+            return self.run_cohort_worker(self.machine_plan().cohort, worker_index, callbacks, argv)
         study = self.open()
         start = time.monotonic()
         while self.settings.timeout is None or time.monotonic() - start < self.settings.timeout:
@@ -211,14 +224,31 @@ class Search:
     def run_trial(self, study, trial, worker_index: int = 0, callbacks: Sequence[SearchCallback] = (),
                   argv: list[str] | None = None) -> str:
         """Sample, train and tell one trial. Returns its final state's name."""
-        import optuna
-        import torch
-        from optuna.trial import TrialState
+        device = resolve_device(self.settings.device)
+        run = self._begin_trial(study, trial, device, callbacks)
+        if isinstance(run, str):
+            return run
+        return self._train_alone(study, run, device, callbacks, argv)
 
+    def _train_alone(self, study, run: "TrialRun", device, callbacks: Sequence[SearchCallback], argv) -> str:
         from headsearch.training import train_bound
 
+        result, error = None, None
+        try:
+            with Heartbeat(study._storage, run.trial._trial_id, self.settings.heartbeat):
+                bound = self._bound_for(run.cfg, device)
+                result = train_bound(run.cfg, bound, run.run_dir, device=device, argv=argv, clock=run.clock,
+                                     callbacks=[run.pruning, *diversity_callbacks(run.cfg), *callbacks])
+        except BaseException as e:
+            error = e
+        return self._end_trial(study, run, result, error, callbacks)
+
+    def _begin_trial(self, study, trial, device, callbacks: Sequence[SearchCallback]) -> "TrialRun | str":
+        """A trial's config, run directory, pruning and fair clock, or the name of the state it ended in
+        already ("REJECTED": an invalid config; "COMPLETE": a finished twin's results reused)."""
+        from optuna.trial import TrialState
+
         trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
-        device = resolve_device(self.settings.device)
         try:
             cfg = self.sample_config(trial, device)
         except ConfigError as e:
@@ -238,36 +268,42 @@ class Search:
         _, curve_pruner = self.make_pruner()
         pruning = TrialPruning(study, trial, self.task.primary.name, curve_pruner, self.settings.pruner, not self.multi_objective,
                                epochs=cfg.train.epochs)
-        clock = self.alone_clock(study, trial, cfg, device)
+        return TrialRun(trial, cfg, run_dir, pruning, self.alone_clock(study, trial, cfg, device))
+
+    def _end_trial(self, study, run: "TrialRun", result, error: BaseException | None,
+                   callbacks: Sequence[SearchCallback], reraise: bool = True) -> str:
+        """Tell the study how a trial ended: COMPLETE with its objectives (`result`), PRUNED, or FAIL with
+        its reason. An interruption or an unexpected error is re-raised after the trial is told (unless
+        `reraise` is False: a cohort telling its other trials first)."""
+        import optuna
+        import torch
+        from optuna.trial import TrialState
+
+        trial, pruning = run.trial, run.pruning
         state, values = TrialState.FAIL, None
-        try:
-            with Heartbeat(study._storage, trial._trial_id, self.settings.heartbeat):
-                bound = self._bound_for(cfg, device)
-                result = train_bound(cfg, bound, run_dir, device=device, argv=argv, clock=clock,
-                                     callbacks=[pruning, *diversity_callbacks(cfg), *callbacks])
+        if error is None:
             values = [o.value(result) for o in self.objectives]
             record_result(trial, result)
             state = TrialState.COMPLETE
-        except optuna.TrialPruned:
+        elif isinstance(error, optuna.TrialPruned):
             trial.set_user_attr("epochs_run", len(pruning.curve))
             state = TrialState.PRUNED
-        except Diverged as e:
-            trial.set_user_attr("fail_reason", str(e))
+        elif isinstance(error, Diverged):
+            trial.set_user_attr("fail_reason", str(error))
             trial.set_user_attr("epochs_run", len(pruning.curve))
-        except torch.cuda.OutOfMemoryError:
+        elif isinstance(error, torch.cuda.OutOfMemoryError):
             trial.set_user_attr("fail_reason", "out of GPU memory")
             trial.set_user_attr("epochs_run", len(pruning.curve))
             torch.cuda.empty_cache()
-        except KeyboardInterrupt:
-            trial.set_user_attr("fail_reason", "interrupted (Ctrl-C)")
+        else:
+            reason = "interrupted (Ctrl-C)" if isinstance(error, KeyboardInterrupt) else f"{type(error).__name__}: {error}"
+            trial.set_user_attr("fail_reason", reason)
             study.tell(trial, state=TrialState.FAIL)
-            raise
-        except BaseException as e:
-            trial.set_user_attr("fail_reason", f"{type(e).__name__}: {e}")
-            study.tell(trial, state=TrialState.FAIL)
-            raise
-        if run_dir.is_dir():  # lets `headsearch analyze` upload its figures to this trial
-            write_trial_link(run_dir, self.settings.storage, self.study_name, trial.number)
+            if reraise:
+                raise error
+            return "FAIL"
+        if run.run_dir.is_dir():  # lets `headsearch analyze` upload its figures to this trial
+            write_trial_link(run.run_dir, self.settings.storage, self.study_name, trial.number)
         if state == TrialState.COMPLETE:
             study.tell(trial, values=values)
         else:
@@ -276,6 +312,91 @@ class Search:
             cb.on_trial_end(trial.number, state.name)
         return state.name
 
+    # -- cohorts ------------------------------------------------------------------------------
+    def run_cohort_worker(self, size: int, worker_index: int = 0, callbacks: Sequence[SearchCallback] = (),
+                          argv: list[str] | None = None) -> None:
+        """`run_worker` with `size` trials trained together as one stacked model (headsearch.training.cohort).
+
+        Free slots are filled with newly asked trials (each at its own epoch 1) until the budget is spent;
+        after every epoch each trial is judged by the pruner on its own, and a trial that ends (complete,
+        pruned, diverged) is told and its slot refilled. A trial that cannot join (another stack signature)
+        trains alone at once. Ctrl-C or a crash tells every trial in the cohort FAIL before it propagates.
+        """
+        import optuna
+
+        from headsearch.training.cohort import Cohort
+
+        study = self.open()
+        device = resolve_device(self.settings.device)
+        cohort = Cohort(self.task, size, device, soft_columns=self.soft_columns(), share=self._device_share(device))
+        start, exhausted = time.monotonic(), False
+        beats: dict[int, Heartbeat] = {}
+        try:
+            while True:
+                timed_out = self.settings.timeout is not None and time.monotonic() - start >= self.settings.timeout
+                while cohort.free and not exhausted and not timed_out:
+                    trial = self._next_trial(study)
+                    if trial is None:
+                        exhausted = True
+                    elif trial is WAIT:
+                        if cohort.occupied:
+                            break  # train the trials at hand; ask again after their epoch
+                        time.sleep(min(self.settings.heartbeat, 10))
+                    else:
+                        self._join(study, trial, cohort, device, callbacks, argv, beats)
+                if not cohort.occupied:
+                    if exhausted or timed_out:
+                        return
+                    continue
+                for end in cohort.train_epoch():
+                    beats.pop(end.slot).__exit__(None, None, None)
+                    self._end_trial(study, end.tag, end.result if end.error is None else None, end.error, callbacks)
+        except BaseException as e:
+            for end in cohort.interrupt():
+                beats.pop(end.slot).__exit__(None, None, None)
+                if end.result.status != "interrupted":  # it had ended before: told as it ended
+                    error = end.error if isinstance(end.error, (optuna.TrialPruned, Diverged)) or end.error is None else \
+                        RuntimeError(f"{type(end.error).__name__}: {end.error}")
+                    self._end_trial(study, end.tag, end.result if end.error is None else None, error, callbacks,
+                                    reraise=False)
+                else:
+                    self._end_trial(study, end.tag, None, e if isinstance(e, KeyboardInterrupt) else RuntimeError(
+                        f"the cohort's worker stopped: {type(e).__name__}: {e}"), callbacks, reraise=False)
+            raise
+
+    def _join(self, study, trial, cohort, device, callbacks: Sequence[SearchCallback], argv, beats: dict) -> None:
+        """Begin `trial` and put it in a free slot of `cohort`, or train it alone now if it cannot join."""
+        run = self._begin_trial(study, trial, device, callbacks)
+        if isinstance(run, str):
+            return
+        if (why := cohort.refusal(run.cfg)) is not None:
+            trial.set_user_attr("cohort", {"size": 1, "why": why})
+            self._train_alone(study, run, device, callbacks, argv)
+            return
+        beat = Heartbeat(study._storage, trial._trial_id, self.settings.heartbeat).__enter__()
+        try:
+            bound = self._bound_for(run.cfg, device)
+            slot = cohort.add(run.cfg, bound, run.run_dir, argv=argv, clock=run.clock, tag=run,
+                              callbacks=[run.pruning, *diversity_callbacks(run.cfg), *callbacks])
+        except BaseException as e:
+            beat.__exit__(None, None, None)
+            self._end_trial(study, run, None, e, callbacks)
+            return
+        beats[slot] = beat
+        trial.set_user_attr("cohort", {"size": cohort.size, "slot": slot, "worker": f"{socket.gethostname()}:{os.getpid()}"})
+
+    def soft_columns(self) -> int | None:
+        """The soft-branch width a cohort keeps (None: the space never fuses): enough for the fewest heads it may sample."""
+        from headsearch.models.cohort import soft_width
+
+        space = self.space
+        if all(f == "none" for f in space.fusions) and self.base.arch.fusion == "none":
+            return None
+        fewest = min(space.heads)
+        if {"halving", "doubling"} & set(space.families):
+            fewest = min(fewest, space.min_heads)
+        return soft_width(self.base.arch, max(1, fewest))
+
     def alone_clock(self, study, trial, cfg: RunConfig, device) -> AloneClock:
         """The trial's fair clock (headsearch.search.fairtime): this device's lock, and the architecture's
         epoch seconds alone if an earlier trial measured them (then nobody is paused again)."""
@@ -283,11 +404,16 @@ class Search:
 
         if self.alone_threads is None:
             self.alone_threads = torch.get_num_threads()
-        if self._share is None:
-            self._share = device_share(device)
+        self._device_share(device)
         key = alone_key(cfg, device, self.alone_threads if device.type == "cpu" else None)
         trial.set_user_attr("alone_key", key)
         return AloneClock(self._share, known=known_epoch_seconds(study, key), alone_threads=self.alone_threads)
+
+    def _device_share(self, device):
+        """This worker's hold on the device's lock (one per process)."""
+        if self._share is None:
+            self._share = device_share(device)
+        return self._share
 
     def machine_plan(self):
         """How this machine runs the search (workers, trials per GPU, step mode, MPS): headsearch.search.plan."""

@@ -11,6 +11,8 @@ from headsearch.search.pruning import PRUNERS
 from headsearch.search.storage import DEFAULT_STORAGE
 from headsearch.search.study import SAMPLERS
 
+MAX_COHORT = 64
+
 
 @dataclass(frozen=True)
 class SearchSettings:
@@ -33,6 +35,7 @@ class SearchSettings:
     workers: int | None = None  # worker processes on this machine (None: one, unless trials_per_gpu is set)
     trials_per_gpu: int | None = None  # or: this many processes per visible GPU (this many on a machine without one)
     compile: str | None = None  # overrides train.compile for every trial
+    cohort: int | None = None  # trials each worker trains as one stacked model (None: the plan decides; 1: off)
     run_root: str = "runs"
     device: str = "auto"
     heartbeat: int = 30
@@ -75,3 +78,5 @@ def check_process_counts(s: SearchSettings) -> None:
         raise ConfigError("--trials and --workers must be at least 1")
     if s.trials_per_gpu is not None and s.trials_per_gpu < 1:
         raise ConfigError(f"--trials-per-gpu {s.trials_per_gpu}: run at least 1 trial per GPU")
+    if s.cohort is not None and not 1 <= s.cohort <= MAX_COHORT:
+        raise ConfigError(f"--cohort {s.cohort}: give the number of trials a worker trains together, 1 (off) to {MAX_COHORT}")

@@ -99,6 +99,7 @@ class Cohort:
         self.optimizer: StackedAdam | None = None
         # Every step's (K,) losses, kept on the device when asked (the equality tests compare them with solo runs').
         self.step_losses: list[torch.Tensor] | None = [] if keep_step_losses else None
+        self.unreported: list[SlotEnd] = []  # runs that ended in an epoch an exception interrupted (see train_epoch)
 
     # -- slots -----------------------------------------------------------------------------------
     @property
@@ -170,13 +171,17 @@ class Cohort:
         t, spe = first.cfg.train, steps_per_epoch(first.bound, first.cfg.train)
         hold = self.share.shared() if self.share is not None else contextlib.nullcontext()
         ends: list[SlotEnd] = []
-        with hold:
-            losses, seconds, seen = self._train(spe)
-            for k in occupied:
-                end = self._close_epoch(k, losses, seconds, seen)
-                if end is not None:
-                    ends.append(end)
-                    self.slots[k] = None
+        try:
+            with hold:
+                losses, seconds, seen = self._train(spe)
+                for k in occupied:
+                    end = self._close_epoch(k, losses, seconds, seen)
+                    if end is not None:
+                        ends.append(end)
+                        self.slots[k] = None
+        except BaseException:
+            self.unreported.extend(ends)  # runs that ended before the interruption: the caller still reports them
+            raise
         return ends
 
     def _train(self, spe: int) -> tuple[torch.Tensor, float, int]:
@@ -258,8 +263,9 @@ class Cohort:
         return SlotEnd(k, slot.tag, slot.result, error)
 
     def interrupt(self) -> list[SlotEnd]:
-        """Every run still in a slot, ended as interrupted (Ctrl-C): what it did is kept, as a solo run keeps it."""
-        ends = []
+        """After an exception in `train_epoch`: the runs that had ended before it (as they ended), then every run
+        still in a slot, ended as interrupted (what it did is kept, as a solo run keeps it)."""
+        ends, self.unreported = self.unreported, []
         for k in self.occupied:
             self.slots[k].result.status = "interrupted"
             ends.append(self._end(k, KeyboardInterrupt()))
