@@ -31,7 +31,6 @@ Target on one H100: a cohort of 8 mixed seed-size ViTs at >= 350,000 samples/s a
 from __future__ import annotations
 
 import contextlib
-import os
 import queue
 import statistics
 import sys
@@ -98,7 +97,8 @@ def main() -> None:
         # processes, it does not share the device with them, and stays out of their MPS server.
         main_w = pool.start(1)[0]
         pool.call([main_w], "solo", over(ARCHS[0][1], args.solo_compile), threads, warm_steps)
-        with managed_mps(cuda and args.mps != "off") as mps:
+        with managed_mps(cuda and args.mps != "off") as mps, contextlib.ExitStack() as stop:
+            stop.callback(pool.kill)  # the workers go before the MPS daemon does
             if cuda:
                 mps_state = mps.describe()
                 print(mps_state, flush=True)

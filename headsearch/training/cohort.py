@@ -210,7 +210,7 @@ class Cohort:
             if t.grad_clip:
                 self.optimizer.clip_(t.grad_clip)
             lr = base_lr * lr_multiplier_tensor(step, total, warmup, t.schedule, t.min_lr_ratio)
-            self.optimizer.step(lr.float())
+            self.optimizer.step(lr)
             step += 1
             loss_sum += losses.detach().float() * n  # a non-finite loss stays in its slot's sum
             if self.step_losses is not None:
