@@ -436,7 +436,8 @@ def _finish(result: TrainResult, run_dir: Path | None, start: float) -> None:
         write_atomic(run_dir / "final.json", json.dumps(result.to_dict(), indent=2) + "\n")
 
 
-ALONE_STEPS = 25  # steps timed by measure_alone (after one untimed): enough for a stable median
+ALONE_STEPS = 30  # steps timed by measure_alone: enough for a stable median
+ALONE_SETTLE = 5  # untimed steps before them: a process's first steps run cold (allocator, caches)
 
 
 def measure_alone(task: Task, cfg: RunConfig, bound: BoundTask, device: torch.device, clock: AloneClock,
@@ -460,9 +461,9 @@ def measure_alone(task: Task, cfg: RunConfig, bound: BoundTask, device: torch.de
             step_clock = StepClock(device)
             synchronize(device)
             batches = itertools.islice(itertools.chain.from_iterable(scratch.train_batches(e) for e in itertools.count(1)),
-                                       steps + 1)
+                                       ALONE_SETTLE + steps)
             for i, batch in enumerate(batches):
-                if i:
+                if i >= ALONE_SETTLE:
                     step_clock.mark()
                 solo_steps.step(batch)
             step_clock.mark()
