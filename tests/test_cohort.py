@@ -34,14 +34,6 @@ def config(arch: dict, overrides: dict = SMALL, **train):
     return apply_overrides(VIT, resolve_config(VIT), {**o, "arch": arch})
 
 
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # ------------------------------------------------------------------------------ the stacked model
 
 

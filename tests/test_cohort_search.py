@@ -29,16 +29,6 @@ def search(tmp_path, cifar_dir, cohort: int, trials: int = 5, **settings) -> Sea
                                  **settings))
 
 
-@pytest.fixture
-def one_thread():
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def trials_of(s: Search):
     study = optuna.load_study(study_name=s.study_name, storage=s.settings.storage)
     return sorted(study.get_trials(deepcopy=False), key=lambda t: t.number)

@@ -322,8 +322,6 @@ class Search:
         pruned, diverged) is told and its slot refilled. A trial that cannot join (another stack signature)
         trains alone at once. Ctrl-C or a crash tells every trial in the cohort FAIL before it propagates.
         """
-        import optuna
-
         from headsearch.training.cohort import Cohort
 
         study = self.open()
@@ -352,16 +350,13 @@ class Search:
                     beats.pop(end.slot).__exit__(None, None, None)
                     self._end_trial(study, end.tag, end.result if end.error is None else None, end.error, callbacks)
         except BaseException as e:
+            stopped = e if isinstance(e, KeyboardInterrupt) else RuntimeError(
+                f"the cohort's worker stopped: {type(e).__name__}: {e}")
             for end in cohort.interrupt():
                 beats.pop(end.slot).__exit__(None, None, None)
-                if end.result.status != "interrupted":  # it had ended before: told as it ended
-                    error = end.error if isinstance(end.error, (optuna.TrialPruned, Diverged)) or end.error is None else \
-                        RuntimeError(f"{type(end.error).__name__}: {end.error}")
-                    self._end_trial(study, end.tag, end.result if end.error is None else None, error, callbacks,
-                                    reraise=False)
-                else:
-                    self._end_trial(study, end.tag, None, e if isinstance(e, KeyboardInterrupt) else RuntimeError(
-                        f"the cohort's worker stopped: {type(e).__name__}: {e}"), callbacks, reraise=False)
+                # A run that ended before the interruption is told as it ended; the others as interrupted.
+                error = stopped if end.result.status == "interrupted" else end.error
+                self._end_trial(study, end.tag, end.result if error is None else None, error, callbacks, reraise=False)
             raise
 
     def _join(self, study, trial, cohort, device, callbacks: Sequence[SearchCallback], argv, beats: dict) -> None:

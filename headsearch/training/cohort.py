@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -168,7 +169,7 @@ class Cohort:
         if not occupied:
             return []
         first = self.slots[occupied[0]]
-        t, spe = first.cfg.train, steps_per_epoch(first.bound, first.cfg.train)
+        spe = steps_per_epoch(first.bound, first.cfg.train)
         hold = self.share.shared() if self.share is not None else contextlib.nullcontext()
         ends: list[SlotEnd] = []
         try:
@@ -226,7 +227,7 @@ class Cohort:
         slot.epoch += 1
         slot.steps += steps_per_epoch(slot.bound, t)
         epoch_loss = float(loss_sum[k]) / max(seen, 1)
-        if not torch.isfinite(torch.tensor(epoch_loss)):
+        if not math.isfinite(epoch_loss):
             result.status, result.error = "diverged", f"loss {epoch_loss} is not finite in epoch {slot.epoch}"
             return self._end(k, Diverged(step=slot.steps, epoch=slot.epoch, loss=epoch_loss))
         model = self.model.slot_model(k).eval()
