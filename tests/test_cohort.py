@@ -38,12 +38,17 @@ def config(arch: dict, overrides: dict = SMALL, **train):
 
 
 def test_each_slot_computes_what_its_solo_model_computes_forward_and_backward():
-    archs = [ArchConfig(**a) for a in MIXED] + [ArchConfig(enc_heads=4, skip="scores"), ArchConfig(enc_heads=4, fusion="add")]
+    archs = [ArchConfig(**a) for a in MIXED] + [ArchConfig(enc_heads=4, skip="scores"), ArchConfig(enc_heads=4, fusion="add"),
+                                                 ArchConfig(**MIXED[0])]
     models = []
     for i, a in enumerate(archs):
         torch.manual_seed(i)
         models.append(ViT(a).double())
     stacked = StackedViT.from_models(models, soft_columns=48).double()
+    # Both ways of taking a group's slots: a view of a run of slots, and a gather (slots 0 and 6 split alike).
+    groups = [g for layer in stacked.groups for g in layer]
+    assert any(g.index is None and len(g.slots) < len(archs) for g in groups)
+    assert any(g.slots == (0, 6) and g.index is not None for g in groups)
     x = torch.randn(len(archs), 3, 3, 32, 32, dtype=torch.float64)
     out = stacked(x)
     out.square().sum().backward()

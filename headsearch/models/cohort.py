@@ -66,7 +66,15 @@ class Group:
     skip_mean: bool
     fusion: str
     slots: tuple[int, ...]
-    index: Tensor | None = None  # the slots as a device tensor (None: the group is every slot, in order)
+    index: Tensor | None = None  # the slots as a device tensor (None: they are a run of slots, `start` on)
+    start: int = 0
+
+    def take(self, t: Tensor) -> Tensor:
+        """The group's slots of a stacked tensor (slot axis first): a view when they are a run of slots, which
+        costs nothing forward and a slice's backward; a gather otherwise."""
+        if self.index is not None:
+            return t.index_select(0, self.index)
+        return t if self.start == 0 and len(self.slots) == t.shape[0] else t.narrow(0, self.start, len(self.slots))
 
 
 def _key(arch: ArchConfig, layer: int) -> tuple:
@@ -82,6 +90,11 @@ def _linear(x: Tensor, w: Tensor, b: Tensor) -> Tensor:
     k, shape = x.shape[0], x.shape[1:-1]
     y = torch.baddbmm(b.unsqueeze(1), x.reshape(k, -1, x.shape[-1]), w.transpose(1, 2))  # (K, N, out)
     return y.view(k, *shape, w.shape[1])
+
+
+def _cat(parts: list[Tensor], dim: int) -> Tensor:
+    """torch.cat, without the copy when there is one part (a group of one slot)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
 def _layer_norm(x: Tensor, w: Tensor, b: Tensor) -> Tensor:
@@ -204,11 +217,12 @@ class StackedViT(nn.Module):
             by_key: dict[tuple, list[int]] = {}
             for s, a in enumerate(self.archs):
                 by_key.setdefault(_key(a, i), []).append(s)
-            groups = [Group(*key, slots=tuple(ks), index=None if len(ks) == k else torch.tensor(ks, device=device))
+            groups = [Group(*key, slots=tuple(ks), start=ks[0],
+                            index=None if ks == list(range(ks[0], ks[0] + len(ks))) else torch.tensor(ks, device=device))
                       for key, ks in by_key.items()]
             order = [s for g in groups for s in g.slots]
             inverse = None
-            if len(groups) > 1:
+            if order != list(range(k)):  # concatenated in group order, the slots need putting back in slot order
                 inverse = torch.empty(k, dtype=torch.long)
                 inverse[torch.tensor(order)] = torch.arange(k)
                 inverse = inverse.to(device)
@@ -254,16 +268,19 @@ class StackedViT(nn.Module):
 
     def _attention(self, i: int, qkv: Tensor, skips: list[Tensor | None]) -> tuple[Tensor, list[Tensor | None]]:
         """Layer i's attention cores, one per group: merged heads (K, B, T, D) and each slot's skip emission."""
-        parts, emitted = [], list(skips)
-        for g in self.groups[i]:
-            qkv_g = qkv if g.index is None else qkv.index_select(0, g.index)
+        parts, emitted, groups = [], list(skips), self.groups[i]
+        # Groups that are runs of slots in order split qkv in one op, whose backward is one cat (a view each
+        # would give every group's gradient as a zero-filled tensor of all K slots, summed after).
+        ins = qkv.split([len(g.slots) for g in groups]) if self.inverse[i] is None else [g.take(qkv) for g in groups]
+        for g, qkv_g in zip(groups, ins):
             merged_g, out_skips = self._core(i, g, qkv_g, [skips[s] for s in g.slots])
             parts.append(merged_g)
             for s, e in zip(g.slots, out_skips):
                 emitted[s] = e
         if len(parts) == 1:
             return parts[0], emitted
-        return torch.cat(parts).index_select(0, self.inverse[i]), emitted  # (K, B, T, D) back in slot order
+        merged = torch.cat(parts)
+        return (merged if self.inverse[i] is None else merged.index_select(0, self.inverse[i])), emitted  # (K, B, T, D)
 
     def _core(self, i: int, g: Group, qkv: Tensor, skips: list[Tensor | None]) -> tuple[Tensor, list[Tensor | None]]:
         """Attention (docs/design.md §2, §3) of the G slots of group `g`, folded into the head axis:
@@ -282,7 +299,7 @@ class StackedViT(nn.Module):
         if g.skip == "scores":
             scores = (q @ k.transpose(-2, -1)) * d_k**-0.5  # (B, G·h, T, T)
             if skip_in:
-                scores = scores + torch.cat([map_score_heads(s, heads) for s in skips], dim=1)  # RealFormer residual
+                scores = scores + _cat([map_score_heads(s, heads) for s in skips], dim=1)  # RealFormer residual
             emitted_scores = scores
             weights = (scores / (i + 1.0) if g.skip_mean else scores).softmax(dim=-1)
             out = weights @ v  # (B, G·h, T, d_k)
@@ -294,17 +311,12 @@ class StackedViT(nn.Module):
         merged = out.reshape(b, n, heads, t, d_k).permute(1, 0, 3, 2, 4).reshape(n, b, t, d)  # concat_h per slot
         if g.skip == "output":
             if skip_in:
-                w, bias = (self._rows(self.p(pre + "skip_norm." + n), g) for n in ("weight", "bias"))
-                merged = _layer_norm(merged + torch.stack(skips), w, bias)  # Deep Head: add and normalise
+                w, bias = (g.take(self.p(pre + "skip_norm." + n)) for n in ("weight", "bias"))
+                merged = _layer_norm(merged + _cat([s.unsqueeze(0) for s in skips], dim=0), w, bias)  # Deep Head: add, normalise
             return merged, list(merged.unbind(0))
         if g.skip == "scores":
             return merged, list(emitted_scores.split(heads, dim=1))  # (B, h, T, T) each
         return merged, [None] * n
-
-    @staticmethod
-    def _rows(param: Tensor, g: Group) -> Tensor:
-        """The group's slots of a stacked parameter."""
-        return param if g.index is None else param.index_select(0, g.index)
 
     def _soft(self, pre: str, g: Group, q: Tensor, k: Tensor, v: Tensor, d_k: int) -> Tensor:
         """The soft (additive) branch of attention.SoftAttention, each slot's own per-head weights: (B, G·h, T, d_k)."""
@@ -312,11 +324,11 @@ class StackedViT(nn.Module):
         a = arch.soft_dim or d_k
         heads, n = g.heads, len(g.slots)
         rows = heads * d_k  # = D
-        w_key = self._rows(self.p(pre + "soft.w_key"), g)[:, :rows, :a].reshape(n * heads, d_k, a)  # (G·h, d_k, A)
-        w_energy = self._rows(self.p(pre + "soft.w_energy"), g)[:, :heads, :a].reshape(n * heads, a)  # (G·h, A)
+        w_key = g.take(self.p(pre + "soft.w_key"))[:, :rows, :a].reshape(n * heads, d_k, a)  # (G·h, d_k, A)
+        w_energy = g.take(self.p(pre + "soft.w_energy"))[:, :heads, :a].reshape(n * heads, a)  # (G·h, A)
         keys = torch.einsum("bhtd,hda->bhta", k, w_key)  # (B, G·h, T, A)
         if arch.soft_score == "pairwise":
-            w_query = self._rows(self.p(pre + "soft.w_query"), g)[:, :rows, :a].reshape(n * heads, d_k, a)
+            w_query = g.take(self.p(pre + "soft.w_query"))[:, :rows, :a].reshape(n * heads, d_k, a)
             queries = torch.einsum("bhtd,hda->bhta", q, w_query)
             energy = additive_energy(queries, keys, w_energy)  # (B, G·h, T, T)
         else:

@@ -567,7 +567,8 @@ class BucketBatcher:
     def _make_batch(self, idx: np.ndarray, rows: torch.Tensor, widths: tuple[int, int]) -> TranslationBatch:
         """idx: the pairs (host), rows: the same on the device; widths: the padded (S, T)."""
         s, t = widths
-        ids = self.table[:, :, : max(s, t)].index_select(1, rows).long()  # (3, B, max(S, T))
+        # Rows first, then the slice: index_select from a sliced (non-contiguous) table is ~150x slower on the CPU.
+        ids = self.table.index_select(1, rows)[:, :, : max(s, t)].long()  # (3, B, max(S, T))
         src, tgt_in, tgt_out = ids[0, :, :s], ids[1, :, :t], ids[2, :, :t]
         return TranslationBatch(src=src, tgt_in=tgt_in, tgt_out=tgt_out, index=rows,
                                 n_tokens=int(self._tgt_len[idx].sum()), src_len=int(self._src_len[idx].max()))
