@@ -1,0 +1,87 @@
+"""headsearch.analysis.stats: the numbers of `headsearch compare`, against cases worked out by hand."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from headsearch.analysis.stats import (
+    bootstrap_ci, mean_std, paired_difference, paired_t_test, regularized_beta, student_t_two_sided,
+)
+
+
+def test_mean_and_sample_std():
+    assert mean_std([1.0, 2.0, 3.0, 4.0]) == (2.5, pytest.approx(math.sqrt(5 / 3)))  # squares 2.25+0.25+0.25+2.25 = 5, / 3
+    m, s = mean_std([0.7])
+    assert m == 0.7 and math.isnan(s)
+
+
+@pytest.mark.parametrize("t", [0.0, 0.5, 1.0, 2.0, 6.3138, 40.0])
+def test_student_t_one_and_two_degrees_of_freedom_have_closed_forms(t):
+    # df = 1 is the Cauchy distribution: P(|T| > t) = 1 - (2 / pi) atan(t).
+    assert student_t_two_sided(t, 1) == pytest.approx(1 - 2 / math.pi * math.atan(t), abs=1e-12)
+    # df = 2: P(|T| > t) = 1 - t / sqrt(2 + t^2).
+    assert student_t_two_sided(t, 2) == pytest.approx(1 - t / math.sqrt(2 + t * t), abs=1e-12)
+
+
+def test_student_t_against_table_values():
+    # Two-sided 5% critical values of Student's t (any printed table): 12.706 (1), 2.776 (4), 2.228 (10), 1.960 (inf).
+    assert student_t_two_sided(12.706, 1) == pytest.approx(0.05, abs=1e-4)
+    assert student_t_two_sided(2.776, 4) == pytest.approx(0.05, abs=1e-4)
+    assert student_t_two_sided(2.228, 10) == pytest.approx(0.05, abs=1e-4)
+    assert student_t_two_sided(1.960, 100_000) == pytest.approx(0.05, abs=1e-4)
+
+
+def test_regularized_beta_symmetry_and_a_polynomial_case():
+    # I_x(1, b) = 1 - (1 - x)^b, and I_x(a, b) = 1 - I_{1-x}(b, a).
+    for x in (0.01, 0.3, 0.77, 0.99):
+        assert regularized_beta(x, 1.0, 3.0) == pytest.approx(1 - (1 - x) ** 3, abs=1e-13)
+        assert regularized_beta(x, 2.5, 0.5) == pytest.approx(1 - regularized_beta(1 - x, 0.5, 2.5), abs=1e-13)
+    assert regularized_beta(0.0, 2, 3) == 0.0 and regularized_beta(1.0, 2, 3) == 1.0
+
+
+def test_paired_t_test_by_hand():
+    # d = 1, 2, 3: mean 2, sd 1, t = 2 / (1 / sqrt 3) = sqrt 12, df 2: p = 1 - sqrt12 / sqrt14.
+    assert paired_t_test([1.0, 2.0, 3.0]) == pytest.approx(1 - math.sqrt(12 / 14), abs=1e-12)
+    # d = 1, 3: mean 2, sd sqrt 2, t = 2 / (sqrt2 / sqrt2) = 2, df 1: p = 1 - (2 / pi) atan 2.
+    assert paired_t_test([1.0, 3.0]) == pytest.approx(1 - 2 / math.pi * math.atan(2.0), abs=1e-12)
+    # The sign does not matter (two-sided).
+    assert paired_t_test([-1.0, -3.0]) == paired_t_test([1.0, 3.0])
+
+
+def test_paired_t_test_without_spread():
+    assert paired_t_test([0.0, 0.0, 0.0]) == 1.0  # nothing differs
+    assert paired_t_test([0.5, 0.5]) == 0.0  # every seed differs by exactly the same
+
+
+def test_bootstrap_of_two_differences_spans_them():
+    # Resampling two values gives means d1 (1/4), (d1 + d2) / 2 (1/2), d2 (1/4): the 2.5% and 97.5% points are d1 and d2.
+    assert bootstrap_ci([1.0, 3.0]) == (1.0, 3.0)
+
+
+def test_bootstrap_is_seeded_and_close_to_the_normal_interval_for_many_values():
+    d = np.random.default_rng(1).normal(0.02, 0.01, size=400)
+    lo, hi = bootstrap_ci(d, seed=3)
+    assert (lo, hi) == bootstrap_ci(d, seed=3)
+    half = 1.96 * d.std(ddof=1) / math.sqrt(d.size)
+    assert lo == pytest.approx(d.mean() - half, abs=0.15 * half)
+    assert hi == pytest.approx(d.mean() + half, abs=0.15 * half)
+
+
+def test_paired_difference_is_b_minus_a():
+    a, b = [0.80, 0.78, 0.79], [0.81, 0.80, 0.82]  # d = 0.01, 0.02, 0.03
+    diff = paired_difference(a, b)
+    assert diff.n == 3 and diff.mean_diff == pytest.approx(0.02)
+    assert diff.ci95[0] <= diff.mean_diff <= diff.ci95[1]
+    assert diff.ci95 == pytest.approx((0.01, 0.03))  # 3 values: the extremes are resampled often enough
+    assert diff.p_value == pytest.approx(1 - math.sqrt(12 / 14), abs=1e-9)  # the same t as d = 1, 2, 3
+    assert diff.distinguishable
+    assert paired_difference(b, a).mean_diff == pytest.approx(-0.02)
+
+
+def test_paired_difference_refuses_unpaired_or_single_seeds():
+    with pytest.raises(ValueError, match="same seeds"):
+        paired_difference([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match="at least 2"):
+        paired_difference([1.0], [2.0])
