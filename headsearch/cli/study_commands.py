@@ -42,6 +42,9 @@ def report(
     storage: str = typer.Option("sqlite:///headsearch.db", "--storage", help=STORAGE_HELP),
     fmt: str = typer.Option("table", "--format", "-f", help="table (Rich tables), json (the whole report) or csv (one row per trial)."),
     plots: Optional[Path] = typer.Option(None, "--plots", help="Also write PNG and HTML plots into this folder and upload them to the study as artifacts."),
+    robust: int = typer.Option(0, "--robust", help="Retrain the Pareto front with seeds 0..N-1 (`headsearch compare`) and show it on mean values with 95% intervals."),
+    run_root: Path = typer.Option(Path("runs"), "--run-root", help="With --robust: run directories go in RUN_ROOT/<study>-robust/."),
+    device: str = typer.Option("auto", "--device", help="With --robust: auto, cpu, cuda ..."),
 ) -> None:
     """Summarise a search: Pareto front, trial counts, parameter importances, what pruning saved."""
     import json
@@ -51,6 +54,8 @@ def report(
     if fmt not in FORMATS:
         _fail(f"--format {fmt!r} is not known: use one of {', '.join(FORMATS)}")
     _quiet_optuna()
+    if robust:
+        return _robust_report(study, storage, robust, fmt, run_root, device)
     from headsearch.search.report import load_study, summarize
 
     try:
@@ -93,6 +98,29 @@ def report(
         typer.echo(f"plots (uploaded as artifacts to {artifact_dir}):", err=to_err)
         for path, artifact_id in written:
             typer.echo(f"  {path}  (artifact {artifact_id})", err=to_err)
+
+
+def _robust_report(study: Optional[str], storage: str, seeds: int, fmt: str, run_root: Path, device: str) -> None:
+    """`report --robust N`: the front retrained through `compare`, shown on mean values."""
+    from headsearch.cli.compare_command import print_result, print_robust_front, run_comparison
+    from headsearch.errors import HeadsearchError
+    from headsearch.search.compare import robust_search
+
+    try:
+        search, grid = robust_search(storage, study, seeds, run_root=str(run_root), device=device)
+        result, paths = run_comparison(search, grid, run_root / search.study_name / "compare")
+    except HeadsearchError as e:
+        _fail(str(e))
+    except KeyboardInterrupt:
+        _fail("interrupted: finished runs are kept in the study; run the same command to train the rest", code=130)
+    except Exception as e:
+        _fail_on_fault(e, "finished runs are kept in the study; free space (or fix the disk) and run the same command again")
+    if fmt == "table":
+        print_robust_front(result)
+        print_result(result, "table", search.task)
+    else:
+        print_result(result, fmt, search.task)
+    typer.echo("written: " + ", ".join(map(str, paths)), err=True)
 
 
 def print_report(rep, console=None) -> None:

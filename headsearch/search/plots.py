@@ -288,3 +288,38 @@ def _importances(report: StudyReport, prefix: Path) -> list[Path]:
     g.update_layout(title=title, template="plotly_white", height=250 + 220 * n)
     html = _save_html(g, prefix.with_name(prefix.name + "-param-importances.html"), "headsearch-param-importances")
     return [png, html]
+
+
+def write_compare_curves(result: dict[str, Any], path: Path) -> Path:
+    """`headsearch compare`'s figure: per config, the mean validation curve over its seeds with a band of
+    one standard deviation (the seeds that reached each epoch), from `compare.comparison`'s result."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for i, c in enumerate(result["configs"]):
+        curves = [{int(e): v for e, v in r["curve"].items()} for r in c["runs"] if r.get("curve")]  # JSON keys are str
+        if not curves:
+            continue
+        epochs = sorted({int(e) for curve in curves for e in curve})
+        values = [[float(curve[e]) for curve in curves if e in curve] for e in epochs]
+        mean = np.array([np.mean(v) for v in values])
+        std = np.array([np.std(v, ddof=1) if len(v) > 1 else 0.0 for v in values])
+        color = f"C{i % 10}"
+        ax.plot(epochs, mean, color=color, label=f"{c['name']} ({len(curves)} seeds)")
+        ax.fill_between(epochs, mean - std, mean + std, color=color, alpha=0.2, linewidth=0)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel(result.get("curve_metric", "validation metric").replace("_", " ") + " (mean ± std over seeds)")
+    ax.set_title(f"{result['study']}: validation curves")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)  # whole or absent
+    return path

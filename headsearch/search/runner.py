@@ -82,7 +82,8 @@ class Search:
     def __post_init__(self) -> None:
         s = self.settings
         self.task = get_task(s.task)
-        self.space = load_space(s.space)
+        # A space's name or path, or a space object (a comparison's `ConfigGrid`: fixed configs x seeds).
+        self.space = load_space(s.space) if isinstance(s.space, str) else s.space
         if self.space.tasks and self.task.name not in self.space.tasks:
             raise ConfigError(f"space {self.space.name} is for {', '.join(self.space.tasks)}, not {self.task.name}")
         self.objectives = resolve_objectives(self.task, s.objectives)
@@ -182,6 +183,12 @@ class Search:
                     # belong to a dead worker and come back as a retry (or fail and free its place).
                     return WAIT if running and hasattr(study._storage, "record_heartbeat") else None
                 study.sampler = self.make_sampler(len(trials))
+                next_point = getattr(self.space, "next_point", None)  # a grid that says which point comes next
+                if next_point is not None and waiting == 0:
+                    point = next_point(trials)
+                    if point is None:  # every point is held: by finished runs, or by running ones to wait for
+                        return WAIT if running and hasattr(study._storage, "record_heartbeat") else None
+                    study.enqueue_trial(point)
                 return study.ask()
 
     def run_worker(self, worker_index: int = 0, callbacks: Sequence[SearchCallback] = (), argv: list[str] | None = None) -> None:

@@ -5,6 +5,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from headsearch.errors import ConfigError
 from headsearch.search.pruning import PRUNERS
@@ -17,7 +18,7 @@ MAX_COHORT = 64
 @dataclass(frozen=True)
 class SearchSettings:
     task: str
-    space: str = "deep-head"
+    space: Any = "deep-head"  # a space's name or YAML path, or a space object (compare's ConfigGrid)
     trials: int = 50
     timeout: float | None = None
     objectives: tuple[str, ...] | None = None
