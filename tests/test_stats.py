@@ -76,7 +76,10 @@ def test_paired_difference_is_b_minus_a():
     assert diff.ci95[0] <= diff.mean_diff <= diff.ci95[1]
     assert diff.ci95 == pytest.approx((0.01, 0.03))  # 3 values: the extremes are resampled often enough
     assert diff.p_value == pytest.approx(1 - math.sqrt(12 / 14), abs=1e-9)  # the same t as d = 1, 2, 3
-    assert diff.distinguishable
+    # The interval excludes 0, but three differences of one sign always do: p = 0.074 says it is not enough.
+    assert not diff.distinguishable
+    tight = paired_difference([0.80, 0.78, 0.79, 0.81], [0.82, 0.80, 0.81, 0.83])  # d = 0.02 every seed (to rounding): p ~ 0
+    assert tight.distinguishable and tight.p_value < 1e-6
     assert paired_difference(b, a).mean_diff == pytest.approx(-0.02)
 
 

@@ -132,11 +132,11 @@ def print_comparison(result: dict, task, console=None) -> None:
             diffs.add_column(col, justify="right" if col in ("mean b - a", "p") else "left")
         for d in shown:
             lo, hi = d["ci95"]
-            mark = "" if lo <= 0 <= hi else " *"
+            mark = " *" if d["distinguishable"] else ""
             diffs.add_row(d["a"], d["b"], d["metric"].replace("_", " "), f"{d['mean_diff']:+.4g}",
                           f"[{lo:+.4g}, {hi:+.4g}]{mark}", f"{d['p_value']:.3g}")
         console.print(diffs)
-        console.print("* the interval excludes 0")
+        console.print("* distinguishable: the interval excludes 0 and p < 0.05")
     best = result.get("best")
     if best:
         if best["distinguishable"]:

@@ -248,7 +248,7 @@ def run_metrics(trial, objectives) -> dict[str, float]:
 def comparison(study, grid: ConfigGrid, task, objectives) -> dict[str, Any]:
     """The comparison as the JSON schema of README's `headsearch compare` section:
     {"configs": [{name, config, runs: [{seed, metrics, run_dir, trial, curve}], mean, std}], "differences": [{a, b,
-    metric, mean_diff, ci95, p_value, n}], "best": {...}, "seeds", "missing"}; `curve`: epoch -> the validation
+    metric, mean_diff, ci95, p_value, n, distinguishable}], "best": {...}, "seeds", "missing"}; `curve`: epoch -> the validation
     primary metric (the trial's intermediate values)."""
     from optuna.trial import TrialState
 
@@ -283,7 +283,8 @@ def comparison(study, grid: ConfigGrid, task, objectives) -> dict[str, Any]:
                     continue
                 d = paired_difference([values[ia][s][metric] for s in seeds], [values[ib][s][metric] for s in seeds])
                 differences.append({"a": configs[ia]["name"], "b": configs[ib]["name"], "metric": metric,
-                                    "mean_diff": d.mean_diff, "ci95": list(d.ci95), "p_value": d.p_value, "n": d.n})
+                                    "mean_diff": d.mean_diff, "ci95": list(d.ci95), "p_value": d.p_value, "n": d.n,
+                                    "distinguishable": d.distinguishable})
     missing = [{"config": grid.candidates[i].name, "seed": s} for s in range(grid.seeds)
                for i in range(len(grid.candidates)) if (i, s) not in by_point]
     return {"study": study.study_name, "task": task.name, "seeds": grid.seeds, "curve_metric": f"val_{task.primary.name}",
@@ -339,7 +340,7 @@ def robust_search(storage: str, study_name: str | None, seeds: int, *, run_root:
 
 def best_config(configs: list[dict], differences: list[dict], task) -> dict[str, Any] | None:
     """The config with the best mean validation primary metric, and whether its paired difference with
-    each other config has a 95% interval that excludes 0."""
+    each other config is distinguishable (the 95% interval excludes 0 and p < 0.05: stats.distinguishable)."""
     metric = f"val_{task.primary.name}"
     scored = [(c["mean"].get(metric), c["name"]) for c in configs if c["mean"].get(metric) is not None]
     if not scored:
@@ -351,8 +352,7 @@ def best_config(configs: list[dict], differences: list[dict], task) -> dict[str,
         if d["metric"] != metric or best not in (d["a"], d["b"]):
             continue
         other = d["b"] if d["a"] == best else d["a"]
-        lo, hi = d["ci95"]
-        (clear if lo > 0 or hi < 0 else unclear).append(other)
+        (clear if d["distinguishable"] else unclear).append(other)
     others = [c["name"] for c in configs if c["name"] != best]
     untested = [o for o in others if o not in clear and o not in unclear]
     return {"name": best, "metric": metric, "direction": task.primary.direction,

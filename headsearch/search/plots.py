@@ -298,6 +298,7 @@ def write_compare_curves(result: dict[str, Any], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for i, c in enumerate(result["configs"]):
@@ -312,6 +313,7 @@ def write_compare_curves(result: dict[str, Any], path: Path) -> Path:
         ax.plot(epochs, mean, color=color, label=f"{c['name']} ({len(curves)} seeds)")
         ax.fill_between(epochs, mean - std, mean + std, color=color, alpha=0.2, linewidth=0)
     ax.set_xlabel("epoch")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel(result.get("curve_metric", "validation metric").replace("_", " ") + " (mean ± std over seeds)")
     ax.set_title(f"{result['study']}: validation curves")
     ax.grid(alpha=0.3)
