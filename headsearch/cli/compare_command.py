@@ -35,14 +35,25 @@ def compare(
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda ..."),
 ) -> None:
     """Train every CONFIG with seeds 0..N-1; means, spreads and paired differences with 95% intervals."""
-    from headsearch.cli.main import fail, fail_on_fault
-    from headsearch.errors import HeadsearchError
+    from headsearch.cli.main import fail
 
     if fmt not in FORMATS:
         fail(f"--format {fmt!r} is not known: use one of {', '.join(FORMATS)}")
+    search, result = compare_or_fail(
+        lambda: _prepare(configs, task, seeds, data_dir, data_file, preset, epochs, sets, storage, study, run_root,
+                         workers, cohort, device), run_root, out)
+    print_result(result, fmt, search.task)
+
+
+def compare_or_fail(build, run_root: Path, out: Path | None = None):
+    """`build()` -> (Search, ConfigGrid); train what the comparison lacks, read it back, write its files
+    (`out`, default RUN_ROOT/<study>/compare, named on stderr). Returns (search, result). Bad input and
+    faults end the command with one line, as every command's do."""
+    from headsearch.cli.main import fail, fail_on_fault
+    from headsearch.errors import HeadsearchError
+
     try:
-        search, grid = _prepare(configs, task, seeds, data_dir, data_file, preset, epochs, sets, storage, study, run_root,
-                                workers, cohort, device)
+        search, grid = build()
         result, paths = run_comparison(search, grid, out or run_root / search.study_name / "compare")
     except HeadsearchError as e:
         fail(str(e))
@@ -50,8 +61,8 @@ def compare(
         fail("interrupted: finished runs are kept in the study; run the same command to train the rest", code=130)
     except Exception as e:
         fail_on_fault(e, "finished runs are kept in the study; free space (or fix the disk) and run the same command again")
-    print_result(result, fmt, search.task)
     typer.echo("written: " + ", ".join(map(str, paths)), err=True)
+    return search, result
 
 
 def run_comparison(search, grid, out: Path):

@@ -102,25 +102,14 @@ def report(
 
 def _robust_report(study: Optional[str], storage: str, seeds: int, fmt: str, run_root: Path, device: str) -> None:
     """`report --robust N`: the front retrained through `compare`, shown on mean values."""
-    from headsearch.cli.compare_command import print_result, print_robust_front, run_comparison
-    from headsearch.errors import HeadsearchError
+    from headsearch.cli.compare_command import compare_or_fail, print_result, print_robust_front
     from headsearch.search.compare import robust_search
 
-    try:
-        search, grid = robust_search(storage, study, seeds, run_root=str(run_root), device=device)
-        result, paths = run_comparison(search, grid, run_root / search.study_name / "compare")
-    except HeadsearchError as e:
-        _fail(str(e))
-    except KeyboardInterrupt:
-        _fail("interrupted: finished runs are kept in the study; run the same command to train the rest", code=130)
-    except Exception as e:
-        _fail_on_fault(e, "finished runs are kept in the study; free space (or fix the disk) and run the same command again")
+    search, result = compare_or_fail(lambda: robust_search(storage, study, seeds, run_root=str(run_root), device=device),
+                                     run_root)
     if fmt == "table":
         print_robust_front(result)
-        print_result(result, "table", search.task)
-    else:
-        print_result(result, fmt, search.task)
-    typer.echo("written: " + ", ".join(map(str, paths)), err=True)
+    print_result(result, fmt, search.task)
 
 
 def print_report(rep, console=None) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -152,16 +152,13 @@ class ConfigGrid:
     """The "space" of a comparison: trial = config i of `candidates` with seed s, 0 <= s < `seeds`.
 
     It answers what `headsearch.search.runner.Search` asks a `SearchSpace` (sample, base_config, summary and
-    the soft-branch width's inputs), plus `next_point`: the next (config, seed) no run holds yet."""
+    the soft-branch width's inputs: heads, fusions, families), plus `next_point`: the next (config, seed) no run holds yet."""
 
     candidates: tuple[Candidate, ...]
     seeds: int
     name: str = "compare"
-    description: str = "fixed configs x seeds"
-    tasks: tuple[str, ...] = ()
-    families: tuple[str, ...] = ()
-    ranges: tuple = ()
-    fixed: dict = field(default_factory=dict)
+    tasks: tuple[str, ...] = ()  # any task: the configs were resolved for the comparison's
+    families: tuple[str, ...] = ()  # no halving or doubling families: `heads` lists every head count there is
 
     @property
     def points(self) -> int:
@@ -170,14 +167,6 @@ class ConfigGrid:
     @property
     def heads(self) -> tuple[int, ...]:
         return tuple(sorted({h for c in self.candidates for h in (*c.config.arch.enc_heads, *c.config.arch.dec_heads)}))
-
-    @property
-    def min_heads(self) -> int:
-        return min(self.heads)
-
-    @property
-    def skips(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(c.config.arch.skip for c in self.candidates))
 
     @property
     def fusions(self) -> tuple[str, ...]:
@@ -315,6 +304,7 @@ def robust_search(storage: str, study_name: str | None, seeds: int, *, run_root:
                   workers: int | None = None, cohort: int | None = None):
     """`report --robust N`: the comparison that retrains study `study_name`'s Pareto front with seeds 0..N-1,
     on the search's own task and data (its `headsearch` attributes). Returns (Search, ConfigGrid)."""
+    from headsearch.search.export import data_flag
     from headsearch.search.report import load_study
     from headsearch.search.runner import Search, SearchSettings
     from headsearch.tasks import get_task
@@ -329,8 +319,7 @@ def robust_search(storage: str, study_name: str | None, seeds: int, *, run_root:
     data = meta.get("data")
     data_dir = data_file = None
     if data and data != "download":
-        p = Path(data)
-        data_dir, data_file = (data, None) if p.is_dir() else (None, data)
+        data_dir, data_file = (data, None) if data_flag(data) == "--data-dir" else (None, data)
     settings = SearchSettings(task=task.name, space=ConfigGrid(tuple(cands), seeds), trials=len(cands) * seeds,
                               sampler="random", pruner="none", storage=storage, study=f"{study.study_name}-robust",
                               data_dir=data_dir, data_file=data_file, run_root=run_root, device=device,

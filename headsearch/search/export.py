@@ -135,10 +135,15 @@ def retrain_command(study, t, path: Path) -> str:
     argv = ["headsearch", "train", "--task", task, "--config", str(path)]
     data = meta.get("data")
     if data and data != "download":
-        p = Path(data)
-        flag = "--data-dir" if p.is_dir() or (not p.exists() and not p.suffix) else "--data-file"
-        argv += [flag, data]
+        argv += [data_flag(data), data]
     return shlex.join(argv)
+
+
+def data_flag(data: str) -> str:
+    """The flag a study's recorded data path goes with: --data-dir for a folder (or a missing path without
+    a suffix), --data-file otherwise."""
+    p = Path(data)
+    return "--data-dir" if p.is_dir() or (not p.exists() and not p.suffix) else "--data-file"
 
 
 def trial_yaml(study, t, storage_url: str, path: Path) -> str:

@@ -293,19 +293,16 @@ def _importances(report: StudyReport, prefix: Path) -> list[Path]:
 def write_compare_curves(result: dict[str, Any], path: Path) -> Path:
     """`headsearch compare`'s figure: per config, the mean validation curve over its seeds with a band of
     one standard deviation (the seeds that reached each epoch), from `compare.comparison`'s result."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
     from matplotlib.ticker import MaxNLocator
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig = _figure((7, 4.2))
+    ax = fig.subplots()
     for i, c in enumerate(result["configs"]):
         curves = [{int(e): v for e, v in r["curve"].items()} for r in c["runs"] if r.get("curve")]  # JSON keys are str
         if not curves:
             continue
-        epochs = sorted({int(e) for curve in curves for e in curve})
+        epochs = sorted({e for curve in curves for e in curve})
         values = [[float(curve[e]) for curve in curves if e in curve] for e in epochs]
         mean = np.array([np.mean(v) for v in values])
         std = np.array([np.std(v, ddof=1) if len(v) > 1 else 0.0 for v in values])
@@ -318,10 +315,7 @@ def write_compare_curves(result: dict[str, Any], path: Path) -> Path:
     ax.set_title(f"{result['study']}: validation curves")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
+    tmp = _save_png(fig, path.with_name(path.name + ".tmp.png"))
     tmp.replace(path)  # whole or absent
     return path

@@ -178,16 +178,17 @@ class Search:
                     )
                 running = states.count(TrialState.RUNNING)
                 counted = sum(states.count(s) for s in (TrialState.COMPLETE, TrialState.PRUNED)) + running + waiting
+                # Nothing left to ask: running trials hold the rest. With heartbeats, wait for them: one may
+                # belong to a dead worker and come back as a retry (or fail and free its place).
+                done = WAIT if running and hasattr(study._storage, "record_heartbeat") else None
                 if waiting == 0 and counted >= self.settings.trials:
-                    # Running trials fill the rest of the budget. With heartbeats, wait for them: one may
-                    # belong to a dead worker and come back as a retry (or fail and free its place).
-                    return WAIT if running and hasattr(study._storage, "record_heartbeat") else None
+                    return done
                 study.sampler = self.make_sampler(len(trials))
                 next_point = getattr(self.space, "next_point", None)  # a grid that says which point comes next
                 if next_point is not None and waiting == 0:
                     point = next_point(trials)
-                    if point is None:  # every point is held: by finished runs, or by running ones to wait for
-                        return WAIT if running and hasattr(study._storage, "record_heartbeat") else None
+                    if point is None:  # every point is held, by finished runs or running ones
+                        return done
                     study.enqueue_trial(point)
                 return study.ask()
 
