@@ -1,28 +1,42 @@
 # Two commands: `make test` and `make run`. Each sets up .venv on first use (torch comes from the
 # package registry: several GB the first time, then cached by pip).
+# `make test-oldest` runs the same suite in .venv-oldest on the declared floor (constraints/oldest.txt).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
+OLDEST := constraints/oldest.txt
+VENV_OLDEST  := .venv-oldest
+STAMP_OLDEST := $(VENV_OLDEST)/.installed-stamp
 # The real data shipped beside this checkout; without it the tasks download (CIFAR-10 via torchvision).
 DATA   ?= $(wildcard ../shared/data)
 CIFAR_ARG = $(if $(DATA),--data-dir $(DATA)/cifar10,)
 RUN_ARGS ?= --preset tiny --trials 12
 
-.PHONY: test run setup clean
+.PHONY: test test-oldest run setup clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 	touch $(STAMP)
 
+# The floor: exactly the versions in $(OLDEST), whatever newer ones the index serves.
+$(STAMP_OLDEST): pyproject.toml $(OLDEST)
+	$(PYTHON) -m venv $(VENV_OLDEST)
+	$(VENV_OLDEST)/bin/python -m pip install --quiet --disable-pip-version-check -c $(OLDEST) -e '.[dev]'
+	touch $(STAMP_OLDEST)
+
 setup: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
+# HEADSEARCH_FLOOR makes tests/test_versions.py check that the floor's versions are the ones installed.
+test-oldest: $(STAMP_OLDEST)
+	HEADSEARCH_FLOOR=$(OLDEST) $(VENV_OLDEST)/bin/python -m pytest -q
+
 run: $(STAMP)
 	$(BIN)/headsearch run --task vit-cifar10 $(CIFAR_ARG) $(RUN_ARGS)
 
 clean:
-	rm -rf $(VENV) runs *.egg-info
+	rm -rf $(VENV) $(VENV_OLDEST) runs *.egg-info

@@ -247,11 +247,13 @@ def test_warm_up_captures_each_shape_and_leaves_weights_optimizer_steps_and_rng_
     assert set(steps.graphs) == {signature(b) for b in warm} and len(steps.graphs) == 2  # 64 and the last 44
 
 
-def test_a_captured_step_is_checked_against_the_uncaptured_one(cifar):
+@pytest.mark.parametrize("warmup_epochs", [0, 1])
+def test_a_captured_step_is_checked_against_the_uncaptured_one(cifar, warmup_epochs):
     """verify_step, which runs after capture on a GPU: a replay that computes the step agrees; one that
     computes something else (other labels, a step skipped, a doubled learning rate) is a CaptureMismatch,
-    so the trainer falls back instead of training quietly wrong. Here the "replay" is the step itself."""
-    cfg = vit_config({"schedule": "cosine", "lr": 3e-3})
+    so the trainer falls back instead of training quietly wrong. Here the "replay" is the step itself.
+    Under learning-rate warm-up the first step is 1/5 of lr here (5 steps an epoch): the tolerance follows it."""
+    cfg = vit_config({"schedule": "cosine", "lr": 3e-3, "warmup_epochs": warmup_epochs})
     bound = VIT.setup(cfg, cifar, "cpu")
     steps = make_steps_for(GraphSteps, bound, cfg, GRAPHS)
     batch = next(iter(bound.train_batches(1)))
@@ -314,7 +316,8 @@ def test_compiled_blocks_share_the_weights_and_leave_the_model_eager(cifar):
     assert [p.data_ptr() for p in twin.parameters()] == [p.data_ptr() for p in model.parameters()]
     assert twin.patch_embed is model.patch_embed and twin.head is model.head
     assert compile_blocks(model, EAGER, dynamic=None) is model
-    assert torch._dynamo.config.recompile_limit >= 256
+    dynamo = torch._dynamo.config  # recompile_limit from torch 2.7 on, cache_size_limit before
+    assert (getattr(dynamo, "recompile_limit", None) or dynamo.cache_size_limit) >= 256
 
 
 @pytest.mark.slow
@@ -370,9 +373,11 @@ def test_a_worker_compiles_each_block_kind_once_across_trials(cifar, tmp_path, o
         new_frames.append(frames["ok"] - before)
         warm_up.append(result.compile_seconds)
         assert result.step_note is None
-    assert new_frames[:2] == [1, 1] and new_frames[2:] == [0, 0]
-    # Faster than either compiling trial (which may themselves hit Inductor's on-disk cache from an earlier run).
-    assert max(warm_up[2:]) < min(warm_up[:2])
+    # A new kind compiles one frame; torch 2.6 may serve the second head count from the first one's graph,
+    # made dynamic, and compile none (measured: [1, 0] there, [1, 1] from 2.11 on). Known kinds: nothing.
+    assert new_frames[0] == 1 and new_frames[1] <= 1 and new_frames[2:] == [0, 0], new_frames
+    # Faster than the compiling trial (which may itself hit Inductor's on-disk cache from an earlier run).
+    assert max(warm_up[2:]) < warm_up[0]
 
 
 def test_a_fast_path_that_fails_falls_back_with_one_note(cifar, monkeypatch):

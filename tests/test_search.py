@@ -33,7 +33,7 @@ import pytest
 import yaml
 from optuna.trial import TrialState
 
-from headsearch.errors import HeadsearchError
+from headsearch.errors import ConfigError, HeadsearchError
 from headsearch.search.pruning import MedianRule
 from headsearch.search.runner import Search, SearchSettings
 from headsearch.search.storage import open_storage
@@ -848,3 +848,55 @@ def test_a_study_resumes_with_compile_changed_but_not_with_the_seed_changed(tmp_
     Search(make_settings(compile="default")).open()  # how trials run, not what they compute
     with pytest.raises(HeadsearchError, match="different base_config"):
         Search(make_settings(seed=7)).open()
+
+
+# -- what the installed Optuna can run ---------------------------------------------------------------
+
+
+def test_gp_with_several_objectives_is_refused_on_an_optuna_without_it(monkeypatch):
+    import optuna
+
+    from headsearch.search.study import check_sampler, release
+
+    assert [release(v) for v in ("4.0.0", "4.4.0.dev0", "5.0.0rc1", "2.11.0+cu130")] == [(4, 0, 0), (4, 4, 0), (5, 0, 0), (2, 11, 0)]
+    monkeypatch.setattr(optuna, "__version__", "4.3.0")
+    with pytest.raises(ConfigError, match=r"^--sampler gp with 2 objectives needs optuna >= 4.4 \(installed: 4.3.0\)"):
+        check_sampler("gp", 2)
+    check_sampler("gp", 1)  # one objective: every Optuna 4 has it
+    check_sampler("nsga2", 2)
+    monkeypatch.setattr(optuna, "__version__", "4.4.0")
+    check_sampler("gp", 2)
+
+
+def test_gp_without_scipy_is_refused_in_one_line(monkeypatch):
+    import importlib.util
+
+    from headsearch.search.study import check_sampler
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "scipy" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"^--sampler gp needs scipy, which is not installed: pip install scipy"):
+        check_sampler("gp", 1)
+    check_sampler("tpe", 1)
+
+
+def test_the_installed_optuna_runs_exactly_what_the_sampler_check_lets_through():
+    """On the floor's Optuna the check refuses GP with two objectives and Optuna itself fails there; on a
+    newer one the check lets it through and a two-objective GP search runs past its random start-up."""
+    import optuna
+
+    from headsearch.search.study import check_sampler, make_sampler
+
+    def objective(trial):
+        x = trial.suggest_float("x", 0, 1)
+        return x, (1 - x) ** 2
+
+    study = optuna.create_study(directions=["maximize", "minimize"], sampler=make_sampler("gp", seed=0, trials=12))
+    try:
+        check_sampler("gp", 2)
+    except ConfigError:
+        with pytest.raises(ValueError, match="multi-objective optimization"):
+            study.optimize(objective, n_trials=12)
+        return
+    study.optimize(objective, n_trials=12)
+    assert len([t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]) == 12

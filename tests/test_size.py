@@ -174,11 +174,23 @@ def test_the_soft_branch_grows_with_heads(soft_score, energy_per_head):
         assert flops[h] - flops[1] == 3 * batch * layers * (h - 1) * energy_per_head(t, d_a)
 
 
-def forward_flops_counted_by_torch(model, *inputs) -> int:
+def forward_flops_counted_by_torch(model, *inputs, explicit_attention: bool = True) -> int:
+    """torch's FLOP counter over one forward pass. `explicit_attention` routes every attention core through
+    its explicit matmuls (q kᵀ, softmax, A v: the path the scores skip and analysis take), which every
+    torch version counts; the fused `scaled_dot_product_attention` kernel is counted by some versions and
+    devices only (torch 2.14's counter skips it on the CPU, 2.15's counts it)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        model(*inputs)
+    from headsearch.models.attention import Attention
+
+    original = Attention.needs_explicit_scores
+    if explicit_attention:
+        Attention.needs_explicit_scores = lambda self, need_weights: True
+    try:
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            model(*inputs)
+    finally:
+        Attention.needs_explicit_scores = original
     return counter.get_total_flops()
 
 
@@ -192,6 +204,11 @@ def energy_elementwise(arch: ArchConfig, heads: tuple[int, ...], queries: int, k
         n += h * ((PAIRWISE_ENERGY_FLOPS - 2) * queries * keys * d_a if arch.soft_score == "pairwise"
                   else (KEY_ENERGY_FLOPS - 2) * keys * d_a)
     return n
+
+
+def attention_products(arch: ArchConfig, heads: tuple[int, ...], batch: int, queries: int, keys: int) -> int:
+    """The FLOPs of q kᵀ and A v over a stack's layers, by hand: 2 x (B x H x Tq x d_k x Tk) each."""
+    return sum(2 * 2 * batch * h * queries * arch.head_width(h) * keys for h in heads)
 
 
 @pytest.mark.parametrize("fields", VIT_ARCHS.values(), ids=VIT_ARCHS.keys())
@@ -212,3 +229,16 @@ def test_seq2seq_forward_flops_match_torchs_counter(fields):
     extra = (energy_elementwise(arch, arch.enc_heads, s, s) + energy_elementwise(arch, arch.dec_heads, t, t)
              + energy_elementwise(arch, arch.dec_heads, t, s))
     assert seq2seq_step_flops(arch, batch=2, src_len=s, tgt_len=t, tgt_vocab=120) // 3 - 2 * extra == counted
+
+
+def test_the_fused_kernel_is_counted_as_the_explicit_products_or_not_at_all():
+    """Whatever this torch's counter does with the fused kernel, the model runs the same products: the fused
+    pass counts either the explicit path's FLOPs (the counter knows the kernel) or exactly those minus the
+    hand-computed q kᵀ and A v of every layer (it skips the kernel). Anything else is a wrong estimate."""
+    arch = ArchConfig(enc_heads=[8, 4, 2, 1])  # no scores skip: every layer takes the fused kernel
+    model, images = ViT(arch).eval(), torch.randn(2, 3, 32, 32)
+    explicit = forward_flops_counted_by_torch(model, images)
+    fused = forward_flops_counted_by_torch(model, images, explicit_attention=False)
+    products = attention_products(arch, arch.enc_heads, batch=2, queries=65, keys=65)
+    assert products == 4 * 2 * 2 * 2 * 65 * 48 * 65  # every layer: 2 products x (B x d_model x T x T) x 2
+    assert fused in (explicit, explicit - products), (fused, explicit, products)

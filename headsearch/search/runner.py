@@ -38,7 +38,7 @@ from headsearch.search.pruning import comparison_curves, make_curve_pruner, make
 from headsearch.search.settings import SearchSettings, check_settings
 from headsearch.search.space import SearchSpace, load_space
 from headsearch.search.storage import Heartbeat, budget_lock
-from headsearch.search.study import default_sampler, make_sampler, open_study
+from headsearch.search.study import check_sampler, default_sampler, make_sampler, open_study
 from headsearch.tasks import DataSource, Task, apply_overrides, flag_overrides, get_task, resolve_config
 from headsearch.training import check_fits, preflight
 from headsearch.training.trainer import AloneClock, Callback, EpochRecord, resolve_device
@@ -88,6 +88,7 @@ class Search:
             raise ConfigError(f"space {self.space.name} is for {', '.join(self.space.tasks)}, not {self.task.name}")
         self.objectives = resolve_objectives(self.task, s.objectives)
         check_settings(s)
+        check_sampler(self.sampler_name(), len(self.objectives))
         # The preset's search budget < the flags < the space's fixed values.
         flags = flag_overrides(seed=s.seed, epochs=s.epochs, compile=s.compile, diversity_samples=s.diversity_samples or None)
         cfg = resolve_config(self.task, preset=s.preset, search=True, overrides=flags)

@@ -8,10 +8,11 @@ fields of `EXECUTION_ONLY`, which change how a trial runs and not what it comput
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from typing import Any, Mapping, Sequence
 
-from headsearch.errors import HeadsearchError
+from headsearch.errors import ConfigError, HeadsearchError
 from headsearch.search.storage import open_storage
 
 SAMPLERS = ("nsga2", "tpe", "random", "gp")
@@ -23,6 +24,34 @@ COMPARED = ("task", "objectives", "base_config", "space")  # what a resumed stud
 def default_sampler(requested: str | None, n_objectives: int) -> str:
     """The sampler's name: the one requested, else NSGA-II for several objectives and TPE for one."""
     return requested or ("nsga2" if n_objectives > 1 else "tpe")
+
+
+# Optuna's GPSampler takes several objectives from Optuna 4.4 on; older ones raise at its first sample.
+GP_MULTI_OBJECTIVE = (4, 4)
+
+
+def release(version: str) -> tuple[int, ...]:
+    """'4.0.0' -> (4, 0, 0); '2.11.0+cu130' -> (2, 11, 0); '5.0.0rc1' -> (5, 0, 0)."""
+    parts = []
+    for piece in version.split("+", 1)[0].split(".")[:3]:
+        digits = re.match(r"\d+", piece)
+        if digits is None:
+            break
+        parts.append(int(digits.group()))
+    return tuple(parts)
+
+
+def check_sampler(name: str, n_objectives: int) -> None:
+    """Refuse, in one line and before any study exists, a sampler the installed Optuna cannot run."""
+    import importlib.util
+
+    import optuna
+
+    if name == "gp" and importlib.util.find_spec("scipy") is None:  # Optuna's GPSampler fits with SciPy
+        raise ConfigError("--sampler gp needs scipy, which is not installed: pip install scipy, or use another --sampler")
+    if name == "gp" and n_objectives > 1 and release(optuna.__version__) < GP_MULTI_OBJECTIVE:
+        raise ConfigError(f"--sampler gp with {n_objectives} objectives needs optuna >= 4.4 (installed:"
+                          f" {optuna.__version__}): upgrade optuna, or use --sampler nsga2 or tpe")
 
 
 def make_sampler(name: str, *, seed: int, trials: int, trial_index: int = 0):

@@ -276,8 +276,9 @@ class GraphSteps(Steps):
                 else:
                     graph, n = None, self._step_body(static)  # compiles, if the model is compiled
                 self.graphs[signature(batch)] = (graph, static, n)
-            if self.capture and batches:
-                verify_step(self, self.step, batches[0], start_point)
+            if self.capture:  # every captured shape: each is its own graph
+                for batch in batches:
+                    verify_step(self, self.step, batch, start_point)
         return time.perf_counter() - start
 
     def _capture(self, static: Any) -> tuple[Any, int]:
@@ -313,11 +314,13 @@ class CaptureMismatch(RuntimeError):
 
 def verify_step(steps: "GraphSteps", replay: Callable[[Any], int], batch: Any, start_point) -> None:
     """One step from `start_point` through `replay` (the captured graph), and the same step uncaptured from
-    the same point: the losses (relative 1e-3) and the weights (within half of one step's size, lr: Adam
-    moves a weight by about lr, so a step missed, doubled or taken with stale gradients shows as lr or
-    more, while kernels that add in another order move it by far less) must agree, or CaptureMismatch. A
-    wrong capture would otherwise train quietly wrong; this turns it into a fallback (the trainer then
-    runs without the graph and says why)."""
+    the same point: the losses (relative 1e-3) and the weights (within half of this step's size: Adam
+    moves a weight by about the step's learning rate, so a step missed, doubled or taken with stale
+    gradients shows as that much or more, while kernels that add in another order move it by far less)
+    must agree, or CaptureMismatch. The step's learning rate is the schedule's for the first step, not
+    `lr`: under warm-up the first step runs at lr / warmup_steps, and a tolerance of lr / 2 would pass a
+    doubled step. A wrong capture would otherwise train quietly wrong; this turns it into a fallback (the
+    trainer then runs without the graph and says why)."""
     runs = []
     # Both from the same RNG state: CUDA's graph-safe RNG gives a replay the numbers eager code draws from
     # the same seed and offset, so dropout masks agree too.
@@ -332,10 +335,17 @@ def verify_step(steps: "GraphSteps", replay: Callable[[Any], int], batch: Any, s
     (got_loss, got), (want_loss, want) = runs
     loss_ok = abs(got_loss - want_loss) <= 1e-3 * abs(want_loss) + 1e-6
     moved = max((float((a - b).abs().max()) for a, b in zip(got, want)), default=0.0)
-    if not (loss_ok and moved <= 0.5 * steps.t.lr):
+    if not (loss_ok and moved <= 0.5 * first_step_lr(steps)):
         raise CaptureMismatch(f"the captured step gave loss {got_loss:.6g} against {want_loss:.6g} uncaptured"
                               f" (weights apart by up to {moved:.3g})")
     steps.restore(start_point)
+
+
+def first_step_lr(steps: "Steps") -> float:
+    """The learning rate of the step `verify_step` takes: the run's first (`restore` puts the step count at 0),
+    at the schedule's value, warm-up included."""
+    t = steps.t
+    return t.lr * lr_multiplier(0, steps.total_steps, steps.warmup_steps, t.schedule, t.min_lr_ratio)
 
 
 def make_steps(mode: StepMode, model, step_model, bound, t: TrainConfig, device, total_steps: int,
