@@ -18,7 +18,6 @@ kinds) as the reference. Run it under each torch to compare (`make test-oldest` 
 """
 from __future__ import annotations
 
-import json
 import tempfile
 from pathlib import Path
 
@@ -37,7 +36,7 @@ def trial_config(heads: list[int], quick: bool):
         "train": {"epochs": 1, "batch_size": 64, "compile": "default", "max_steps_per_epoch": 2},
         "data": {"train_limit": 128, "val_size": 64, "test_limit": 64},
     }
-    return task, apply_overrides(task, resolve_config(task), json.loads(json.dumps(over)))
+    return apply_overrides(task, resolve_config(task), over)
 
 
 def main() -> None:
@@ -57,7 +56,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for heads in ROUND:
-                _, cfg = trial_config(heads, args.quick)
+                cfg = trial_config(heads, args.quick)
                 before = frames["ok"]
                 out = Path(tmp) / f"{r}-{'-'.join(map(str, heads))}"
                 _, result = train_run(cfg, DataSource(data_dir=DATA / "cifar10"), out, device=str(device), argv=["compile_reuse"])

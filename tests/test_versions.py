@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from headsearch.search.study import release as base  # '2.11.0+cu130' -> (2, 11, 0)
+
 REPO = Path(__file__).resolve().parents[1]
 CONSTRAINTS = REPO / "constraints" / "oldest.txt"
 
@@ -47,11 +49,6 @@ def pinned(path: Path = CONSTRAINTS) -> dict[str, str]:
             assert v, f"{path.name}: {line!r} is not an exact pin"
             pins[canonical(name)] = v.strip()
     return pins
-
-
-def base(v: str) -> tuple[int, ...]:
-    """2.11.0+cu130 -> (2, 11, 0): a release's number, without local build tags."""
-    return tuple(int(p) for p in re.findall(r"\d+", v.split("+", 1)[0])[:3])
 
 
 def test_every_declared_floor_is_the_pinned_floor():
