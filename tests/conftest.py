@@ -68,6 +68,15 @@ def tokenizer_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("cache")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_cache(tokenizer_cache):
+    """Every test (and every process a test starts) uses the session's cache, never the user's: a
+    `headsearch bench` measurement saved in ~/.cache/headsearch would change the plans tests check."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HEADSEARCH_CACHE", str(tokenizer_cache))
+        yield tokenizer_cache
+
+
 @pytest.fixture
 def cache_env(monkeypatch, tokenizer_cache) -> Path:
     monkeypatch.setenv("HEADSEARCH_CACHE", str(tokenizer_cache))

@@ -25,7 +25,7 @@ from headsearch.search.runner import Search, SearchSettings
 from headsearch.tasks import DataSource, apply_overrides, get_task, resolve_config
 from headsearch.training import train_run
 from headsearch.training.devicelock import LockHold
-from headsearch.training.trainer import AloneClock, StepClock, alone_epoch_seconds
+from headsearch.training.trainer import AloneClock, Callback, StepClock, alone_epoch_seconds
 
 VIT = get_task("vit-cifar10")
 TINY = {"seed": 0, "train": {"epochs": 3, "max_steps_per_epoch": 4, "batch_size": 64},
@@ -62,12 +62,76 @@ def test_epoch_one_is_measured_alone_and_the_time_is_best_epoch_times_it(cifar_d
     share = RecordingShare()
     _, result = train_run(vit_config(), DataSource(data_dir=cifar_dir), tmp_path / "run", device="cpu",
                           clock=AloneClock(share, alone_threads=1))
-    # The warm-up shared, epoch 1 alone, then epochs 2 and 3 and the test evaluation shared like everyone.
-    assert share.holds == ["shared", "exclusive", "shared", "shared", "shared"]
+    # The warm-up shared, epoch 1's timed steps alone and the rest of it shared, then epochs 2 and 3 and the
+    # test evaluation shared like everyone.
+    assert share.holds == ["shared", "exclusive", "shared", "shared", "shared", "shared"]
     # The median step of epoch 1 x its 4 batches: about the epoch's own seconds (the batch draws included).
     assert 0.5 * result.history[0].train_seconds < result.epoch_seconds_alone < 1.5 * result.history[0].train_seconds
     assert result.best_seconds_alone == pytest.approx(result.best_epoch * result.epoch_seconds_alone)
     assert [r.epoch_seconds_alone for r in result.history] == [result.epoch_seconds_alone] * 3
+
+
+class StepLog(Callback):
+    """Logs, into the share's list, each step and each evaluation: what ran under which hold."""
+
+    def __init__(self, log: list):
+        self.log = log
+
+    def on_step(self, info):
+        self.log.append(("step", info.epoch, info.epoch_step))
+
+    def on_evaluate(self, model, bound, record):
+        self.log.append(("evaluate", record.epoch))
+
+
+@pytest.mark.parametrize("steps, timed", [(40, 30), (4, 4)])
+def test_the_exclusive_hold_covers_only_the_timed_steps(cifar_dir, tmp_path, one_thread, monkeypatch, steps, timed):
+    """Epoch 1 holds the device alone for its first ALONE_STEPS steps (every step when the epoch is shorter)
+    and no longer: the rest of the epoch, its evaluation and checkpoint run shared, so the other workers
+    wait only while the timed steps run. The time alone is still the median timed step x the epoch's batches."""
+    from headsearch.training import trainer
+
+    cfg = apply_overrides(VIT, vit_config(), {"train": {"epochs": 2, "max_steps_per_epoch": steps, "batch_size": 8},
+                                              "data": {"train_limit": 8 * steps}})
+    share = RecordingShare()
+    timed_marks = []
+    real_seconds = trainer.StepClock.seconds
+    monkeypatch.setattr(trainer.StepClock, "seconds", lambda self: timed_marks.append(len(self.marks)) or real_seconds(self))
+    bound = VIT.setup(cfg, DataSource(data_dir=cifar_dir), "cpu")
+    result = trainer.fit(VIT, cfg, bound, device=torch.device("cpu"), callbacks=[StepLog(share.holds)],
+                         clock=AloneClock(share, alone_threads=1), log_seconds=0.0)
+    log = share.holds
+    alone = log.index("exclusive")
+    shared_again = log.index("shared", alone)
+    assert log[:alone] == ["shared"]  # the warm-up
+    assert log[alone + 1:shared_again] == [("step", 1, i) for i in range(1, timed + 1)]
+    rest = log[shared_again + 1:log.index("shared", shared_again + 1)]
+    assert rest == [("step", 1, i) for i in range(timed + 1, steps + 1)] + [("evaluate", 1)]
+    assert timed_marks == [timed + 1]  # a mark before each timed step and one after the last
+    assert result.epoch_seconds_alone > 0 and result.history[0].train_seconds > 0
+
+
+def test_a_time_measured_in_another_step_mode_is_not_reused(cifar_dir, tmp_path, one_thread, monkeypatch):
+    """The fair time's key names the step mode that ran, not `compile: auto`: a run that fell back (here:
+    compiling "fails") looks up, and records, the time of the mode it fell back to."""
+    from headsearch.training import trainer
+
+    def fail(model, mode, dynamic):
+        if mode.inductor is not None:
+            raise RuntimeError("no compiler here")
+        return model
+
+    monkeypatch.setattr(trainer, "compile_blocks", fail)
+    cfg = apply_overrides(VIT, vit_config(), {"train": {"compile": "default", "epochs": 1}})
+    asked = []
+    known = {"off: eager": 1.25}
+    clock = AloneClock(RecordingShare(), known=None, alone_threads=1, recall=lambda mode: asked.append(mode) or known.get(mode))
+    _, result = train_run(cfg, DataSource(data_dir=cifar_dir), tmp_path / "run", device="cpu", clock=clock)
+    assert result.step_mode == "off: eager" and "failed" in result.step_note
+    assert asked == ["off: eager"] and result.epoch_seconds_alone == 1.25  # the eager time, not a compiled one
+    cpu = torch.device("cpu")
+    keys = {alone_key(cfg, cpu, 1, mode) for mode in ("off: eager", "default: compiled blocks (default)", None)}
+    assert len(keys) == 3
 
 
 def test_a_known_speed_is_reused_and_nobody_is_paused(cifar_dir, tmp_path, one_thread):

@@ -52,28 +52,22 @@ def test_without_a_flops_estimate_one_trial_per_gpu():
     assert trials_per_gpu_for(None, 0, H100, 16, 50) == (1, "auto: no FLOPs estimate for this task")
 
 
-def test_on_a_gpu_machine_the_default_plan_is_the_fast_path():
-    # The ViT stacks: one worker per GPU trains the K trials the rule gives as one cohort.
-    plan = plan_search(vit_search(), visible=["0"], gpu=H100, cpu_cores=16)
-    assert plan.devices == ("0",) and plan.per_gpu == 8 and plan.cohort == 8 and not plan.mps
-    assert plan.describe() == ("8 trials per GPU on 1 GPU, as a cohort of 8 in 1 worker (auto: a step is 13.8 GFLOP,"
-                               " 8 fill a NVIDIA H100 80GB HBM3); steps: stacked, eager")
-    two = plan_search(vit_search(), visible=["2", "3"], gpu=H100, cpu_cores=16)
-    assert two.devices == ("2", "3") and two.per_gpu == 8 and two.cohort == 8
-    # A cohort is one process: a machine with few cores still gets the rule's K.
-    assert plan_search(vit_search(), visible=["0"], gpu=H100, cpu_cores=2).cohort == 8
-
-
-def test_cohort_1_gives_the_processes_of_the_rule():
-    plan = plan_search(vit_search(cohort=1), visible=["0"], gpu=H100, cpu_cores=16)
+def test_on_a_gpu_machine_without_a_measurement_the_rule_runs_processes_with_graphs_and_mps():
+    """Without `headsearch bench` on this machine the plan is the way measured fastest on a GPU so far: K
+    processes with CUDA graphs and MPS. Cohorts, never measured on a GPU, are not the default even where the
+    task stacks (the ViT), and the line says that the count comes from the rule."""
+    plan = plan_search(vit_search(), visible=["0"], gpu=H100, cpu_cores=16, measurement=None)
     assert plan.devices == ("0",) * 8 and plan.per_gpu == 8 and plan.mps and plan.cohort == 1
     assert plan.step_mode == "reduce-overhead: compiled blocks (default), whole step in a CUDA graph"
     started = MpsStatus("started", "started by headsearch")
     assert plan.describe(started) == ("8 trials per GPU on 1 GPU (auto: a step is 13.8 GFLOP, 8 fill a NVIDIA H100 80GB HBM3);"
                                       " steps: reduce-overhead: compiled blocks (default), whole step in a CUDA graph; "
-                                      + started.describe())
-    two = plan_search(vit_search(cohort=1), visible=["2", "3"], gpu=H100, cpu_cores=16)
-    assert two.devices == ("2", "3") * 8 and two.per_gpu == 8
+                                      + started.describe() + " (rule: headsearch bench measures this machine)")
+    two = plan_search(vit_search(), visible=["2", "3"], gpu=H100, cpu_cores=16, measurement=None)
+    assert two.devices == ("2", "3") * 8 and two.per_gpu == 8 and two.cohort == 1
+    assert plan_search(vit_search(cohort=1), visible=["0"], gpu=H100, cpu_cores=16, measurement=None) == plan
+    # Processes: one host thread drives each, so the cores cap them.
+    assert plan_search(vit_search(), visible=["0"], gpu=H100, cpu_cores=2, measurement=None).per_gpu == 2
 
 
 def test_an_explicit_cohort_anywhere_and_where_it_cannot_be():
@@ -100,7 +94,9 @@ def test_flags_override_the_rule_on_a_gpu_machine():
 
 
 def test_the_cpu_plan_is_unchanged():
-    for settings, n, why in (({}, 1, "default"), ({"workers": 3}, 3, "--workers"), ({"trials_per_gpu": 2}, 2, "--trials-per-gpu")):
+    assert plan_search(vit_search(), visible=[], measurement=None) == Plan((None,), None, "default: one worker", "off: eager",
+                                                                          mps=False, basis="rule: headsearch bench measures this machine")
+    for settings, n, why in (({"workers": 3}, 3, "--workers"), ({"trials_per_gpu": 2}, 2, "--trials-per-gpu")):
         plan = plan_search(vit_search(**settings), visible=[])
         assert plan == Plan((None,) * n, None, why, "off: eager", mps=False, cohort=1)
     assert plan_search(vit_search(workers=3), visible=[]).describe() == "3 workers on the CPU (--workers); steps: off: eager"
@@ -119,4 +115,4 @@ def test_a_search_says_its_plan_in_one_line(tmp_path, cifar_dir):
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert [line for line in proc.stderr.splitlines() if line.startswith("plan:")] == [
-        "plan: 1 worker on the CPU (default); steps: off: eager"]
+        "plan: 1 worker on the CPU (default: one worker); steps: off: eager (rule: headsearch bench measures this machine)"]

@@ -17,6 +17,7 @@ be reached they fail in CI and are skipped elsewhere.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -25,6 +26,7 @@ import sys
 import time
 import uuid
 import warnings
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -35,9 +37,9 @@ from optuna.trial import TrialState
 
 from headsearch.errors import ConfigError, HeadsearchError
 from headsearch.search.pruning import MedianRule
-from headsearch.search.runner import Search, SearchSettings
+from headsearch.search.runner import Search, SearchCallback, SearchSettings
 from headsearch.search.storage import open_storage
-from headsearch.search.workers import process_count, visible_gpus, worker_devices
+from headsearch.search.plan import process_count, visible_gpus, worker_devices
 
 TASK = "translation-en-es"
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
@@ -313,6 +315,37 @@ def test_track_diversity_records_each_trials_scalars(cache_env, one_thread, make
             records = [json.loads(line) for line in (Path(t.user_attrs["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
             assert all(set(r["diversity"]) == set(diversity) for r in records)
             assert records[t.user_attrs["best_epoch"] - 1]["diversity"] == diversity
+
+
+class PruneAtOnce(SearchCallback):
+    """Keeps a weak reference to each trial's model and prunes every trial after its first epoch."""
+
+    def __init__(self):
+        self.models = []
+
+    def on_evaluate(self, model, bound, record):
+        self.models.append(weakref.ref(model))
+
+    def on_epoch_end(self, record):
+        raise optuna.TrialPruned("pruned by the test")
+
+
+def test_a_pruned_trials_model_is_freed_when_it_ends(cache_env, one_thread, make_settings):
+    """With the cyclic collector off, a pruned trial's model (on a GPU: its weights, graphs and optimizer
+    state) is gone as soon as the trial is told: no reference cycle through the stored exception keeps
+    it until the collector happens to run."""
+    settings = make_settings(trials=2, pruner="none")
+    search = Search(settings)
+    pruning = PruneAtOnce()
+    gc.collect()
+    gc.disable()
+    try:
+        search.run_worker(callbacks=[pruning])
+        alive = [ref() is not None for ref in pruning.models]
+    finally:
+        gc.enable()
+    assert len(alive) == 2 and not any(alive)
+    assert [t.state for t in load(settings.storage, "s").get_trials()] == [TrialState.PRUNED] * 2
 
 
 # ------------------------------------------------------------------------ rejected combinations

@@ -182,10 +182,12 @@ def worker_failure_line(failures) -> str:
     return line + (f"; {others} other worker(s) failed too, logs beside it" if others else "")
 
 
+from headsearch.cli.bench_command import register as _register_bench  # noqa: E402
 from headsearch.cli.compare_command import register as _register_compare  # noqa: E402
 from headsearch.cli.study_commands import register as _register_study_commands  # noqa: E402
 _register_study_commands(app)
 _register_compare(app)
+_register_bench(app)
 
 
 @app.command()

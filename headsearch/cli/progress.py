@@ -110,7 +110,7 @@ class SearchProgress(SearchCallback):
 
     def announce(self, line: str) -> None:
         """The search's plan (workers, trials per GPU, step mode, MPS): one line above the live table."""
-        self.console.print(f"plan: {line}")
+        self.console.print(f"plan: {line}", soft_wrap=True, markup=False, highlight=False)  # one line, whatever the width
 
     def refresh(self) -> None:
         self.snap = snapshot(self.study)

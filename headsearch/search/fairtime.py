@@ -34,15 +34,19 @@ def device_model(device: Any) -> str:
     return f"cpu {platform.machine()} x{os.cpu_count()}"
 
 
-def alone_key(cfg: Any, device: Any, threads: int | None = None) -> str:
+def alone_key(cfg: Any, device: Any, threads: int | None = None, step_mode: str | None = None) -> str:
     """Equal for runs whose epochs take equally long alone on this kind of device: the task, architecture,
-    data options and the training fields of SPEED_FIELDS, the device model (and CPU threads), torch's version."""
+    data options and the training fields of SPEED_FIELDS, the device model (and CPU threads), torch's version,
+    and the step mode that ran (`StepMode.describe()`): `train.compile: auto` names no mode, and a run
+    that fell back to eager steps must not lend its time to runs whose compiled steps are faster."""
     import torch
 
     train = cfg.train.to_dict()
+    speed = {k: train[k] for k in SPEED_FIELDS}
+    if step_mode is not None:
+        speed["compile"] = step_mode
     what = {"task": cfg.task, "arch": cfg.arch.to_dict(), "data": cfg.data.to_dict() if hasattr(cfg.data, "to_dict") else cfg.data,
-            "train": {k: train[k] for k in SPEED_FIELDS}, "device": device_model(device), "threads": threads,
-            "torch": torch.__version__}
+            "train": speed, "device": device_model(device), "threads": threads, "torch": torch.__version__}
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 

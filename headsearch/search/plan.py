@@ -1,17 +1,21 @@
 """How a search uses this machine, decided once when it starts and said in one line.
 
-On a GPU machine the defaults are the fast path: each trial's step compiled and captured in a CUDA
-graph (`train.compile: auto`, headsearch/training/fastpath.py), several trials per GPU when one trial
-cannot fill it (a 0.1 M-parameter ViT keeps an H100 about a third busy), and NVIDIA MPS so that those
-trials' kernels run side by side (started and stopped by headsearch, headsearch/search/mps.py).
-`--trials-per-gpu K` or `--workers N` override the count. On a machine without a GPU nothing
-changes: one worker unless told otherwise, eager steps.
+Three sources, in order:
 
-Cohorts (headsearch/training/cohort.py): where the task stacks its models (the ViT), the K trials a GPU
-takes train as one stacked model in one worker per GPU instead of K processes: every kernel gets K
-times the work for the same launches. That is the default on CUDA when the base config stacks and no
-process count was given; `--cohort K` asks for cohorts of K anywhere (the CPU included), `--cohort 1`
-turns them off.
+1. **The user's flags**: `--workers N`, `--trials-per-gpu K`, `--cohort K` set the count (and `--compile`
+   the step mode).
+2. **A measurement of this machine** (`headsearch bench`, headsearch/search/bench.py): the fastest way
+   it verified for this device model, torch version, task and base architecture
+   (headsearch/search/measured.py). The plan line ends `(measured by headsearch bench on DATE)`.
+3. **The rule**, when nothing was measured here; the plan line ends `(rule: headsearch bench measures
+   this machine)`. On a GPU it is the way measured fastest on a GPU so far: K processes per GPU, each
+   step compiled and captured in a CUDA graph (`train.compile: auto`, headsearch/training/fastpath.py),
+   with NVIDIA MPS so that their kernels run side by side (headsearch/search/mps.py). On a CPU: one
+   worker, eager steps.
+
+Cohorts (K trials stacked into one model, headsearch/training/cohort.py) are a default only where
+`headsearch bench` measured them faster on this machine: on a GPU they have never been measured against
+K processes with CUDA graphs, and an eager cohort step launches at least as many kernels as a solo step.
 
 The rule for the count (`trials_per_gpu_for`): a step that does little arithmetic leaves the GPU idle
 between its kernels, so more of them can share it. K = FILL_FLOPS_PER_SM x the GPU's multiprocessors /
@@ -20,22 +24,71 @@ training must fit in 80% of the GPU's memory), by the CPU cores (each worker dri
 host thread) and by MAX_PER_GPU. FILL_FLOPS_PER_SM comes from the one measurement there is (issue
 12's table, one H100, 132 multiprocessors): concurrent processes of the seed ViT (13.8 GFLOP a step at
 batch 256) gained up to K = 8 with MPS (aggregate 37,000 samples/s at K = 1, 156,000 at 4, 175,000 at
-8). benchmarks/search_throughput.py measures it again; README's Speed section says where it stands.
+8). For translation the FLOPs are those of `max_len`-token sentences, a bound: its buckets are mostly
+shorter, so the rule undercounts K there; `headsearch bench` measures it instead of estimating.
+
+Worker processes are pinned to GPUs here too (`worker_devices`): worker i gets the visible GPU
+i mod #GPUs, named as CUDA_VISIBLE_DEVICES names it.
 """
 from __future__ import annotations
 
 import math
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from headsearch.errors import ConfigError
+from headsearch.search.measured import COHORT, Measurement, WayResult, bench_key, key_inputs, load_measurement
+from headsearch.search.settings import SearchSettings
 
 # GFLOP of concurrent training steps one multiprocessor absorbs before the GPU is busy: 8 seed-ViT
 # steps (13.76 GFLOP each at batch 256) over an H100's 132 multiprocessors.
 FILL_FLOPS_PER_SM = 8 * 13.76e9 / 132
 MAX_PER_GPU = 16
 MEMORY_FRACTION = 0.8  # of the GPU's memory that K training models may take, by the size guard's estimate
+RULE = "rule: headsearch bench measures this machine"
+
+
+def process_count(s: SearchSettings, n_gpus: int) -> int:
+    """Worker processes on this machine: --workers, or --trials-per-gpu times the GPUs (times one without GPUs)."""
+    if s.trials_per_gpu is not None:
+        return s.trials_per_gpu * max(1, n_gpus)
+    return s.workers or 1
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, named as CUDA_VISIBLE_DEVICES names them (an index, a UUID or a MIG ID)."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is None:
+        try:
+            import torch
+
+            return [str(i) for i in range(torch.cuda.device_count())]
+        except Exception:
+            return []
+    ids = []
+    for name in (v.strip() for v in listed.split(",")):
+        if name.startswith("-"):  # CUDA ignores an invalid ID and all after it ("-1" hides every GPU)
+            break
+        if name:
+            ids.append(name)
+    return ids
+
+
+def worker_devices(n_workers: int, visible: Sequence[str]) -> list[str | None]:
+    """CUDA_VISIBLE_DEVICES for each of `n_workers` processes: round-robin over the `visible` GPU names
+    (worker i gets visible[i % len(visible)]), so K x len(visible) workers put K on each GPU and the first
+    len(visible) workers start on different GPUs. No GPUs: None for every worker (they share the CPU)."""
+    if not visible:
+        return [None] * n_workers
+    return [visible[i % len(visible)] for i in range(n_workers)]
+
+
+def cpu_name() -> str:
+    """A CPU machine as speed sees it: its architecture and core count."""
+    import platform
+
+    return f"cpu {platform.machine()} x{os.cpu_count()}"
 
 
 @dataclass(frozen=True)
@@ -64,9 +117,12 @@ class Plan:
     step_mode: str  # what the trials' train.compile means on their device
     mps: bool  # several workers share a GPU: NVIDIA MPS is worth starting
     cohort: int = 1  # trials each worker trains together as one stacked model (1: one at a time)
+    basis: str | None = None  # "measured by headsearch bench on DATE", the rule (RULE), or None (the user's flags)
+    compile: str | None = None  # the train.compile the trials use, when a measurement chose it (None: as configured)
+    threads: int | None = None  # CPU threads per worker, when a measurement chose them (None: the cores shared)
 
     def describe(self, mps_status: Any = None) -> str:
-        """One line, e.g. "8 trials per GPU on 1 GPU (auto: ...); steps: compiled blocks + CUDA graphs; MPS on"."""
+        """One line, e.g. "8 trials per GPU on 1 GPU (auto: ...); steps: ...; MPS started: ... (rule: ...)"."""
         workers = len(self.devices)
         if self.per_gpu is None:
             where = f"{workers} worker{'s' * (workers > 1)} on the CPU"
@@ -76,11 +132,13 @@ class Plan:
         if self.cohort > 1:
             where = f"cohorts of {self.cohort} trials (one stacked model) in {where}" if self.per_gpu is None else \
                 f"{where}, as a cohort of {self.cohort} in {workers} worker{'s' * (workers > 1)}"
+        if self.threads is not None:
+            where += f", {self.threads} thread{'s' * (self.threads > 1)} each"
         steps = "stacked, eager" if self.cohort > 1 else self.step_mode
         parts = [f"{where} ({self.why})", f"steps: {steps}"]
         if mps_status is not None:
             parts.append(mps_status.describe())
-        return "; ".join(parts)
+        return "; ".join(parts) + (f" ({self.basis})" if self.basis else "")
 
 
 def trials_per_gpu_for(step_flops: int | None, training_bytes: int, gpu: GpuInfo, cpu_cores: int,
@@ -102,13 +160,22 @@ def trials_per_gpu_for(step_flops: int | None, training_bytes: int, gpu: GpuInfo
     return k, why
 
 
-def plan_search(search: Any, visible: list[str] | None = None, gpu: GpuInfo | None = None,
-                cpu_cores: int | None = None) -> Plan:
-    """The plan of `search` (a `headsearch.search.runner.Search`) on this machine. `visible`, `gpu` and
-    `cpu_cores` default to what the machine has (tests pass their own)."""
+def machine_measurement(search: Any, visible: Sequence[str], gpu: "GpuInfo | None" = None) -> Measurement | None:
+    """The saved `headsearch bench` measurement for this search's base config on this machine (its first
+    visible GPU, or its CPU), if any."""
     import torch
 
-    from headsearch.search.workers import process_count, visible_gpus, worker_devices
+    device = (gpu or GpuInfo.of(0)).name if visible else cpu_name()
+    return load_measurement(bench_key(key_inputs(device, torch.__version__, search.base)))
+
+
+def plan_search(search: Any, visible: list[str] | None = None, gpu: GpuInfo | None = None,
+                cpu_cores: int | None = None, measurement: Measurement | None | bool = True) -> Plan:
+    """The plan of `search` (a `headsearch.search.runner.Search`) on this machine: the user's flags, else
+    the saved measurement of this machine (`measurement`: True reads it from the cache; tests pass one,
+    or None for none), else the rule. `visible`, `gpu` and `cpu_cores` default to what the machine has."""
+    import torch
+
     from headsearch.training.fastpath import resolve_mode
 
     s = search.settings
@@ -122,26 +189,52 @@ def plan_search(search: Any, visible: list[str] | None = None, gpu: GpuInfo | No
         why = (search.task.stack_refusal(search.base) if search.task.stack_refusal else
                f"task {search.task.name} trains its trials one at a time")
         raise ConfigError(f"--cohort {s.cohort}: {why}; leave --cohort out (or give 1)")
-    if not visible:
-        devices = tuple(worker_devices(process_count(s, 0), []))
-        return Plan(devices, None, "--cohort" if s.cohort and s.cohort > 1 else flag or "default", step_mode, mps=False,
-                    cohort=s.cohort or 1)
     if s.cohort is not None and s.cohort > 1:  # asked for: this many together in each worker (one per GPU by default)
+        if not visible:
+            return Plan(tuple(worker_devices(process_count(s, 0), [])), None, "--cohort", step_mode, mps=False, cohort=s.cohort)
         devices = worker_devices(process_count(s, len(visible)) if flag else len(visible), visible)
         return Plan(tuple(devices), s.cohort * math.ceil(len(devices) / len(visible)), "--cohort", step_mode,
                     mps=len(devices) > len(set(devices)), cohort=s.cohort)
     if flag:
         devices = worker_devices(process_count(s, len(visible)), visible)
-        per_gpu, why = math.ceil(len(devices) / len(visible)), flag
-    else:
-        footprint = search.task.footprint(search.base) if search.task.footprint else None
-        per_gpu, why = trials_per_gpu_for(footprint.step_flops if footprint else None,
-                                          footprint.training_bytes if footprint else 0,
-                                          gpu or GpuInfo.of(0),
-                                          # a cohort is one process: the cores cap only processes
-                                          MAX_PER_GPU if stacks and s.cohort is None else cpu_cores or os.cpu_count() or 1,
-                                          math.ceil(s.trials / len(visible)))
-        if stacks and s.cohort is None and per_gpu > 1:  # the default on CUDA: one worker per GPU, a cohort of K
-            return Plan(tuple(visible), per_gpu, why, step_mode, mps=False, cohort=per_gpu)
-        devices = worker_devices(per_gpu * len(visible), visible)
-    return Plan(tuple(devices), per_gpu, why, step_mode, mps=len(devices) > len(set(devices)))
+        return Plan(tuple(devices), math.ceil(len(devices) / len(visible)) if visible else None, flag, step_mode,
+                    mps=len(devices) > len(set(devices)) if visible else False)
+    if measurement is True:
+        measurement = machine_measurement(search, visible, gpu)
+    choice = measurement.choice(cohorts=stacks and s.cohort is None) if measurement else None
+    if choice is not None:
+        return measured_plan(search, measurement, choice, visible, device)
+    if not visible:
+        return Plan((None,), None, "default: one worker", step_mode, mps=False, basis=RULE)
+    # The rule: K processes per GPU with the fast path (CUDA graphs) and MPS: what was measured fastest on a GPU.
+    footprint = search.task.footprint(search.base) if search.task.footprint else None
+    per_gpu, why = trials_per_gpu_for(footprint.step_flops if footprint else None,
+                                      footprint.training_bytes if footprint else 0,
+                                      gpu or GpuInfo.of(0), cpu_cores or os.cpu_count() or 1,
+                                      math.ceil(s.trials / len(visible)))
+    devices = worker_devices(per_gpu * len(visible), visible)
+    return Plan(tuple(devices), per_gpu, why, step_mode, mps=len(devices) > len(set(devices)), basis=RULE)
+
+
+def measured_plan(search: Any, m: Measurement, choice: WayResult, visible: Sequence[str], device: Any) -> Plan:
+    """The plan that runs `choice`, the fastest way `headsearch bench` verified here, capped by the budget."""
+    from headsearch.training.fastpath import resolve_mode
+
+    way = choice.way
+    why = f"{way.describe()}: {choice.samples_per_s:,.0f} samples/s"
+    basis = f"measured by headsearch bench on {m.date}"
+    if way.kind == COHORT:
+        devices = tuple(visible) if visible else (None,)
+        return Plan(devices, way.k if visible else None, why, "stacked, eager", mps=False, cohort=way.k, basis=basis,
+                    threads=way.threads)
+    per_device = max(1, min(way.k, math.ceil(search.settings.trials / max(1, len(visible)))))
+    compile_mode = way.step_mode if search.settings.compile is None else None
+    train = search.base.train if compile_mode is None else search.base.train.__class__.from_dict({"compile": compile_mode},
+                                                                                                 search.base.train)
+    step_mode = resolve_mode(train, search.task, device).describe()
+    if not visible:
+        return Plan((None,) * per_device, None, why, step_mode, mps=False, basis=basis, compile=compile_mode,
+                    threads=way.threads)
+    devices = worker_devices(per_device * len(visible), visible)
+    return Plan(tuple(devices), per_device, why, step_mode, mps=way.mps and len(devices) > len(set(devices)),
+                basis=basis, compile=compile_mode)

@@ -34,6 +34,7 @@ from headsearch.errors import ConfigError, Diverged, HeadsearchError
 from headsearch.search.artifacts import write_trial_link
 from headsearch.search.fairtime import alone_key, device_share, known_epoch_seconds
 from headsearch.search.objectives import CONVERGENCE, Objective, resolve_objectives
+from headsearch.search.plan import Plan, plan_search
 from headsearch.search.pruning import comparison_curves, make_curve_pruner, make_optuna_pruner
 from headsearch.search.settings import SearchSettings, check_settings
 from headsearch.search.space import SearchSpace, load_space
@@ -250,7 +251,13 @@ class Search:
                                      callbacks=[run.pruning, *diversity_callbacks(run.cfg), *callbacks])
         except BaseException as e:
             error = e
-        return self._end_trial(study, run, result, error, callbacks)
+        try:
+            return self._end_trial(study, run, result, error, callbacks)
+        finally:
+            # This frame -> `error` -> its traceback -> this frame (and fit's, holding the model, its graphs and
+            # its optimizer state): a cycle that only the cyclic collector would break. Break it now, so a pruned
+            # or failed trial's GPU memory is free before the next trial starts.
+            error = None
 
     def _begin_trial(self, study, trial, device, callbacks: Sequence[SearchCallback]) -> "TrialRun | str":
         """A trial's config, run directory, pruning and fair clock, or the name of the state it ended in
@@ -403,15 +410,25 @@ class Search:
 
     def alone_clock(self, study, trial, cfg: RunConfig, device) -> AloneClock:
         """The trial's fair clock (headsearch.search.fairtime): this device's lock, and the architecture's
-        epoch seconds alone if an earlier trial measured them (then nobody is paused again)."""
+        epoch seconds alone if an earlier trial measured them in the step mode this one runs (then nobody
+        is paused again). The trial's `alone_key` names that mode once its steps are prepared (a fallback
+        changes it)."""
         import torch
+
+        from headsearch.training.fastpath import resolve_mode
 
         if self.alone_threads is None:
             self.alone_threads = torch.get_num_threads()
         self._device_share(device)
-        key = alone_key(cfg, device, self.alone_threads if device.type == "cpu" else None)
-        trial.set_user_attr("alone_key", key)
-        return AloneClock(self._share, known=known_epoch_seconds(study, key), alone_threads=self.alone_threads)
+        threads = self.alone_threads if device.type == "cpu" else None
+
+        def recall(step_mode: str) -> float | None:
+            key = alone_key(cfg, device, threads, step_mode)
+            trial.set_user_attr("alone_key", key)
+            return known_epoch_seconds(study, key)
+
+        intended = resolve_mode(cfg.train, self.task, device).describe()
+        return AloneClock(self._share, known=recall(intended), alone_threads=self.alone_threads, recall=recall)
 
     def _device_share(self, device):
         """This worker's hold on the device's lock (one per process)."""
@@ -419,13 +436,18 @@ class Search:
             self._share = device_share(device)
         return self._share
 
-    def machine_plan(self):
+    def machine_plan(self) -> Plan:
         """How this machine runs the search (workers, trials per GPU, step mode, MPS): headsearch.search.plan."""
         if self._plan is None:
-            from headsearch.search.plan import plan_search
-
-            self._plan = plan_search(self)
+            self.use_plan(plan_search(self))
         return self._plan
+
+    def use_plan(self, plan: Plan) -> None:
+        """Run as `plan` says; a step mode it chose (a measurement's) becomes the trials' `train.compile`
+        unless --compile gave one."""
+        self._plan = plan
+        if plan.compile is not None and self.settings.compile is None:
+            self.base = apply_overrides(self.task, self.base, {"train": {"compile": plan.compile}})
 
     def check_space_feasible(self, device, samples: int = FEASIBILITY_SAMPLES) -> None:
         """Sample the space at random (in memory, no study is touched) until one architecture passes

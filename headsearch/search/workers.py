@@ -1,10 +1,11 @@
-"""Worker processes on one machine: how many, and which GPU each is pinned to.
+"""Worker processes on one machine, as the search's plan says (headsearch.search.plan).
 
-`--workers N` starts N processes; `--trials-per-gpu K` starts K per visible GPU (K on a machine
-without one), for models too small to fill a GPU alone. Worker i is pinned to the visible GPU
-i mod #GPUs by setting its CUDA_VISIBLE_DEVICES before torch initialises CUDA. Each process runs
-`Search.run_worker`; the budget lock makes the trial budget exact across all of them. `open_search`
-and `run_search` are what `headsearch run` does: one worker runs in the command's own process.
+The plan names each worker's GPU; worker i is pinned to it by setting its CUDA_VISIBLE_DEVICES before
+torch initialises CUDA, and gets the plan itself (the parent plans once; a worker never plans). Each
+process runs `Search.run_worker`; the budget lock makes the trial budget exact across all of them.
+`open_search` and `run_search` are what `headsearch run` does: one worker runs in the command's own process.
+
+Imports go one way: plan <- runner <- workers (this module starts workers that run the runner's loop).
 """
 from __future__ import annotations
 
@@ -14,46 +15,13 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from headsearch.errors import HeadsearchError
 from headsearch.io import write_atomic
+from headsearch.search.plan import Plan
+from headsearch.search.runner import Search
 from headsearch.search.settings import SearchSettings
-
-
-def process_count(s: SearchSettings, n_gpus: int) -> int:
-    """Worker processes on this machine: --workers, or --trials-per-gpu times the GPUs (times one without GPUs)."""
-    if s.trials_per_gpu is not None:
-        return s.trials_per_gpu * max(1, n_gpus)
-    return s.workers or 1
-
-
-def visible_gpus() -> list[str]:
-    """The GPUs this process may use, named as CUDA_VISIBLE_DEVICES names them (an index, a UUID or a MIG ID)."""
-    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if listed is None:
-        try:
-            import torch
-
-            return [str(i) for i in range(torch.cuda.device_count())]
-        except Exception:
-            return []
-    ids = []
-    for name in (v.strip() for v in listed.split(",")):
-        if name.startswith("-"):  # CUDA ignores an invalid ID and all after it ("-1" hides every GPU)
-            break
-        if name:
-            ids.append(name)
-    return ids
-
-
-def worker_devices(n_workers: int, visible: Sequence[str]) -> list[str | None]:
-    """CUDA_VISIBLE_DEVICES for each of `n_workers` processes: round-robin over the `visible` GPU names
-    (worker i gets visible[i % len(visible)]), so K x len(visible) workers put K on each GPU and the first
-    len(visible) workers start on different GPUs. No GPUs: None for every worker (they share the CPU)."""
-    if not visible:
-        return [None] * n_workers
-    return [visible[i % len(visible)] for i in range(n_workers)]
 
 
 @dataclass(frozen=True)
@@ -156,17 +124,19 @@ def run_workers(search, argv: list[str] | None = None) -> list:
     return the processes."""
     import multiprocessing as mp
 
-    devices = search.machine_plan().devices
+    plan = search.machine_plan()
     ctx = mp.get_context("spawn")
     procs = []
-    for i, gpu in enumerate(devices):
-        p = ctx.Process(target=_worker_main, args=(search.settings, i, gpu, len(devices), argv), name=f"headsearch-worker-{i}")
+    for i, gpu in enumerate(plan.devices):
+        p = ctx.Process(target=_worker_main, args=(search.settings, i, gpu, len(plan.devices), argv, plan),
+                        name=f"headsearch-worker-{i}")
         p.start()
         procs.append(p)
     return procs
 
 
-def _worker_main(settings: SearchSettings, index: int, gpu: str | None, n_processes: int, argv) -> None:
+def _worker_main(settings: SearchSettings, index: int, gpu: str | None, n_processes: int, argv,
+                 plan: Plan | None = None) -> None:
     if gpu is not None:
         # The parent's own name for the GPU (CUDA_VISIBLE_DEVICES "2,3" gives "2" and "3"), set before
         # torch initialises CUDA in this process, which then sees it as cuda:0.
@@ -178,10 +148,11 @@ def _worker_main(settings: SearchSettings, index: int, gpu: str | None, n_proces
     share = max(1, (os.cpu_count() or 1) // n_processes)
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(share))
     if gpu is None:
-        torch.set_num_threads(share)
-    from headsearch.search.runner import Search  # after CUDA_VISIBLE_DEVICES is set
+        torch.set_num_threads(plan.threads if plan is not None and plan.threads else share)
 
     search = Search(settings)
+    if plan is not None:
+        search.use_plan(plan)  # the parent's: a worker sees one GPU and would plan otherwise
     search.alone_threads = alone_threads
     log_dir = worker_log_dir(search)
     log_dir.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,8 @@ reads a value back to the host, so the host never waits for the device inside an
 - `GraphSteps` computes the learning rate on the device from a step counter (`lr_multiplier_tensor`,
   equal to `lr_multiplier`), uses an optimizer that accepts that tensor (fused AdamW, `capturable`
   on CUDA), and on CUDA captures the whole step once per batch shape (PyTorch's whole-network
-  capture: warm-up iterations on a side stream, then `torch.cuda.graph`). A step is then a copy of
+  capture: warm-up iterations on a side stream, then `torch.cuda.graph`; all shapes' graphs in one
+  memory pool, on the run's device whichever is current; see `GraphSteps._capture`). A step is then a copy of
   the batch into the graph's input buffers and one replay. On the CPU the same step runs uncaptured,
   which is how the tests check it against `EagerSteps`.
 
@@ -27,6 +28,10 @@ import time
 from typing import Any, Callable, Sequence
 
 import torch
+# Imported here, with nothing of a run on the stack: its first import (which torch otherwise does inside the
+# first optimizer's constructor) keeps the frames that imported it alive for good, so the first trial of a
+# worker would keep its model, and on a GPU its memory, for the life of the process.
+import torch._dynamo  # noqa: F401,E402
 
 from headsearch.config import TrainConfig
 from headsearch.errors import Diverged
@@ -248,6 +253,8 @@ class GraphSteps(Steps):
         self.lr_tensor = torch.tensor(self.t.lr, dtype=torch.float32, device=self.device)
         self.optimizer = make_optimizer(self.model, self.t, self.device, lr=self.lr_tensor, capturable=self.capture)
         self.graphs: dict[tuple, tuple[Any, Any, int]] = {}  # batch signature -> (graph, static batch, samples)
+        # One memory pool for all of this run's graphs (see `_capture`), None where torch has no pool handles.
+        self.pool = torch.cuda.graph_pool_handle() if self.capture and hasattr(torch.cuda, "graph_pool_handle") else None
 
     def _step_body(self, batch: Any) -> int:
         """One step, all on the device: the code a graph captures."""
@@ -256,7 +263,10 @@ class GraphSteps(Steps):
         self.lr_tensor.copy_(t.lr * mult)
         with autocast_context(t, self.device, cache=not self.capture):
             loss, n = self.bound.loss(self.step_model, batch, t.label_smoothing)
-        self.optimizer.zero_grad(set_to_none=True)  # under capture: the grads become the graph's own buffers
+        # Under capture the grads become the graph's own buffers, in the pool all of this run's graphs share, so
+        # another shape's capture may reuse their memory: safe, since a step writes its grads (backward into grads
+        # set to None: no accumulation) before it reads them, and nothing reads them between steps.
+        self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.clip()
         self.optimizer.step()
@@ -269,7 +279,9 @@ class GraphSteps(Steps):
         synchronize(self.device)
         start = time.perf_counter()
         with self.restored_afterwards() as start_point:
-            for batch in batches:
+            # Captured largest first: the graphs share one pool, and a smaller capture fits in the blocks a larger
+            # one freed, so the pool holds about the largest shape's temporaries, not their sum.
+            for batch in sorted(batches, key=batch_numel, reverse=True) if self.capture else batches:
                 static = clone_batch(batch)
                 if self.capture:
                     graph, n = self._capture(static)
@@ -282,15 +294,34 @@ class GraphSteps(Steps):
         return time.perf_counter() - start
 
     def _capture(self, static: Any) -> tuple[Any, int]:
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(CAPTURE_WARMUP_CALLS):
-                self._step_body(static)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            n = self._step_body(static)
+        """Warm up on `static` and capture one step of its shape, on this run's device whichever is current.
+
+        - The device: `torch.cuda.graph` synchronises and makes its own capture stream on the *current* device
+          (torch/cuda/graphs.py, `graph.__init__`/`__enter__`), so `--device cuda:1` while cuda:0 is current
+          would capture on the wrong GPU; hence `torch.cuda.device(self.device)` around all of it.
+        - The stream: an explicit one, the device's `capture_stream` (graph's own default is one stream for
+          the whole class, made on whichever device was current first). The warm-up runs on it too, so the
+          cuBLAS workspace PyTorch keeps per (handle, stream) for good (CublasHandlePool.cpp) is allocated by
+          the warm-up, not during the capture, where it could come from the graph pool and outlive it.
+        - The pool: `self.pool`, shared by every shape of this run. Without `pool=` each graph gets a private
+          pool that keeps its temporaries reserved, so graph memory is the sum over shapes (translation has up
+          to 13) where eager needs the largest. Sharing is safe in any replay order because nothing a graph
+          needs from one replay to the next lives in memory allocated during a capture: the weights, the
+          optimizer state (made by the warm-up calls' first `optimizer.step()`), `state`, `lr_tensor` and the
+          static batch are all allocated outside capture and held by Python; what a capture allocates (the
+          grads, activations, temporaries) is written before it is read within each replay.
+        - A failure: `recover_failed_capture` puts back the stream and the RNG a failed capture leaves broken.
+        """
+        with torch.cuda.device(self.device):
+            stream = capture_stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # the static batch's copy, the weights
+            with torch.cuda.stream(stream):
+                for _ in range(CAPTURE_WARMUP_CALLS):
+                    self._step_body(static)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with recover_failed_capture(self.device), torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                n = self._step_body(static)
         return graph, n
 
     def step(self, batch: Any) -> int:
@@ -310,6 +341,73 @@ class GraphSteps(Steps):
 
 class CaptureMismatch(RuntimeError):
     """A captured step computed something else than the same step run uncaptured."""
+
+
+class CaptureBrokeCuda(RuntimeError):
+    """A failed capture left CUDA unusable in this process (its RNG stuck in capture mode): no fallback can
+    run here, so the trainer raises this instead of falling back. Restart the process."""
+
+
+_CAPTURE_STREAMS: dict[int, Any] = {}  # device index -> the stream every capture on that device uses
+
+
+def capture_stream(device: torch.device):
+    """The stream captures on `device` use, one per device for the process: a new stream per run would come
+    round the stream pool's 32 and allocate a cuBLAS workspace (keyed by handle and stream) for each."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[index] = torch.cuda.Stream(torch.device("cuda", index))
+    return _CAPTURE_STREAMS[index]
+
+
+@contextlib.contextmanager
+def recover_failed_capture(device: torch.device):
+    """Around `torch.cuda.graph(...)` on `device` (the current device): when the capture fails, put back
+    the current stream and the default CUDA generator's state, check that random numbers can be drawn, and
+    re-raise the capture's error (the trainer then falls back, with a note), or raise `CaptureBrokeCuda`.
+
+    Why:
+    - `torch.cuda.graph.__exit__` calls `capture_end()` before `stream_ctx.__exit__` (torch/cuda/graphs.py,
+      as of 2.14 too), so when `capture_end` throws (cudaStreamEndCapture fails because the captured code
+      synchronised or read the device) the capture stream stays the current one: later work would run on it.
+    - `CUDAGraph::capture_end` throws there before `capture_epilogue` takes the default generator's state
+      out of capture mode (aten/src/ATen/cuda/CUDAGraph.cpp), and up to torch 2.12 that state stays in
+      capture mode for good: every later draw raises "Offset increment outside graph capture encountered
+      unexpectedly" (CUDAGeneratorState::increase), so dropout in the eager fallback and in every later
+      trial of the worker fails. `Generator.clone_state()` returns a new Generator holding a copy of the
+      state's seed and offset (CUDAGeneratorState::clone; the copy is not in capture mode), and
+      `graphsafe_set_state(saved)` makes the default generator use that state (CUDAGeneratorImpl; both are
+      in torch/_C/__init__.pyi's Generator, checked with hasattr). Graphs captured earlier for other shapes
+      keep the old state, but they belong to the failed run's steps, which the trainer drops.
+    - The probe tells whether that was enough; if not, going on would fail later with a baffling error.
+    """
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = torch.cuda.current_stream(device)  # initialises CUDA: default_generators is filled from here on
+    generators = getattr(torch.cuda, "default_generators", ())
+    generator = generators[index] if index < len(generators) else None
+    saved = None
+    if generator is not None and hasattr(generator, "clone_state") and hasattr(generator, "graphsafe_set_state"):
+        saved = generator.clone_state()  # taken before capture begins: not in capture mode
+    try:
+        yield
+    except BaseException as error:
+        torch.cuda.set_stream(stream)
+        if saved is not None:
+            generator.graphsafe_set_state(saved)
+        if not isinstance(error, Exception):
+            raise  # KeyboardInterrupt and the like: as they are, with the stream and RNG put back
+        broken = None
+        try:
+            torch.rand(1, device=device)
+        except torch.cuda.OutOfMemoryError:
+            pass  # too little memory left to tell: the trainer drops the failed attempt and falls back
+        except RuntimeError as probe:
+            broken = " ".join(str(probe).split())[:120]
+        if broken is not None:
+            raise CaptureBrokeCuda(
+                "a failed CUDA graph capture left CUDA's random number generator unusable in this process"
+                f" (torch older than 2.13; {broken}): restart the process") from error
+        raise
 
 
 def verify_step(steps: "GraphSteps", replay: Callable[[Any], int], batch: Any, start_point) -> None:
@@ -366,6 +464,11 @@ def batch_tensors(batch: Any) -> list[torch.Tensor]:
     else:
         values = list(batch)
     return [v for v in values if isinstance(v, torch.Tensor)]
+
+
+def batch_numel(batch: Any) -> int:
+    """How many elements a batch's tensors hold: its size, for capturing the largest shape first."""
+    return sum(v.numel() for v in batch_tensors(batch))
 
 
 def signature(batch: Any) -> tuple:

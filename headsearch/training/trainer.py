@@ -16,7 +16,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -112,35 +112,74 @@ class Callback:
     def on_epoch_end(self, record: EpochRecord) -> None: ...
 
 
+ALONE_STEPS = 30  # steps timed alone: enough for a stable median, few enough that the others wait briefly
+ALONE_SETTLE = 5  # untimed steps before them in measure_alone: a process's first steps run cold (allocator, caches)
+
+
 @dataclass
 class AloneClock:
     """How a run learns its architecture's speed with the device to itself: the search's fair `time`.
 
     Several trials may share a device; the seconds one of them measures then depend on the others.
     With a clock, every epoch runs inside `share.shared()` (training and evaluation, released with the
-    device idle), except epoch 1, which runs inside `share.exclusive()`: the other workers of this
-    device (which respect the same lock) wait at their next epoch boundary, and epoch 1's steps, timed
-    one by one, give the architecture's `epoch_seconds_alone` (the median step x the epoch's batches,
-    `alone_epoch_seconds`). Every hold covers a whole epoch (training, evaluation, checkpoint, callbacks),
-    the warm-up and the final test too: on a CPU all of it competes for the cores. On a CPU the measured
-    epoch uses `alone_threads` threads (what a process alone on the machine uses). When an earlier trial of the same
-    architecture measured it, `known` is that value and epoch 1 runs shared like the others.
-    `share` is a `headsearch.training.devicelock.DeviceShare` (or `NoShare` for a worker alone).
+    device idle), except the first ALONE_STEPS steps of epoch 1, which run inside `share.exclusive()`:
+    the other workers of this device (which respect the same lock) wait at their next epoch boundary,
+    and those steps, timed one by one, give the architecture's `epoch_seconds_alone` (the median step x
+    the epoch's batches, `alone_epoch_seconds`). Then the hold turns shared again, with the device idle,
+    for the rest of epoch 1, its evaluation and checkpoint: the others are paused only for the steps
+    that are timed (a whole epoch alone, evaluation included, would idle K - 1 workers for far longer).
+    Every hold covers the warm-up and the final test too: on a CPU all of it competes for the cores.
+    On a CPU the timed steps use `alone_threads` threads (what a process alone on the machine uses).
+
+    What was measured before counts only for the step mode that runs (a time measured after a fallback
+    to eager steps must not stand for compiled ones): `recall(step_mode)`, when given, is asked once the
+    run's steps are prepared and returns the epoch seconds an earlier trial measured for this
+    architecture in that mode, or None (then this run measures). `known` is the value before that
+    (the intended mode's). `share` is a `headsearch.training.devicelock.DeviceShare` (or `NoShare`).
     """
 
     share: Any
     known: float | None = None
     alone_threads: int | None = None
+    recall: Callable[[str], float | None] | None = None
 
-    def hold(self, epoch: int, device: torch.device):
-        """The context an epoch runs in, and whether it is the measured one."""
-        if epoch == 1 and self.known is None:
-            return _alone(self.share.exclusive(), device, self.alone_threads), True
-        return self.share.shared(), False
+    def ran_as(self, step_mode: str) -> None:
+        """The run's steps are prepared and run as `step_mode`: look up what was measured for that mode."""
+        if self.recall is not None:
+            self.known = self.recall(step_mode)
+
+    def measures(self, epoch: int) -> bool:
+        """Whether `epoch` holds the timed steps (epoch 1, when nothing was measured before)."""
+        return epoch == 1 and self.known is None
+
+
+class EpochHold:
+    """The hold one epoch runs in (`with EpochHold(...) as hold:`): shared, or, for the measured epoch,
+    exclusive until `to_shared()` (called with the device idle after the timed steps), shared after."""
+
+    def __init__(self, clock: AloneClock | None, device: torch.device, measured: bool):
+        self.clock, self.device, self.measured = clock, device, measured
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> "EpochHold":
+        if self.clock is not None:
+            self._stack.enter_context(_alone(self.clock.share.exclusive(), self.device, self.clock.alone_threads)
+                                      if self.measured else self.clock.share.shared())
+        return self
+
+    def to_shared(self) -> float:
+        """Leave the exclusive hold and take a shared one; returns the seconds waited for it (another
+        worker may measure meanwhile), which the epoch's training time leaves out."""
+        self._stack.close()
+        return self._stack.enter_context(self.clock.share.shared()).waited
+
+    def __exit__(self, *exc) -> bool | None:
+        return self._stack.__exit__(*exc)
 
 
 @contextlib.contextmanager
 def _alone(exclusive, device: torch.device, threads: int | None):
+    """The exclusive hold, with a lone process's threads on a CPU."""
     with exclusive:
         before = torch.get_num_threads()
         if device.type == "cpu" and threads:
@@ -183,6 +222,13 @@ def resolve_device(device: str | None = None) -> torch.device:
     return dev
 
 
+def use_device(device: torch.device) -> None:
+    """Make `device` CUDA's current device: kernels, streams, events and graphs that name no device go to
+    the current one, so `--device cuda:1` would otherwise capture and time on cuda:0."""
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+
+
 def steps_per_epoch(bound: BoundTask, t: TrainConfig) -> int:
     n = bound.batches_per_epoch()
     return min(n, t.max_steps_per_epoch) if t.max_steps_per_epoch else n
@@ -208,6 +254,7 @@ def fit(
     """
     t = cfg.train
     check_compile(t, task)  # before anything is built or trained
+    use_device(device)
     seed_everything(cfg.seed)
     model = bound.build_model().to(device)
     result = TrainResult(status="completed", primary_metric=task.primary.name,
@@ -219,7 +266,9 @@ def fit(
 
     best_state: dict[str, torch.Tensor] | None = None
     start = time.perf_counter()
-    stopped_by: BaseException | None = None
+    # The id of a callback's exception, not the exception: a local holding it would keep this frame (the model,
+    # its graphs and optimizer state) alive through the traceback's reference cycle until the cyclic collector ran.
+    stopped_by: int | None = None
     try:
         with _shared(clock):  # compiling and capturing are device work too
             steps, result.compile_seconds, note = prepare_steps(task, cfg, bound, model, device, spe)
@@ -228,15 +277,18 @@ def fit(
             cb.on_prepared(result.step_mode, result.compile_seconds, note)
         start = time.perf_counter()  # wall time, like training time, starts after the warm-up
         report = _reporter(step_callbacks)
-        result.epoch_seconds_alone = clock.known if clock is not None else None
+        if clock is not None:
+            clock.ran_as(result.step_mode)  # a time measured in another mode (a fallback's) does not stand for this one
+            result.epoch_seconds_alone = clock.known
         for epoch in range(1, t.epochs + 1):
-            hold, measured = clock.hold(epoch, device) if clock is not None else (contextlib.nullcontext(), False)
+            measured = clock is not None and clock.measures(epoch)
             # The whole epoch (training, evaluation, checkpoint, callbacks) inside one hold, released with the
             # device idle (evaluate reads its results): between holds, a worker measuring alone gets its turn.
-            with hold:
+            with EpochHold(clock, device, measured) as hold:
                 model.train()
                 step_clock = StepClock(device) if measured else None
-                seen, epoch_seconds = train_epoch(steps, bound, epoch, t.epochs, spe, device, report, log_seconds, step_clock)
+                seen, epoch_seconds = train_epoch(steps, bound, epoch, t.epochs, spe, device, report, log_seconds, step_clock,
+                                                  timed_steps=ALONE_STEPS, after_timed=hold.to_shared if measured else None)
                 steps.state.check_finite(epoch)
                 if measured:
                     result.epoch_seconds_alone = alone_epoch_seconds(step_clock.seconds(), seen, t.batch_size)
@@ -256,7 +308,7 @@ def fit(
                     for cb in callbacks:
                         cb.on_epoch_end(record)
                 except Exception as e:
-                    stopped_by = e
+                    stopped_by = id(e)
                     raise
     except KeyboardInterrupt:
         result.status = "interrupted"
@@ -267,7 +319,7 @@ def fit(
         _finish(result, run_dir, start)
         raise
     except Exception as e:  # keep what was done; a callback stopping the run (pruning) is not a failure
-        result.status = "stopped" if e is stopped_by else "failed"
+        result.status = "stopped" if id(e) == stopped_by else "failed"
         result.error = f"{type(e).__name__}: {e}"
         _finish(result, run_dir, start)
         raise
@@ -323,33 +375,43 @@ def _reporter(step_callbacks: Sequence[Callback]):
 
 
 def train_epoch(steps: Steps, bound: BoundTask, epoch: int, epochs: int, spe: int, device: torch.device,
-                report=None, log_seconds: float = LOG_SECONDS, step_clock: "StepClock | None" = None) -> tuple[int, float]:
+                report=None, log_seconds: float = LOG_SECONDS, step_clock: "StepClock | None" = None,
+                timed_steps: int | None = None, after_timed: Callable[[], float] | None = None) -> tuple[int, float]:
     """One epoch of training steps: (samples, seconds). The clock starts and stops with the device idle.
 
     Nothing here waits for the device, except `report(StepInfo)` when given (at most every
     `log_seconds`, and after the last step), which reads the loss and checks it is finite. A
-    `step_clock` marks the start of every step (its batch included) and the end of the last."""
+    `step_clock` marks the start of each of the first `timed_steps` steps (every step when None; its
+    batch included) and the end of the last of them; then, with the device idle, `after_timed()` runs
+    (the measured epoch leaves its exclusive hold there) and the seconds it returns (waited for the next
+    hold) are left out of the epoch's seconds."""
     synchronize(device)
     t0 = last_log = time.perf_counter()
     steps.state.loss_sum.zero_()
-    seen = 0
-    for i, batch in enumerate(itertools.islice(_marked(bound.train_batches(epoch), step_clock), spe)):
+    seen, paused = 0, 0.0
+    timed = spe if timed_steps is None else min(timed_steps, spe)
+    for i, batch in enumerate(itertools.islice(_marked(bound.train_batches(epoch), step_clock, timed), spe)):
         seen += steps.step(batch)
         if report is not None and (time.perf_counter() - last_log >= log_seconds or i == spe - 1):
             steps.state.check_finite(epoch)  # reads the device: only when someone listens
             last_log = time.perf_counter()
             report(StepInfo(epoch, epochs, i + 1, spe, steps.steps_taken, float(steps.state.last_loss), steps.lr(),
                             seen / max(last_log - t0, 1e-9)))
-    if step_clock is not None:
-        step_clock.mark()
+        if i + 1 == timed:
+            if step_clock is not None:
+                step_clock.mark()
+            if after_timed is not None:
+                synchronize(device)  # the timed steps' kernels are done before the hold changes
+                paused += after_timed()
     synchronize(device)
-    return seen, time.perf_counter() - t0
+    return seen, time.perf_counter() - t0 - paused
 
 
-def _marked(batches, step_clock):
-    """The batches, with `step_clock.mark()` before each is drawn (so a step's time includes its batch)."""
-    for batch in batches:
-        if step_clock is not None:
+def _marked(batches, step_clock, timed: int):
+    """The batches, with `step_clock.mark()` before each of the first `timed` is drawn (so a step's time
+    includes its batch)."""
+    for i, batch in enumerate(batches):
+        if step_clock is not None and i < timed:
             step_clock.mark()
         yield batch
 
@@ -360,12 +422,17 @@ class StepClock:
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
+        # The stream the steps run on: `device`'s current stream, not the current device's. `Event.record()`
+        # with no stream records on `torch.cuda.current_stream()` of the current device (torch/cuda/streams.py,
+        # Event.record): for steps on cuda:1 while cuda:0 is current, an idle stream, and every step would
+        # time as the host's launch time. Taken once: the steps run inside the same stream context as this.
+        self.stream = torch.cuda.current_stream(device) if self.cuda else None
         self.marks: list = []
 
     def mark(self) -> None:
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
-            event.record()
+            event.record(self.stream)
             self.marks.append(event)
         else:
             self.marks.append(time.perf_counter())
@@ -389,14 +456,26 @@ def prepare_steps(task: Task, cfg: RunConfig, bound: BoundTask, model: torch.nn.
                   spe: int) -> tuple[Steps, float, str | None]:
     """The run's steps, warmed up (compiled, captured) before the clock starts: (steps, warm-up seconds,
     note). If compiling or capturing fails, fall back a step at a time (compiled blocks without the
-    graph... eager with the graph, then plain eager) and say so in `note`, one line."""
+    graph... eager with the graph, then plain eager) and say so in `note`, one line.
+
+    Running out of device memory while warming up a fast mode falls back too: compiling and capturing
+    need memory that eager steps do not (each graph's pool holds its temporaries for good), so a model
+    that fits eagerly must not fail its trial there. The failed attempt's steps (its graphs, their pool,
+    its optimizer state) are dropped and CUDA's cache emptied before the next mode. Out of memory in
+    eager steps is the run's own, and raised. A capture that left CUDA unusable (`CaptureBrokeCuda`) is
+    raised too: no fallback can run in this process."""
+    import gc
+
+    from headsearch.training.steps import CaptureBrokeCuda
+
     t = cfg.train
     mode = resolve_mode(t, task, device)
     total, warmup = spe * t.epochs, round(t.warmup_epochs * spe)
     notes: list[str] = []
     seconds = 0.0
     for candidate in fallbacks(mode):
-        step_model = None
+        step_model = steps = None
+        out_of_memory = False
         try:
             step_model = compile_blocks(model, candidate, dynamic=None if task.static_shapes else True)
             steps = make_steps(candidate, model, step_model, bound, t, device, total, warmup)
@@ -407,13 +486,22 @@ def prepare_steps(task: Task, cfg: RunConfig, bound: BoundTask, model: torch.nn.
                 seconds += time.perf_counter() - started  # a failed attempt's time is warm-up time too
                 raise
             return steps, seconds, "; ".join(notes) or None
-        except (KeyboardInterrupt, Diverged, ConfigError, torch.cuda.OutOfMemoryError):
-            raise  # not the fast path's fault: a slower mode would meet it too
-        except Exception as e:
+        except (KeyboardInterrupt, Diverged, ConfigError, CaptureBrokeCuda):
+            raise  # not the fast path's fault (a slower mode would meet it too), or nothing can run after it
+        except Exception as e:  # torch.cuda.OutOfMemoryError included: a RuntimeError
             if candidate.name == "off":
                 raise
+            out_of_memory = isinstance(e, torch.cuda.OutOfMemoryError)
             reason = " ".join(str(e).split())[:160] or type(e).__name__
-            notes.append(f"{candidate.describe()} failed ({type(e).__name__}: {reason})")
+            failed = "ran out of device memory" if out_of_memory else "failed"
+            notes.append(f"{candidate.describe()} {failed} ({type(e).__name__}: {reason})")
+        # Here the exception and its traceback (whose frames hold the failed steps) are gone; drop the rest: the
+        # steps, and the grads they left on the model (a failed capture's live in its graphs' memory pool).
+        steps = step_model = None
+        model.zero_grad(set_to_none=True)
+        if out_of_memory and device.type == "cuda":
+            gc.collect()  # reference cycles among the failed attempt's objects would keep their memory
+            torch.cuda.empty_cache()
     raise AssertionError("the eager mode is always the last fallback")
 
 
@@ -436,10 +524,6 @@ def _finish(result: TrainResult, run_dir: Path | None, start: float) -> None:
         write_atomic(run_dir / "final.json", json.dumps(result.to_dict(), indent=2) + "\n")
 
 
-ALONE_STEPS = 30  # steps timed by measure_alone: enough for a stable median
-ALONE_SETTLE = 5  # untimed steps before them: a process's first steps run cold (allocator, caches)
-
-
 def measure_alone(task: Task, cfg: RunConfig, bound: BoundTask, device: torch.device, clock: AloneClock,
                   steps: int = ALONE_STEPS) -> float:
     """An architecture's epoch seconds with the device to itself, measured apart from its run: a solo copy of
@@ -449,6 +533,7 @@ def measure_alone(task: Task, cfg: RunConfig, bound: BoundTask, device: torch.de
     same figure whatever cohort they trained in. `bound` is used under a fresh data order (its own is
     untouched), and the global RNG is put back as it was."""
     t = cfg.train
+    use_device(device)
     spe = steps_per_epoch(bound, t)
     scratch = bound.rebind(cfg)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -456,6 +541,9 @@ def measure_alone(task: Task, cfg: RunConfig, bound: BoundTask, device: torch.de
         model = bound.build_model().to(device)
         with _shared(clock):
             solo_steps, _, _ = prepare_steps(task, cfg, scratch, model, device, spe)
+        clock.ran_as(solo_steps.mode.describe())
+        if clock.known is not None:  # measured before in the mode the solo run fell back to
+            return clock.known
         model.train()
         with _alone(clock.share.exclusive(), device, clock.alone_threads):
             step_clock = StepClock(device)

@@ -1,0 +1,72 @@
+"""`headsearch bench`: a few lines over `headsearch.search.bench.bench`, and its table."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def bench(
+    task: str = typer.Option(..., "--task", "-t", help="Task name (see `headsearch tasks`)."),
+    space: str = typer.Option("deep-head", "--space", "-s", help="The search space whose base architecture is measured (as in `run`)."),
+    preset: Optional[str] = typer.Option(None, "--preset", "-p", help="Task preset, as the searches you will run use it (e.g. tiny)."),
+    data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="Local dataset folder (vit-cifar10)."),
+    data_file: Optional[Path] = typer.Option(None, "--data-file", help="Local tab-separated parallel file (translation-en-es)."),
+    device: str = typer.Option("auto", "--device", help="auto (the GPUs, else the CPU) or cpu."),
+    seconds: Optional[float] = typer.Option(None, "--seconds", help="Timed seconds per way (default 10 on a GPU, 6 on a CPU)."),
+    fmt: str = typer.Option("table", "--format", help="table | json"),
+) -> None:
+    """Measure the ways a search can run its trials on this machine (step modes, processes, MPS, cohorts;
+    threads and workers on a CPU), each verified first; save the fastest for `headsearch run` to plan from."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from headsearch.cli.main import fail, fail_on_fault
+    from headsearch.errors import HeadsearchError
+    from headsearch.search.bench import bench as measure
+    from headsearch.search.runner import Search, SearchSettings
+
+    if fmt not in ("table", "json"):
+        fail(f"--format {fmt!r}: use table or json")
+    if seconds is not None and not seconds > 0:
+        fail(f"--seconds {seconds}: give a positive number of seconds")
+    console = Console(stderr=fmt == "json")
+    settings = SearchSettings(task=task, space=space, preset=preset, device=device,
+                              data_dir=str(data_dir) if data_dir else None, data_file=str(data_file) if data_file else None)
+    try:
+        search = Search(settings)
+        search.check_data()  # missing or malformed data: one line, before any process starts
+        console.print(f"bench: {task}, base architecture of space {search.space.name}"
+                      + (f", preset {preset}" if preset else "") + "; each way verified, then timed")
+        m = measure(search, seconds=seconds, report=lambda r: console.print(f"  {r.way.describe()}: " + (
+            f"{r.samples_per_s:,.0f} samples/s" if r.verified else f"not used ({r.reason})"), soft_wrap=True, highlight=False))
+        plan = Search(settings).machine_plan()
+    except HeadsearchError as e:
+        fail(str(e))
+    except KeyboardInterrupt:
+        fail("interrupted: nothing was saved", code=130)
+    except Exception as e:
+        fail_on_fault(e, "nothing was saved")
+    if fmt == "json":
+        typer.echo(json.dumps(m.to_dict(), indent=2))
+        return
+    choice = m.choice()
+    table = Table("way", "verified", "samples/s", "per trial", "warm-up s", title=f"{m.device}, torch {m.torch}")
+    for r in m.results:
+        table.add_row(r.way.describe() + (" (chosen)" if r is choice else ""), "yes" if r.verified else "no",
+                      f"{r.samples_per_s:,.0f}" if r.verified else "-", f"{r.per_trial:,.0f}" if r.verified else "-",
+                      f"{r.compile_seconds:.1f}" if r.verified else "-")
+    console.print(table)
+    for r in m.results:
+        if not r.verified:
+            console.print(f"not used: {r.way.describe()}: {r.reason}", soft_wrap=True, highlight=False, markup=False)
+    from headsearch.search.measured import measurement_path
+
+    console.print(f"saved: {measurement_path(m.key)} ({m.seconds:.0f} s)", soft_wrap=True, highlight=False)
+    console.print(f"plan of `headsearch run` here: {plan.describe()}", soft_wrap=True, highlight=False, markup=False)
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(bench)

@@ -1,0 +1,323 @@
+"""`headsearch bench`: measure, on this machine, the ways a search can run its trials, instead of guessing.
+
+A search's speed depends on how its trials share the device: one process or K, each step eager or
+compiled and captured in a CUDA graph, NVIDIA MPS or not, K trials stacked into one model (a cohort)
+or not; on a CPU, how many workers and how many threads each. Which is fastest depends on the device,
+torch and the model, so it is measured, for the search's base architecture, and saved for `headsearch
+run` to plan from (headsearch/search/measured.py, headsearch/search/plan.py).
+
+Every way is verified before it is timed, and a way that fails or mismatches is reported with its
+one-line reason and never chosen:
+- a step mode must run as asked: a captured step is checked against the same step uncaptured before
+  training (`headsearch.training.steps.verify_step`), and a capture or compile that fails or mismatches
+  falls back, which counts as failed here;
+- a cohort slot must compute what the same trial computes alone: the losses of its first
+  VERIFY_STEPS steps against a solo run's (relative COHORT_RTOL, COHORT_RTOL_AMP under bf16 autocast,
+  where the stacked and the solo matrix products add in another order).
+
+Each way runs in processes of its own (spawned, like search workers: the parent never touches CUDA, so
+an MPS daemon started for a way serves every one of its processes), with the data loaded in each,
+SETTLE_STEPS untimed steps after the warm-up, then `seconds` of steps timed with the device
+synchronised at both ends; K processes start timing together (a barrier). Reported per way: samples
+per second in aggregate (all trials' samples over the wall time from the first start to the last end)
+and per trial, verified or not, and the warm-up seconds (compiling, capturing) of one trial.
+
+The ways: on a GPU, one process in each step mode (off, graphs, reduce-overhead); K processes in the
+fastest verified mode for K in `ks`, without and (where the control binary exists) with MPS; cohorts of
+K where the task stacks. On a CPU: W workers x T threads (T = cores / W) for W in 1, 2, 4, ... up to the
+cores, and cohorts of K in one worker with every thread.
+"""
+from __future__ import annotations
+
+import datetime
+import itertools
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from headsearch.search.measured import COHORT, PROCESSES, Measurement, Way, WayResult, bench_key, key_inputs, save_measurement
+from headsearch.search.plan import MAX_PER_GPU, MEMORY_FRACTION, GpuInfo, cpu_name, visible_gpus
+
+GPU_MODES = ("off", "graphs", "reduce-overhead")
+GPU_KS = (2, 4, 8)
+CPU_COHORTS = (2, 4)
+SETTLE_STEPS = 3
+VERIFY_STEPS = 3
+COHORT_RTOL, COHORT_RTOL_AMP = 1e-4, 2e-2
+START_TIMEOUT = 600.0  # seconds a process may take to load, compile and capture before the others give up on it
+
+
+@dataclass(frozen=True)
+class Job:
+    """What one process of a way measures."""
+
+    task: str
+    cfg: Any  # the RunConfig, with train.compile set to the way's step mode
+    source: Any  # the DataSource
+    way: Way
+    gpu: str | None
+    seconds: float
+
+
+def default_seconds(on_gpu: bool) -> float:
+    return 10.0 if on_gpu else 6.0
+
+
+def candidate_ways(on_gpu: bool, stacks: bool, cores: int, ks: Sequence[int], mps: bool) -> list[Way]:
+    """The ways to measure before the multi-process ones (on a GPU those take the fastest verified step
+    mode, known only after the single-process ways ran: `process_ways`)."""
+    if on_gpu:
+        ways = [Way(PROCESSES, 1, mode) for mode in GPU_MODES]
+        return ways + ([Way(COHORT, k, "off") for k in ks] if stacks else [])
+    workers = [w for w in (2 ** i for i in range(8)) if w <= max(1, cores)]
+    ways = [Way(PROCESSES, w, "off", threads=max(1, cores // w)) for w in workers]
+    return ways + ([Way(COHORT, k, "off", threads=max(1, cores)) for k in CPU_COHORTS] if stacks else [])
+
+
+def process_ways(mode: str, ks: Sequence[int], mps: bool) -> list[Way]:
+    return [Way(PROCESSES, k, mode, mps=m) for k in ks for m in ((False, True) if mps else (False,))]
+
+
+def gpu_ks(training_bytes: int, gpu: GpuInfo, cores: int) -> list[int]:
+    """The K to try on a GPU: GPU_KS within memory (K models in MEMORY_FRACTION of it), the cores (one host
+    thread drives each process) and MAX_PER_GPU."""
+    by_memory = math.floor(MEMORY_FRACTION * gpu.memory_bytes / max(training_bytes, 1))
+    return [k for k in GPU_KS if k <= min(by_memory, MAX_PER_GPU)] or [1]
+
+
+def bench(search: Any, *, seconds: float | None = None, ks: Sequence[int] | None = None,
+          report: Callable[[WayResult], None] | None = None, save: bool = True) -> Measurement:
+    """Measure the ways `search` (a `headsearch.search.runner.Search`: its task, base config, data and device)
+    can run its trials on this machine; save the measurement in headsearch's cache unless `save` is False.
+    `report(result)` hears each way as it is measured."""
+    import torch
+
+    from headsearch.search.mps import managed_mps, mps_available
+
+    started = time.perf_counter()
+    visible = [] if search.settings.device == "cpu" else visible_gpus()
+    on_gpu = bool(visible)
+    seconds = seconds or default_seconds(on_gpu)
+    cores = os.cpu_count() or 1
+    stacks = search.task.stack_refusal is not None and search.task.stack_refusal(search.base) is None
+    gpu = GpuInfo.of(0) if on_gpu else None
+    if ks is None:
+        footprint = search.task.footprint(search.base) if search.task.footprint else None
+        ks = gpu_ks(footprint.training_bytes if footprint else 0, gpu, cores) if on_gpu else CPU_COHORTS
+    has_mps = on_gpu and mps_available()
+    results: list[WayResult] = []
+
+    def measure(way: Way) -> WayResult:
+        jobs = [Job(search.task.name, _with_compile(search, way.step_mode), search.source, way, visible[0] if on_gpu else None,
+                    seconds) for _ in range(1 if way.kind == COHORT else way.k)]
+        with managed_mps(way.mps) as mps:
+            if way.mps and not mps.active:
+                result = WayResult(way, False, f"MPS is not usable: {mps.reason}")
+            else:
+                result = run_way(jobs)
+        results.append(result)
+        if report is not None:
+            report(result)
+        return result
+
+    for way in candidate_ways(on_gpu, stacks, cores, ks, has_mps):
+        if way.kind == PROCESSES or not on_gpu:
+            measure(way)
+    if on_gpu:
+        modes = [r for r in results if r.verified and r.way.kind == PROCESSES and r.way.k == 1]
+        best = max(modes, key=lambda r: r.samples_per_s).way.step_mode if modes else "off"
+        for way in process_ways(best, [k for k in ks if k > 1], has_mps):
+            measure(way)
+        for way in candidate_ways(on_gpu, stacks, cores, ks, has_mps):
+            if way.kind == COHORT:
+                measure(way)
+    device = gpu.name if on_gpu else cpu_name()
+    inputs = key_inputs(device, torch.__version__, search.base)
+    m = Measurement(bench_key(inputs), datetime.date.today().isoformat(), device, torch.__version__, search.task.name,
+                    tuple(results), round(time.perf_counter() - started, 1), inputs)
+    if save:
+        save_measurement(m)
+    return m
+
+
+def _with_compile(search: Any, mode: str) -> Any:
+    from headsearch.tasks import apply_overrides
+
+    return apply_overrides(search.task, search.base, {"train": {"compile": mode}})
+
+
+# -- running a way: its processes ----------------------------------------------------------------------------
+
+
+def run_way(jobs: Sequence[Job]) -> WayResult:
+    """Run the processes of one way (one per job, timing together) and combine what they measured."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    barrier, queue = ctx.Barrier(len(jobs)), ctx.Queue()
+    procs = [ctx.Process(target=_job_main, args=(job, barrier, queue), name=f"headsearch-bench-{i}")
+             for i, job in enumerate(jobs)]
+    for p in procs:
+        p.start()
+    figures = []
+    try:
+        for _ in procs:
+            figures.append(queue.get(timeout=START_TIMEOUT + 4 * jobs[0].seconds + 120))
+    except Exception:
+        figures.append({"error": "a process gave no result in time (killed, or stuck)"})
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+    return combine(jobs[0].way, figures)
+
+
+def combine(way: Way, figures: Sequence[dict]) -> WayResult:
+    """One way's result from its processes' figures: failed if any failed or mismatched (the first reason)."""
+    for f in figures:
+        if f.get("error"):
+            return WayResult(way, False, f["error"])
+    for f in figures:
+        if f.get("mismatch"):
+            return WayResult(way, False, f["mismatch"])
+    start, end = min(f["start"] for f in figures), max(f["end"] for f in figures)
+    trials = sum(f["trials"] for f in figures)
+    total = sum(f["samples"] for f in figures)
+    per_trial = sum(f["samples"] / f["trials"] / (f["end"] - f["start"]) for f in figures) / len(figures)
+    return WayResult(way, True, None, round(total / (end - start), 1), round(per_trial, 1),
+                     round(max(f["compile_seconds"] for f in figures), 2))
+
+
+def _job_main(job: Job, barrier, queue) -> None:
+    """A bench process: pinned to its GPU before torch starts CUDA, its threads set; never raises (its one-line
+    reason goes back instead) and never leaves the others waiting at the barrier."""
+    if job.gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = job.gpu
+    import torch
+
+    if job.way.threads:
+        torch.set_num_threads(job.way.threads)
+    try:
+        figures = measure_cohort(job, barrier) if job.way.kind == COHORT else measure_process(job, barrier)
+    except BaseException as e:  # noqa: BLE001 - reported as the way's reason
+        barrier.abort()
+        text = " ".join(str(e).split())[:200]
+        figures = {"error": f"{type(e).__name__}: {text}" if text else type(e).__name__}
+    queue.put(figures)
+
+
+def _endless(bound) -> Any:
+    return itertools.chain.from_iterable(bound.train_batches(epoch) for epoch in itertools.count(1))
+
+
+def measure_process(job: Job, barrier) -> dict:
+    """One trial's steps in the job's step mode: warmed up (compiled, captured and verified), then timed."""
+    import torch
+
+    from headsearch.tasks import get_task
+    from headsearch.training.trainer import prepare_steps, seed_everything, steps_per_epoch, synchronize
+
+    task, cfg = get_task(job.task), job.cfg
+    device = torch.device("cuda" if job.gpu is not None else "cpu")
+    bound = task.setup(cfg, job.source, device)
+    seed_everything(cfg.seed)
+    model = bound.build_model().to(device)
+    steps, compile_seconds, note = prepare_steps(task, cfg, bound, model, device, steps_per_epoch(bound, cfg.train))
+    if steps.mode.name != job.way.step_mode:  # it fell back: the mode asked for failed or mismatched
+        barrier.abort()
+        return {"mismatch": note or f"ran as {steps.mode.name}"}
+    batches = _endless(bound)
+    samples, start, end = _timed(lambda: steps.step(next(batches)), device, job.seconds, barrier)
+    return {"samples": samples, "trials": 1, "start": start, "end": end, "compile_seconds": compile_seconds}
+
+
+def measure_cohort(job: Job, barrier) -> dict:
+    """A cohort of K: slot 0 first checked against the same trial alone (VERIFY_STEPS steps), then timed."""
+    import torch
+
+    from headsearch.models.cohort import soft_width
+    from headsearch.tasks import get_task
+    from headsearch.training.cohort import Cohort
+
+    task, cfg, k = get_task(job.task), job.cfg, job.way.k
+    device = torch.device("cuda" if job.gpu is not None else "cpu")
+    bound = task.setup(cfg, job.source, device)
+    soft = soft_width(cfg.arch, min(cfg.arch.enc_heads)) if cfg.arch.fusion != "none" else None
+    cohort = Cohort(task, k, device, soft_columns=soft, keep_step_losses=True)
+    started = time.perf_counter()
+    for i in range(k):
+        slot_cfg = cfg.replace(seed=cfg.seed + i)  # each slot its own trial: own weights, data order, draws
+        cohort.add(slot_cfg, bound.rebind(slot_cfg))
+    cohort._train(VERIFY_STEPS)
+    stacked = [float(step[0]) for step in cohort.step_losses]
+    solo = solo_losses(task, cfg, bound, device, VERIFY_STEPS)
+    rtol = COHORT_RTOL_AMP if cfg.train.amp and device.type == "cuda" else COHORT_RTOL
+    if any(not math.isclose(a, b, rel_tol=rtol) for a, b in zip(stacked, solo)):
+        barrier.abort()
+        return {"mismatch": f"a cohort slot's losses {_fmt(stacked)} differ from the same trial alone {_fmt(solo)}"}
+    cohort.step_losses = None
+    compile_seconds = time.perf_counter() - started
+    spe = min(steps_per_epoch_of(cohort), 8)
+
+    def chunk() -> int:
+        _, _, n = cohort._train(spe)
+        return n * k
+
+    samples, start, end = _timed(chunk, device, job.seconds, barrier)
+    return {"samples": samples, "trials": k, "start": start, "end": end, "compile_seconds": round(compile_seconds, 2)}
+
+
+def steps_per_epoch_of(cohort: Any) -> int:
+    from headsearch.training.trainer import steps_per_epoch
+
+    slot = cohort.slots[cohort.occupied[0]]
+    return steps_per_epoch(slot.bound, slot.cfg.train)
+
+
+def solo_losses(task: Any, cfg: Any, bound: Any, device: Any, n: int) -> list[float]:
+    """The first `n` step losses of `cfg` trained alone (eager), from the initial weights, data order and
+    learning-rate schedule a cohort slot gets in `Cohort._train(n)` (epochs of n steps)."""
+    from headsearch.training.trainer import prepare_steps, seed_everything
+
+    solo_cfg = _replace_compile(task, cfg, "off")
+    scratch = bound.rebind(solo_cfg)
+    seed_everything(cfg.seed)
+    model = bound.build_model().to(device)
+    # The schedule of an n-step epoch, as the cohort's `_train(n)` used for its slots.
+    steps, _, _ = prepare_steps(task, solo_cfg, scratch, model, device, n)
+    losses = []
+    for batch in itertools.islice(scratch.train_batches(1), n):
+        steps.step(batch)
+        losses.append(float(steps.state.last_loss))
+    return losses
+
+
+def _replace_compile(task: Any, cfg: Any, mode: str) -> Any:
+    from headsearch.tasks import apply_overrides
+
+    return apply_overrides(task, cfg, {"train": {"compile": mode}})
+
+
+def _fmt(values: Sequence[float]) -> str:
+    return "[" + ", ".join(f"{v:.5g}" for v in values) + "]"
+
+
+def _timed(step: Callable[[], int], device: Any, seconds: float, barrier) -> tuple[int, float, float]:
+    """SETTLE_STEPS untimed calls, then (after every process of the way is ready) calls for `seconds`:
+    (samples, start, end) on the system-wide monotonic clock, the device synchronised at both ends."""
+    from headsearch.training.trainer import synchronize
+
+    for _ in range(SETTLE_STEPS):
+        step()
+    synchronize(device)
+    barrier.wait(timeout=START_TIMEOUT)
+    start = time.monotonic()
+    samples = 0
+    while time.monotonic() - start < seconds:
+        samples += step()
+    synchronize(device)
+    return samples, start, time.monotonic()

@@ -1,0 +1,153 @@
+"""`headsearch bench` (headsearch.search.bench) and the plan `headsearch run` makes from what it saved
+(headsearch.search.measured, headsearch.search.plan).
+
+The plan tests describe a GPU (`GpuInfo`) and hand the plan a measurement; the bench itself runs for
+real on this CPU: its processes, its verification of a cohort slot against the same trial alone, its
+saved file, and the next `run`'s plan line.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import subprocess
+import sys
+
+import pytest
+
+from headsearch.search.bench import combine
+from headsearch.search.measured import COHORT, PROCESSES, Measurement, Way, WayResult, load_measurement
+from headsearch.search.plan import GpuInfo, plan_search
+from headsearch.search.runner import Search, SearchSettings
+
+H100 = GpuInfo("NVIDIA H100 80GB HBM3", 132, 80 * 2**30)
+
+
+def vit_search(**settings) -> Search:
+    return Search(SearchSettings(task="vit-cifar10", device="auto", **settings))
+
+
+def measured(*results: WayResult, date: str = "2026-11-25") -> Measurement:
+    return Measurement("k", date, H100.name, "2.11.0", "vit-cifar10", tuple(results))
+
+
+GRAPHS_K4_MPS = WayResult(Way(PROCESSES, 4, "reduce-overhead", mps=True), True, None, 160_000.0, 40_000.0, 40.0)
+GRAPHS_K8 = WayResult(Way(PROCESSES, 8, "reduce-overhead"), True, None, 150_000.0, 18_750.0, 40.0)
+COHORT_8 = WayResult(Way(COHORT, 8, "off"), True, None, 120_000.0, 15_000.0, 3.0)
+BROKEN_FAST = WayResult(Way(PROCESSES, 8, "graphs", mps=True), False, "CaptureMismatch: the captured step gave loss 2.1")
+
+
+def test_the_plan_runs_the_fastest_verified_way_and_says_it_was_measured():
+    m = measured(GRAPHS_K8, GRAPHS_K4_MPS, COHORT_8, BROKEN_FAST)
+    assert m.choice() is GRAPHS_K4_MPS  # the unverified way is never chosen, however fast
+    plan = plan_search(vit_search(), visible=["0"], gpu=H100, cpu_cores=16, measurement=m)
+    assert plan.devices == ("0",) * 4 and plan.per_gpu == 4 and plan.mps and plan.cohort == 1
+    assert plan.compile == "reduce-overhead"
+    assert plan.describe() == ("4 trials per GPU on 1 GPU (4 processes, reduce-overhead + MPS: 160,000 samples/s);"
+                               " steps: reduce-overhead: compiled blocks (default), whole step in a CUDA graph"
+                               " (measured by headsearch bench on 2026-11-25)")
+
+
+def test_a_cohort_is_planned_only_where_it_was_measured_fastest():
+    faster = WayResult(Way(COHORT, 8, "off"), True, None, 200_000.0, 25_000.0, 3.0)
+    plan = plan_search(vit_search(), visible=["0"], gpu=H100, cpu_cores=16, measurement=measured(GRAPHS_K4_MPS, faster))
+    assert (plan.devices, plan.cohort, plan.mps) == (("0",), 8, False)
+    assert plan.describe().endswith("steps: stacked, eager (measured by headsearch bench on 2026-11-25)")
+    # --cohort 1: the fastest way that is not a cohort.
+    no_cohort = plan_search(vit_search(cohort=1), visible=["0"], gpu=H100, cpu_cores=16, measurement=measured(GRAPHS_K4_MPS, faster))
+    assert no_cohort.cohort == 1 and no_cohort.per_gpu == 4
+    # A task that does not stack never gets one (the measurement would not have one either).
+    translation = Search(SearchSettings(task="translation-en-es", device="auto"))
+    assert plan_search(translation, visible=["0"], gpu=H100, cpu_cores=16, measurement=measured(faster, GRAPHS_K8)).cohort == 1
+
+
+def test_flags_and_the_budget_win_over_the_measurement():
+    m = measured(GRAPHS_K4_MPS)
+    assert plan_search(vit_search(trials_per_gpu=2), visible=["0"], gpu=H100, cpu_cores=16, measurement=m).per_gpu == 2
+    assert plan_search(vit_search(trials=3), visible=["0"], gpu=H100, cpu_cores=16, measurement=m).devices == ("0",) * 3
+    # --compile keeps its mode: the measurement chooses the count, not the user's step mode.
+    eager = plan_search(vit_search(compile="off"), visible=["0"], gpu=H100, cpu_cores=16, measurement=m)
+    assert eager.compile is None and eager.step_mode == "off: eager"
+
+
+def test_a_search_runs_its_trials_in_the_step_mode_the_measurement_chose():
+    search = vit_search()
+    eager_wins = WayResult(Way(PROCESSES, 4, "off"), True, None, 90_000.0, 22_500.0, 0.0)
+    search.use_plan(plan_search(search, visible=["0"], gpu=H100, cpu_cores=16, measurement=measured(eager_wins)))
+    assert search.base.train.compile == "off"
+    told = vit_search(compile="graphs")
+    told.use_plan(plan_search(told, visible=["0"], gpu=H100, cpu_cores=16, measurement=measured(eager_wins)))
+    assert told.base.train.compile == "graphs"
+
+
+def test_a_measurement_with_nothing_verified_leaves_the_rule():
+    plan = plan_search(vit_search(), visible=["0"], gpu=H100, cpu_cores=16, measurement=measured(BROKEN_FAST))
+    assert plan.basis == "rule: headsearch bench measures this machine" and plan.per_gpu == 8
+
+
+def test_a_way_whose_process_failed_or_mismatched_is_not_verified():
+    way = Way(PROCESSES, 2, "graphs")
+    ok = {"samples": 1000, "trials": 1, "start": 0.0, "end": 2.0, "compile_seconds": 1.5}
+    both = combine(way, [ok, {**ok, "start": 0.5, "end": 2.5, "samples": 500}])
+    # 1,500 samples between the first start (0.0) and the last end (2.5); per trial: the mean of 500/s and 250/s.
+    assert both.verified and both.samples_per_s == 600.0 and both.per_trial == 375.0 and both.compile_seconds == 1.5
+    assert combine(way, [ok, {"mismatch": "graphs failed (CaptureMismatch: ...)"}]) == WayResult(
+        way, False, "graphs failed (CaptureMismatch: ...)")
+    assert not combine(way, [{"error": "RuntimeError: CUDA error"}, ok]).verified
+
+
+def test_a_measurement_round_trips_through_its_file(tmp_path, monkeypatch):
+    from headsearch.search.measured import save_measurement
+
+    monkeypatch.setenv("HEADSEARCH_CACHE", str(tmp_path))
+    m = measured(GRAPHS_K8, BROKEN_FAST, COHORT_8)
+    path = save_measurement(m)
+    assert path == tmp_path / "bench" / "k.json"
+    assert load_measurement("k") == m and json.loads(path.read_text())["choice"]["way"]["k"] == 8
+    path.write_text("{not json")
+    assert load_measurement("k") is None  # a damaged file is no measurement: the rule plans
+
+
+# ------------------------------------------------------------------------------------ on this CPU, for real
+
+SMALL = ("schedule: {families: [uniform], heads: [2, 4]}\nskip: [none]\nfusion: [none]\n"
+         "fixed: {arch: {d_model: 32, d_ff: 64, enc_layers: 2}, train: {epochs: 2, batch_size: 32},"
+         " data: {train_limit: 512, val_size: 64, test_limit: 64}}\n")
+
+
+@pytest.mark.slow
+def test_bench_on_this_cpu_saves_what_the_next_run_plans_from(tmp_path, cifar_dir):
+    """`headsearch bench` measures the CPU's ways (workers x threads, cohorts, a cohort slot verified
+    against the same trial alone), saves them, and the next `run` of the same search prints the choice
+    in its plan line, with the date. Run as a user would: two commands in real processes."""
+    space = tmp_path / "space.yaml"
+    space.write_text(SMALL)
+    env = {**__import__("os").environ, "HEADSEARCH_CACHE": str(tmp_path / "cache"), "COLUMNS": "200"}
+    common = ["--task", "vit-cifar10", "--space", str(space), "--data-dir", str(cifar_dir), "--device", "cpu"]
+    proc = subprocess.run([sys.executable, "-m", "headsearch", "bench", *common, "--seconds", "1.5", "--format", "json"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = Measurement.from_dict(json.loads(proc.stdout))
+    kinds = {(r.way.kind, r.way.k, r.way.threads) for r in m.results}
+    assert {(PROCESSES, 1, 2), (PROCESSES, 2, 1), (COHORT, 2, 2), (COHORT, 4, 2)} <= kinds
+    assert all(r.verified and r.samples_per_s > 0 for r in m.results), [r.reason for r in m.results if not r.verified]
+    assert m.date == datetime.date.today().isoformat() and (tmp_path / "cache" / "bench" / f"{m.key}.json").exists()
+    choice = m.choice()
+    run = subprocess.run([sys.executable, "-m", "headsearch", "run", *common, "--trials", "1",
+                          "--storage", f"sqlite:///{tmp_path / 'b.db'}", "--run-root", str(tmp_path / "runs")],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (line,) = [x for x in run.stderr.splitlines() if x.startswith("plan:")]
+    assert f"({choice.way.describe()}: {choice.samples_per_s:,.0f} samples/s)" in line
+    assert line.endswith(f"(measured by headsearch bench on {m.date})")
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--task", "nope"], "nope"),
+    (["--task", "vit-cifar10", "--seconds", "0"], "--seconds 0"),
+    (["--task", "vit-cifar10", "--format", "xml"], "--format 'xml'"),
+    (["--task", "vit-cifar10", "--data-dir", "/nonexistent/cifar"], "/nonexistent/cifar"),
+])
+def test_bench_bad_input_is_one_line_and_exit_2(args, says, tmp_path, monkeypatch, cli):
+    monkeypatch.setenv("HEADSEARCH_CACHE", str(tmp_path / "cache"))
+    cli.error_line(cli(["bench", *args, "--device", "cpu"]), says)
+    assert not (tmp_path / "cache" / "bench").exists()
