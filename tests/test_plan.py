@@ -116,3 +116,36 @@ def test_a_search_says_its_plan_in_one_line(tmp_path, cifar_dir):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert [line for line in proc.stderr.splitlines() if line.startswith("plan:")] == [
         "plan: 1 worker on the CPU (default: one worker); steps: off: eager (rule: headsearch bench measures this machine)"]
+
+
+def test_translation_counts_an_average_step_on_its_data_not_max_len(tmp_path, spa_file, tiny_translation, cache_env):
+    """Translation's step cost depends on its sentences: the rule reads the FLOPs of an average step on the
+    data (each training pair at its CUDA bucket's length), far below a step of max_len-token sentences."""
+    import numpy as np
+    import yaml
+
+    from headsearch.models.size import seq2seq_step_flops
+    from headsearch.tasks import get_task
+    from headsearch.tasks.translation_data import BucketBatcher
+
+    # Each pair's padded length under a ladder, by hand: needs (longest side + 1) 3, 9 and 13 -> 8, 12, 16.
+    batcher = BucketBatcher([[5] * 2, [5] * 8, [5] * 12], [[6], [6] * 3, [6] * 5], 2)
+    assert batcher.padded_lengths((8, 12, 16)).tolist() == [8, 12, 16]
+    assert batcher.padded_lengths(None).tolist() == [3, 9, 13]
+
+    fixed = {**tiny_translation, "data": {**tiny_translation["data"], "max_len": 48}}
+    space = tmp_path / "space.yaml"
+    space.write_text(yaml.safe_dump({"schedule": {"families": ["uniform"], "heads": [2]}, "skip": ["none"],
+                                     "fusion": ["none"], "fixed": fixed}))
+    search = Search(SearchSettings(task="translation-en-es", space=str(space), data_file=str(spa_file), device="auto"))
+    task, cfg = get_task("translation-en-es"), search.base
+    average = search.step_footprint()
+    lengths = search._cpu_data().batcher.padded_lengths(cfg.data.bucket_lengths("cuda"))
+    by_hand = np.mean([seq2seq_step_flops(cfg.arch, cfg.train.batch_size, int(n), int(n), cfg.data.vocab_size) for n in lengths])
+    assert average.step_flops == round(by_hand)
+    bound = task.footprint(cfg)
+    assert average.step_flops < bound.step_flops / 2 and average.training_bytes == bound.training_bytes
+    gpu = GpuInfo("a 4-SM GPU", 4, 80 * 2**30)
+    plan = plan_search(search, visible=["0"], gpu=gpu, cpu_cores=16, measurement=None)
+    assert plan.per_gpu == trials_per_gpu_for(average.step_flops, average.training_bytes, gpu, 16, 50)[0]
+    assert plan.per_gpu > trials_per_gpu_for(bound.step_flops, bound.training_bytes, gpu, 16, 50)[0]

@@ -348,6 +348,29 @@ def test_a_pruned_trials_model_is_freed_when_it_ends(cache_env, one_thread, make
     assert [t.state for t in load(settings.storage, "s").get_trials()] == [TrialState.PRUNED] * 2
 
 
+def test_a_storage_write_is_retried_when_the_storage_fails_for_a_moment(monkeypatch):
+    """After Ctrl-C the interrupted trial is told FAIL; a storage briefly locked by another reader (SQLite)
+    must not turn the interruption into a storage error that leaves the trial RUNNING."""
+    from optuna.exceptions import StorageInternalError
+
+    from headsearch.search.runner import with_storage_retries
+
+    monkeypatch.setattr("time.sleep", lambda s: None)
+    calls = []
+
+    def locked_twice():
+        calls.append(1)
+        if len(calls) < 3:
+            raise StorageInternalError("database is locked")
+        return "told"
+
+    assert with_storage_retries(locked_twice) == "told" and len(calls) == 3
+    calls.clear()
+    with pytest.raises(StorageInternalError):
+        with_storage_retries(lambda: calls.append(1) or (_ for _ in ()).throw(StorageInternalError("down")), attempts=4)
+    assert len(calls) == 4
+
+
 # ------------------------------------------------------------------------ rejected combinations
 
 

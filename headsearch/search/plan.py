@@ -24,8 +24,9 @@ training must fit in 80% of the GPU's memory), by the CPU cores (each worker dri
 host thread) and by MAX_PER_GPU. FILL_FLOPS_PER_SM comes from the one measurement there is (issue
 12's table, one H100, 132 multiprocessors): concurrent processes of the seed ViT (13.8 GFLOP a step at
 batch 256) gained up to K = 8 with MPS (aggregate 37,000 samples/s at K = 1, 156,000 at 4, 175,000 at
-8). For translation the FLOPs are those of `max_len`-token sentences, a bound: its buckets are mostly
-shorter, so the rule undercounts K there; `headsearch bench` measures it instead of estimating.
+8). For translation, whose step cost depends on its sentences, the FLOPs are those of an average step on
+the data (each training pair at its CUDA bucket's length, `Task.data_footprint`), not of `max_len`-token
+sentences: the data is loaded on the CPU for it (once, shared with the search's data check).
 
 Worker processes are pinned to GPUs here too (`worker_devices`): worker i gets the visible GPU
 i mod #GPUs, named as CUDA_VISIBLE_DEVICES names it.
@@ -207,7 +208,7 @@ def plan_search(search: Any, visible: list[str] | None = None, gpu: GpuInfo | No
     if not visible:
         return Plan((None,), None, "default: one worker", step_mode, mps=False, basis=RULE)
     # The rule: K processes per GPU with the fast path (CUDA graphs) and MPS: what was measured fastest on a GPU.
-    footprint = search.task.footprint(search.base) if search.task.footprint else None
+    footprint = search.step_footprint()
     per_gpu, why = trials_per_gpu_for(footprint.step_flops if footprint else None,
                                       footprint.training_bytes if footprint else 0,
                                       gpu or GpuInfo.of(0), cpu_cores or os.cpu_count() or 1,

@@ -103,6 +103,7 @@ class Search:
         self.check_space_feasible(device)
         self._bound_key: str | None = None
         self._bound = None
+        self._cpu_bound = None
         self._share = None
         self._plan = None
         self.current_trial: int | None = None  # the number of the trial this worker is running, if any
@@ -212,11 +213,23 @@ class Search:
             self.current_trial = None
 
     def check_data(self) -> None:
-        """Load the data once on the CPU and let it go: missing or malformed data fails here (worker
-        processes load their own)."""
+        """Load the data once on the CPU: missing or malformed data fails here (worker processes load their own)."""
+        self._cpu_data()
+
+    def _cpu_data(self):
+        """The data loaded on the CPU, once (`check_data` and the plan's `step_footprint` share it)."""
         import torch
 
-        self.task.setup(self.base, self.source, torch.device("cpu"))
+        if self._cpu_bound is None:
+            self._cpu_bound = self.task.setup(self.base, self.source, torch.device("cpu"))
+        return self._cpu_bound
+
+    def step_footprint(self):
+        """The base config's training footprint (headsearch.models.size), with the FLOPs of an average step on
+        the data for a task whose step cost depends on it (`Task.data_footprint`: translation's lengths)."""
+        if self.task.data_footprint is not None:
+            return self.task.data_footprint(self.base, self._cpu_data())
+        return self.task.footprint(self.base) if self.task.footprint else None
 
     def prepare_data(self) -> None:
         """Load the data now, so that missing or malformed data fails before a study is created."""
@@ -313,8 +326,10 @@ class Search:
             torch.cuda.empty_cache()
         else:
             reason = "interrupted (Ctrl-C)" if isinstance(error, KeyboardInterrupt) else f"{type(error).__name__}: {error}"
-            trial.set_user_attr("fail_reason", reason)
-            study.tell(trial, state=TrialState.FAIL)
+            # Retried: after Ctrl-C another process (a dashboard, a poller) may hold SQLite's lock for a moment,
+            # and the interruption must not turn into a storage error that leaves the trial RUNNING.
+            with_storage_retries(lambda: trial.set_user_attr("fail_reason", reason))
+            with_storage_retries(lambda: study.tell(trial, state=TrialState.FAIL))
             if reraise:
                 raise error
             return "FAIL"
@@ -498,6 +513,20 @@ class Search:
         for cb in callbacks:
             cb.on_trial_end(trial.number, "COMPLETE")
         return "COMPLETE"
+
+
+def with_storage_retries(write, attempts: int = 5, wait: float = 0.2):
+    """`write()`, tried again (after `wait`, doubling) when the storage fails transiently (Optuna's
+    StorageInternalError: e.g. SQLite locked by another reader); the last failure is raised."""
+    from optuna.exceptions import StorageInternalError
+
+    for attempt in range(attempts):
+        try:
+            return write()
+        except StorageInternalError:
+            if attempt == attempts - 1:
+                raise
+            time.sleep(wait * 2**attempt)
 
 
 def arch_summary(cfg: RunConfig) -> str:

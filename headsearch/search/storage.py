@@ -151,7 +151,9 @@ def open_storage(url: str, heartbeat: int | None = 30, max_retry: int = 2):
             else:
                 from optuna.storages import RetryFailedTrialCallback
 
-                kwargs["failed_trial_callback"] = RetryFailedTrialCallback(max_retry=max_retry)
+                with warnings.catch_warnings():  # "experimental" up to Optuna 4.0
+                    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+                    kwargs["failed_trial_callback"] = RetryFailedTrialCallback(max_retry=max_retry)
         with warnings.catch_warnings(), _schema_lock(url):
             # Heartbeats are "experimental" in Optuna's words; we rely on them knowingly.
             warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)

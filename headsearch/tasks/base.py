@@ -129,6 +129,10 @@ class Task:
     # The model's size for a config, before any data loads (headsearch.models.size): training checks
     # it against the device's memory. None: no size guard for this task.
     footprint: Callable[[RunConfig], Any] | None = field(default=None, repr=False)
+    # The footprint of an average training step on the loaded data, for a task whose step cost depends on
+    # it (translation: its sentences' padded lengths, mostly far below max_len): `data_footprint(cfg, bound)`
+    # on a bound task (loaded on the CPU). The search's plan uses it for its rule; None: `footprint` alone.
+    data_footprint: Callable[[RunConfig, Any], Any] | None = field(default=None, repr=False)
     # Whether its bound task can train several architectures as one stacked model (a cohort,
     # headsearch.training.cohort): then it has `build_cohort(models, soft_columns)` and
     # `cohort_loss(stacked, batches, label_smoothing)`, and `stack_refusal(cfg)` says which configs cannot.

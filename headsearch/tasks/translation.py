@@ -151,6 +151,22 @@ def footprint(cfg: RunConfig):
     return seq2seq_footprint(cfg.arch, cfg.train.batch_size, data.vocab_size, data.vocab_size, data.max_len)
 
 
+def data_footprint(cfg: RunConfig, bound: "BoundTranslation"):
+    """`footprint` with the FLOPs of an average step on this data, as CUDA batches it: the step FLOPs at
+    each pair's bucket length (`TranslationData.bucket_lengths("cuda")`), averaged over the training
+    pairs. Memory stays the bound at max_len (the longest bucket's batch must fit)."""
+    import dataclasses
+
+    import numpy as np
+
+    from headsearch.models.size import seq2seq_step_flops
+
+    lengths, counts = np.unique(bound.batcher.padded_lengths(cfg.data.bucket_lengths("cuda")), return_counts=True)
+    vocab, batch = cfg.data.vocab_size, cfg.train.batch_size
+    flops = sum(int(c) * seq2seq_step_flops(cfg.arch, batch, int(n), int(n), vocab) for n, c in zip(lengths, counts))
+    return dataclasses.replace(footprint(cfg), step_flops=round(flops / counts.sum()))
+
+
 def check_source(source: DataSource) -> None:
     if source.data_dir is not None:
         raise DataError("translation-en-es reads one tab-separated file: pass --data-file, not --data-dir")
@@ -376,5 +392,6 @@ TASK = register(
         shape_note="translation batches are padded to a few fixed lengths (data.buckets) on CUDA",
         check_config=check_config,
         footprint=footprint,
+        data_footprint=data_footprint,
     )
 )

@@ -472,6 +472,14 @@ class BucketBatcher:
                           _pack(tgt_ids, width, dtype, last=EOS_ID)])
         self.table = torch.from_numpy(table).to(self.device)  # (3, N, W): src, tgt_in, tgt_out rows
 
+    def padded_lengths(self, buckets: Sequence[int] | None) -> np.ndarray:
+        """Each pair's padded length under the bucket ladder `buckets` (the positions it needs without one):
+        what its batch's length is, give or take its batch-mates (batches are sorted by length)."""
+        if buckets is None:
+            return self._need.copy()
+        ladder = np.asarray(buckets, dtype=np.int64)
+        return ladder[np.minimum(np.searchsorted(ladder, self._need), len(ladder) - 1)]
+
     def __len__(self) -> int:
         # Chunks hold a multiple of batch_size pairs, so only one batch can be short.
         return math.ceil(len(self.src_ids) / self.batch_size)
