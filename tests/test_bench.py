@@ -93,6 +93,9 @@ def test_a_way_whose_process_failed_or_mismatched_is_not_verified():
     assert combine(way, [ok, {"mismatch": "graphs failed (CaptureMismatch: ...)"}]) == WayResult(
         way, False, "graphs failed (CaptureMismatch: ...)")
     assert not combine(way, [{"error": "RuntimeError: CUDA error"}, ok]).verified
+    # The process that failed names the reason, not the one it left waiting at the barrier.
+    waiting = {"error": "another process of this way failed before timing began", "secondary": True}
+    assert combine(way, [waiting, {"mismatch": "graphs failed (CaptureMismatch)"}]).reason == "graphs failed (CaptureMismatch)"
 
 
 def test_a_measurement_round_trips_through_its_file(tmp_path, monkeypatch):
@@ -151,3 +154,34 @@ def test_bench_bad_input_is_one_line_and_exit_2(args, says, tmp_path, monkeypatc
     monkeypatch.setenv("HEADSEARCH_CACHE", str(tmp_path / "cache"))
     cli.error_line(cli(["bench", *args, "--device", "cpu"]), says)
     assert not (tmp_path / "cache" / "bench").exists()
+
+
+@pytest.fixture
+def small_search(tmp_path, cifar_dir) -> Search:
+    space = tmp_path / "space.yaml"
+    space.write_text(SMALL)
+    return Search(SearchSettings(task="vit-cifar10", space=str(space), data_dir=str(cifar_dir), device="cpu"))
+
+
+def cohort_job(search: Search, k: int):
+    from headsearch.search.bench import Job, _with_compile
+
+    return Job("vit-cifar10", _with_compile(search, "off"), search.source, Way(COHORT, k, "off", threads=1), None, 0.2)
+
+
+def test_a_cohort_slot_is_checked_against_the_same_trial_alone(small_search, one_thread):
+    """In a bench process: slot 0's first losses equal the same trial's alone (then it is timed); a slot that
+    computed something else is reported as a mismatch, with both loss lists, and never timed."""
+    import threading
+
+    from headsearch.search import bench
+
+    figures = bench.measure_cohort(cohort_job(small_search, 2), threading.Barrier(1))
+    assert figures["trials"] == 2 and figures["samples"] > 0 and figures["end"] > figures["start"]
+    real = bench.solo_losses
+    off = lambda *a: [x * 1.01 for x in real(*a)]  # noqa: E731 - a slot 1% away from its solo run
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bench, "solo_losses", off)
+        broken = threading.Barrier(2)
+        mismatch = bench.measure_cohort(cohort_job(small_search, 2), broken)
+    assert "differ from the same trial alone" in mismatch["mismatch"] and broken.broken and "samples" not in mismatch

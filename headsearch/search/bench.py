@@ -33,6 +33,7 @@ import datetime
 import itertools
 import math
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -177,13 +178,12 @@ def run_way(jobs: Sequence[Job]) -> WayResult:
 
 
 def combine(way: Way, figures: Sequence[dict]) -> WayResult:
-    """One way's result from its processes' figures: failed if any failed or mismatched (the first reason)."""
-    for f in figures:
-        if f.get("error"):
-            return WayResult(way, False, f["error"])
-    for f in figures:
-        if f.get("mismatch"):
-            return WayResult(way, False, f["mismatch"])
+    """One way's result from its processes' figures: failed if any failed or mismatched, with the reason of
+    the process that did (not of the others it left waiting at the barrier, whose reason is `secondary`)."""
+    failed = [f for f in figures if f.get("error") or f.get("mismatch")]
+    if failed:
+        first = min(failed, key=lambda f: bool(f.get("secondary")))
+        return WayResult(way, False, first.get("error") or first["mismatch"])
     start, end = min(f["start"] for f in figures), max(f["end"] for f in figures)
     trials = sum(f["trials"] for f in figures)
     total = sum(f["samples"] for f in figures)
@@ -203,6 +203,8 @@ def _job_main(job: Job, barrier, queue) -> None:
         torch.set_num_threads(job.way.threads)
     try:
         figures = measure_cohort(job, barrier) if job.way.kind == COHORT else measure_process(job, barrier)
+    except threading.BrokenBarrierError:  # another process of the way failed: its reason is the way's
+        figures = {"error": "another process of this way failed before timing began", "secondary": True}
     except BaseException as e:  # noqa: BLE001 - reported as the way's reason
         barrier.abort()
         text = " ".join(str(e).split())[:200]
