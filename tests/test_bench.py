@@ -185,3 +185,11 @@ def test_a_cohort_slot_is_checked_against_the_same_trial_alone(small_search, one
         broken = threading.Barrier(2)
         mismatch = bench.measure_cohort(cohort_job(small_search, 2), broken)
     assert "differ from the same trial alone" in mismatch["mismatch"] and broken.broken and "samples" not in mismatch
+
+
+def test_the_ks_a_gpu_bench_tries_fit_in_its_memory():
+    from headsearch.search.bench import gpu_ks
+
+    assert gpu_ks(348_000_000, H100) == [2, 4, 8]  # the seed ViT: 8 fit many times over
+    assert gpu_ks(20 * 2**30, H100) == [2]  # 0.8 x 80 GiB holds 3 of these: K = 4 would not fit
+    assert gpu_ks(70 * 2**30, H100) == [1]  # not even two

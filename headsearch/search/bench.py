@@ -81,9 +81,9 @@ def process_ways(mode: str, ks: Sequence[int], mps: bool) -> list[Way]:
     return [Way(PROCESSES, k, mode, mps=m) for k in ks for m in ((False, True) if mps else (False,))]
 
 
-def gpu_ks(training_bytes: int, gpu: GpuInfo, cores: int) -> list[int]:
-    """The K to try on a GPU: GPU_KS within memory (K models in MEMORY_FRACTION of it), the cores (one host
-    thread drives each process) and MAX_PER_GPU."""
+def gpu_ks(training_bytes: int, gpu: GpuInfo) -> list[int]:
+    """The K to try on a GPU: GPU_KS within memory (K models in MEMORY_FRACTION of it) and MAX_PER_GPU. K
+    processes are also capped by the cores (one host thread drives each: `bench`); a cohort is one process."""
     by_memory = math.floor(MEMORY_FRACTION * gpu.memory_bytes / max(training_bytes, 1))
     return [k for k in GPU_KS if k <= min(by_memory, MAX_PER_GPU)] or [1]
 
@@ -106,7 +106,7 @@ def bench(search: Any, *, seconds: float | None = None, ks: Sequence[int] | None
     gpu = GpuInfo.of(0) if on_gpu else None
     if ks is None:
         footprint = search.task.footprint(search.base) if search.task.footprint else None
-        ks = gpu_ks(footprint.training_bytes if footprint else 0, gpu, cores) if on_gpu else CPU_COHORTS
+        ks = gpu_ks(footprint.training_bytes if footprint else 0, gpu) if on_gpu else CPU_COHORTS
     has_mps = on_gpu and mps_available()
     results: list[WayResult] = []
 
@@ -129,7 +129,7 @@ def bench(search: Any, *, seconds: float | None = None, ks: Sequence[int] | None
     if on_gpu:
         modes = [r for r in results if r.verified and r.way.kind == PROCESSES and r.way.k == 1]
         best = max(modes, key=lambda r: r.samples_per_s).way.step_mode if modes else "off"
-        for way in process_ways(best, [k for k in ks if k > 1], has_mps):
+        for way in process_ways(best, [k for k in ks if 1 < k <= cores], has_mps):
             measure(way)
         for way in candidate_ways(on_gpu, stacks, cores, ks, has_mps):
             if way.kind == COHORT:
