@@ -286,10 +286,12 @@ def test_a_failed_capture_leaves_the_stream_and_random_draws_working_and_falls_b
 
 
 @needs_gpu_to_capture_shapes
-def test_every_shapes_graph_shares_one_pool_and_replays_in_any_order(cifar):
-    """The 64- and 44-image batches' graphs come from one memory pool (captured largest first), and replaying
-    them in the reverse of capture order, alternating, trains as the same steps run uncaptured: nothing one
-    graph keeps between replays lies in memory the other's capture reused."""
+def test_every_shapes_graph_shares_one_pool_and_replays_in_any_order(cifar, monkeypatch):
+    """With HEADSEARCH_SHARED_GRAPH_POOL=1 (opt-in), the 64- and 44-image batches' graphs come from one memory
+    pool (captured largest first), and replaying them in the reverse of capture order, alternating, trains as
+    the same steps run uncaptured: nothing one graph keeps between replays lies in memory the other's capture
+    reused."""
+    monkeypatch.setenv("HEADSEARCH_SHARED_GRAPH_POOL", "1")
     device = torch.device("cuda", torch.cuda.current_device())
     cfg = vit_config({"compile": "graphs"})
     bound = VIT.setup(cfg, cifar, str(device))
@@ -303,7 +305,8 @@ def test_every_shapes_graph_shares_one_pool_and_replays_in_any_order(cifar):
     assert [len(static[1]) for _, static, _ in entries] == [64, 44]
     graphs = [graph for graph, _, _ in entries]
     assert all(graph is not None for graph in graphs)
-    if steps.pool is not None and hasattr(graphs[0], "pool"):
+    assert steps.pool is not None
+    if hasattr(graphs[0], "pool"):
         assert all(tuple(graph.pool()) == tuple(steps.pool) for graph in graphs)
 
     batches = list(itertools.islice(bound.train_batches(1), spe))
@@ -368,3 +371,14 @@ def test_steps_on_a_second_gpu_capture_and_are_timed_there(cifar):
             clock.mark()
             torch.cuda.synchronize(device)
             assert clock.seconds()[0] > 0.005
+
+
+def test_the_shared_graph_pool_is_opt_in(monkeypatch):
+    """One pool for every shape has not run on a GPU yet: off unless HEADSEARCH_SHARED_GRAPH_POOL asks for it."""
+    from headsearch.training.steps import shared_graph_pool
+
+    monkeypatch.delenv("HEADSEARCH_SHARED_GRAPH_POOL", raising=False)
+    assert not shared_graph_pool()
+    for value, on in (("1", True), ("yes", True), ("0", False), ("", False)):
+        monkeypatch.setenv("HEADSEARCH_SHARED_GRAPH_POOL", value)
+        assert shared_graph_pool() is on

@@ -10,8 +10,9 @@ reads a value back to the host, so the host never waits for the device inside an
 - `GraphSteps` computes the learning rate on the device from a step counter (`lr_multiplier_tensor`,
   equal to `lr_multiplier`), uses an optimizer that accepts that tensor (fused AdamW, `capturable`
   on CUDA), and on CUDA captures the whole step once per batch shape (PyTorch's whole-network
-  capture: warm-up iterations on a side stream, then `torch.cuda.graph`; all shapes' graphs in one
-  memory pool, on the run's device whichever is current; see `GraphSteps._capture`). A step is then a copy of
+  capture: warm-up iterations on a side stream, then `torch.cuda.graph`, on the run's device whichever
+  is current; with HEADSEARCH_SHARED_GRAPH_POOL=1 all shapes' graphs in one memory pool; see
+  `GraphSteps._capture`). A step is then a copy of
   the batch into the graph's input buffers and one replay. On the CPU the same step runs uncaptured,
   which is how the tests check it against `EagerSteps`.
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import time
 from typing import Any, Callable, Sequence
 
@@ -253,8 +255,10 @@ class GraphSteps(Steps):
         self.lr_tensor = torch.tensor(self.t.lr, dtype=torch.float32, device=self.device)
         self.optimizer = make_optimizer(self.model, self.t, self.device, lr=self.lr_tensor, capturable=self.capture)
         self.graphs: dict[tuple, tuple[Any, Any, int]] = {}  # batch signature -> (graph, static batch, samples)
-        # One memory pool for all of this run's graphs (see `_capture`), None where torch has no pool handles.
-        self.pool = torch.cuda.graph_pool_handle() if self.capture and hasattr(torch.cuda, "graph_pool_handle") else None
+        # One memory pool for all of this run's graphs (see `_capture`) when asked for; None: a private pool per
+        # graph, as torch.cuda.graph gives by default (and where torch has no pool handles).
+        self.pool = (torch.cuda.graph_pool_handle() if self.capture and shared_graph_pool()
+                     and hasattr(torch.cuda, "graph_pool_handle") else None)
 
     def _step_body(self, batch: Any) -> int:
         """One step, all on the device: the code a graph captures."""
@@ -279,9 +283,9 @@ class GraphSteps(Steps):
         synchronize(self.device)
         start = time.perf_counter()
         with self.restored_afterwards() as start_point:
-            # Captured largest first: the graphs share one pool, and a smaller capture fits in the blocks a larger
-            # one freed, so the pool holds about the largest shape's temporaries, not their sum.
-            for batch in sorted(batches, key=batch_numel, reverse=True) if self.capture else batches:
+            # With a shared pool, captured largest first: a smaller capture fits in the blocks a larger one freed,
+            # so the pool holds about the largest shape's temporaries, not their sum.
+            for batch in sorted(batches, key=batch_numel, reverse=True) if self.pool is not None else batches:
                 static = clone_batch(batch)
                 if self.capture:
                     graph, n = self._capture(static)
@@ -303,7 +307,8 @@ class GraphSteps(Steps):
           the whole class, made on whichever device was current first). The warm-up runs on it too, so the
           cuBLAS workspace PyTorch keeps per (handle, stream) for good (CublasHandlePool.cpp) is allocated by
           the warm-up, not during the capture, where it could come from the graph pool and outlive it.
-        - The pool: `self.pool`, shared by every shape of this run. Without `pool=` each graph gets a private
+        - The pool: `self.pool`, shared by every shape of this run when HEADSEARCH_SHARED_GRAPH_POOL=1 (opt-in
+          until a GPU has run it: `shared_graph_pool`). Without `pool=` each graph gets a private
           pool that keeps its temporaries reserved, so graph memory is the sum over shapes (translation has up
           to 13) where eager needs the largest. Sharing is safe in any replay order because nothing a graph
           needs from one replay to the next lives in memory allocated during a capture: the weights, the
@@ -348,6 +353,13 @@ class CaptureBrokeCuda(RuntimeError):
     run here, so the trainer raises this instead of falling back. Restart the process."""
 
 
+def shared_graph_pool() -> bool:
+    """Whether a run's graphs share one memory pool (HEADSEARCH_SHARED_GRAPH_POOL=1). Off by default: sharing
+    is argued safe (`GraphSteps._capture`) and saves memory on tasks with many shapes, but it has not yet run
+    on a GPU; `benchmarks/gpu.sh checks` runs its test."""
+    return os.environ.get("HEADSEARCH_SHARED_GRAPH_POOL", "").strip().lower() in ("1", "true", "yes", "on")
+
+
 _CAPTURE_STREAMS: dict[int, Any] = {}  # device index -> the stream every capture on that device uses
 
 
@@ -387,7 +399,10 @@ def recover_failed_capture(device: torch.device):
     generator = generators[index] if index < len(generators) else None
     saved = None
     if generator is not None and hasattr(generator, "clone_state") and hasattr(generator, "graphsafe_set_state"):
-        saved = generator.clone_state()  # taken before capture begins: not in capture mode
+        try:
+            saved = generator.clone_state()  # taken before capture begins: not in capture mode
+        except RuntimeError:  # a torch whose CUDA generator cannot clone: capture as before, unguarded
+            saved = None
     try:
         yield
     except BaseException as error:
