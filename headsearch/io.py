@@ -13,6 +13,12 @@ import tempfile
 from pathlib import Path
 
 
+def cache_root() -> Path:
+    """headsearch's cache folder (compiled kernels, tokenizers, `headsearch bench` measurements):
+    $HEADSEARCH_CACHE, else ~/.cache/headsearch."""
+    return Path(os.environ.get("HEADSEARCH_CACHE", Path.home() / ".cache" / "headsearch"))
+
+
 def write_atomic(path: Path, data: str | bytes) -> None:
     """Write to a temporary file in the same folder, then rename: readers never see half a file."""
     path = Path(path)

@@ -62,6 +62,27 @@ def spa_file() -> Path:
     return f
 
 
+@pytest.fixture(scope="module")
+def cifar_arrays(cifar_dir):
+    """The real CIFAR-10 arrays, read from disk once per test module."""
+    from headsearch.tasks import cifar_data
+
+    return cifar_data.load_cifar10(cifar_dir)
+
+
+@pytest.fixture
+def cifar(monkeypatch, cifar_dir, cifar_arrays):
+    """A DataSource whose loads return the module's real CIFAR-10 arrays without re-reading the shards."""
+    from headsearch.tasks import DataSource, cifar_data
+
+    def load(data_dir, *args, **kwargs):
+        assert Path(data_dir) == Path(cifar_dir)
+        return cifar_arrays
+
+    monkeypatch.setattr(cifar_data, "load_cifar10", load)
+    return DataSource(data_dir=cifar_dir)
+
+
 @pytest.fixture(scope="session")
 def tokenizer_cache(tmp_path_factory) -> Path:
     """One HEADSEARCH_CACHE for the session: runs on the same training pairs share their tokenizers."""

@@ -164,9 +164,9 @@ def small_search(tmp_path, cifar_dir) -> Search:
 
 
 def cohort_job(search: Search, k: int):
-    from headsearch.search.bench import Job, _with_compile
+    from headsearch.search.bench import Job, with_compile
 
-    return Job("vit-cifar10", _with_compile(search, "off"), search.source, Way(COHORT, k, "off", threads=1), None, 0.2)
+    return Job("vit-cifar10", with_compile(search.task, search.base, "off"), search.source, Way(COHORT, k, "off", threads=1), None, 0.2)
 
 
 def test_a_cohort_slot_is_checked_against_the_same_trial_alone(small_search, one_thread):

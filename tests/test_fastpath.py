@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from headsearch.errors import ConfigError, Diverged
-from headsearch.tasks import DataSource, Task, apply_overrides, cifar_data, get_task, translation_data, resolve_config
+from headsearch.tasks import DataSource, Task, apply_overrides, get_task, translation_data, resolve_config
 from headsearch.training import train_run, trainer
 from headsearch.training import preflight
 from headsearch.training.fastpath import StepMode, check_compile, compile_blocks, resolve_mode
@@ -57,18 +57,6 @@ def translation_config(train=None):
     over = json.loads(json.dumps(TINY_TRANSLATION))
     over["train"].update(train or {})
     return apply_overrides(TRANSLATION, resolve_config(TRANSLATION), over)
-
-
-@pytest.fixture(scope="module")
-def cifar_arrays(cifar_dir):
-    return cifar_data.load_cifar10(cifar_dir)
-
-
-@pytest.fixture
-def cifar(monkeypatch, cifar_dir, cifar_arrays) -> DataSource:
-    """The real CIFAR-10 arrays, read from disk once for the module."""
-    monkeypatch.setattr(cifar_data, "load_cifar10", lambda *a, **k: cifar_arrays)
-    return DataSource(data_dir=cifar_dir)
 
 
 @pytest.fixture(scope="module")

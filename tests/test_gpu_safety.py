@@ -22,7 +22,7 @@ import weakref
 import pytest
 import torch
 
-from headsearch.tasks import DataSource, apply_overrides, cifar_data, get_task, resolve_config
+from headsearch.tasks import apply_overrides, get_task, resolve_config
 from headsearch.training import trainer
 from headsearch.training.fastpath import StepMode
 from headsearch.training.steps import (
@@ -57,18 +57,6 @@ def vit_config(train=None, arch=None):
     over["train"].update(train or {})
     over["arch"].update(arch or {})
     return apply_overrides(VIT, resolve_config(VIT), over)
-
-
-@pytest.fixture(scope="module")
-def cifar_arrays(cifar_dir):
-    return cifar_data.load_cifar10(cifar_dir)
-
-
-@pytest.fixture
-def cifar(monkeypatch, cifar_dir, cifar_arrays) -> DataSource:
-    """The real CIFAR-10 arrays, read from disk once for the module."""
-    monkeypatch.setattr(cifar_data, "load_cifar10", lambda *a, **k: cifar_arrays)
-    return DataSource(data_dir=cifar_dir)
 
 
 def out_of_memory() -> torch.cuda.OutOfMemoryError:

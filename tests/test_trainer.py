@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 import headsearch
 from headsearch.errors import Diverged
 from headsearch.models import ViT
-from headsearch.tasks import DataSource, apply_overrides, cifar_data, get_task, resolve_config
+from headsearch.tasks import DataSource, apply_overrides, get_task, resolve_config
 from headsearch.tasks.translation_data import read_parallel_tsv
 from headsearch.training import train_run
 from headsearch.training.trainer import Callback, lr_multiplier
@@ -64,23 +64,6 @@ def vit_run(cifar_dir, tmp_path_factory):
     run_dir, result = train_run(cfg, DataSource(data_dir=cifar_dir), out, device="cpu",
                                 argv=["headsearch", "train", "--task", "vit-cifar10"])
     return cfg, run_dir, result
-
-
-@pytest.fixture(scope="module")
-def cifar_arrays(cifar_dir):
-    return cifar_data.load_cifar10(cifar_dir)
-
-
-@pytest.fixture
-def cifar(monkeypatch, cifar_dir, cifar_arrays) -> DataSource:
-    """A DataSource whose loads return the module's real CIFAR-10 arrays without re-reading the shards."""
-
-    def load(data_dir, *args, **kwargs):
-        assert Path(data_dir) == Path(cifar_dir)
-        return cifar_arrays
-
-    monkeypatch.setattr(cifar_data, "load_cifar10", load)
-    return DataSource(data_dir=cifar_dir)
 
 
 def metric_values(run_dir: Path) -> list[dict]:

@@ -42,7 +42,7 @@ def bench(
                       + (f", preset {preset}" if preset else "") + "; each way verified, then timed")
         m = measure(search, seconds=seconds, report=lambda r: console.print(f"  {r.way.describe()}: " + (
             f"{r.samples_per_s:,.0f} samples/s" if r.verified else f"not used ({r.reason})"), soft_wrap=True, highlight=False))
-        plan = Search(settings).machine_plan()
+        plan = search.machine_plan()  # planned now: from the measurement just saved
     except HeadsearchError as e:
         fail(str(e))
     except KeyboardInterrupt:

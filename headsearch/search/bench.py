@@ -38,8 +38,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from headsearch.search.measured import COHORT, PROCESSES, Measurement, Way, WayResult, bench_key, key_inputs, save_measurement
-from headsearch.search.plan import MAX_PER_GPU, MEMORY_FRACTION, GpuInfo, cpu_name, visible_gpus
+from headsearch.search.measured import (
+    COHORT, PROCESSES, Measurement, Way, WayResult, bench_key, cpu_name, key_inputs, save_measurement,
+)
+from headsearch.search.plan import MAX_PER_GPU, MEMORY_FRACTION, GpuInfo, visible_gpus
 
 GPU_MODES = ("off", "graphs", "reduce-overhead")
 GPU_KS = (2, 4, 8)
@@ -66,12 +68,9 @@ def default_seconds(on_gpu: bool) -> float:
     return 10.0 if on_gpu else 6.0
 
 
-def candidate_ways(on_gpu: bool, stacks: bool, cores: int, ks: Sequence[int], mps: bool) -> list[Way]:
-    """The ways to measure before the multi-process ones (on a GPU those take the fastest verified step
-    mode, known only after the single-process ways ran: `process_ways`)."""
-    if on_gpu:
-        ways = [Way(PROCESSES, 1, mode) for mode in GPU_MODES]
-        return ways + ([Way(COHORT, k, "off") for k in ks] if stacks else [])
+def cpu_ways(cores: int, stacks: bool) -> list[Way]:
+    """A CPU's ways: W workers x cores / W threads (W = 1, 2, 4, ... up to the cores), and cohorts of
+    CPU_COHORTS in one worker with every thread where the task stacks."""
     workers = [w for w in (2 ** i for i in range(8)) if w <= max(1, cores)]
     ways = [Way(PROCESSES, w, "off", threads=max(1, cores // w)) for w in workers]
     return ways + ([Way(COHORT, k, "off", threads=max(1, cores)) for k in CPU_COHORTS] if stacks else [])
@@ -102,7 +101,6 @@ def bench(search: Any, *, seconds: float | None = None, ks: Sequence[int] | None
     on_gpu = bool(visible)
     seconds = seconds or default_seconds(on_gpu)
     cores = os.cpu_count() or 1
-    stacks = search.task.stack_refusal is not None and search.task.stack_refusal(search.base) is None
     gpu = GpuInfo.of(0) if on_gpu else None
     if ks is None:
         footprint = search.task.footprint(search.base) if search.task.footprint else None
@@ -111,8 +109,9 @@ def bench(search: Any, *, seconds: float | None = None, ks: Sequence[int] | None
     results: list[WayResult] = []
 
     def measure(way: Way) -> WayResult:
-        jobs = [Job(search.task.name, _with_compile(search, way.step_mode), search.source, way, visible[0] if on_gpu else None,
-                    seconds) for _ in range(1 if way.kind == COHORT else way.k)]
+        cfg = with_compile(search.task, search.base, way.step_mode)
+        jobs = [Job(search.task.name, cfg, search.source, way, visible[0] if on_gpu else None, seconds)] * (
+            1 if way.kind == COHORT else way.k)
         with managed_mps(way.mps) as mps:
             if way.mps and not mps.active:
                 result = WayResult(way, False, f"MPS is not usable: {mps.reason}")
@@ -123,17 +122,17 @@ def bench(search: Any, *, seconds: float | None = None, ks: Sequence[int] | None
             report(result)
         return result
 
-    for way in candidate_ways(on_gpu, stacks, cores, ks, has_mps):
-        if way.kind == PROCESSES or not on_gpu:
+    if not on_gpu:
+        for way in cpu_ways(cores, search.stacks()):
             measure(way)
-    if on_gpu:
-        modes = [r for r in results if r.verified and r.way.kind == PROCESSES and r.way.k == 1]
+    else:
+        # One process in each step mode first: K processes then run the fastest mode verified.
+        modes = [r for r in map(measure, (Way(PROCESSES, 1, mode) for mode in GPU_MODES)) if r.verified]
         best = max(modes, key=lambda r: r.samples_per_s).way.step_mode if modes else "off"
         for way in process_ways(best, [k for k in ks if 1 < k <= cores], has_mps):
             measure(way)
-        for way in candidate_ways(on_gpu, stacks, cores, ks, has_mps):
-            if way.kind == COHORT:
-                measure(way)
+        for k in ks if search.stacks() else ():
+            measure(Way(COHORT, k, "off"))
     device = gpu.name if on_gpu else cpu_name()
     inputs = key_inputs(device, torch.__version__, search.base)
     m = Measurement(bench_key(inputs), datetime.date.today().isoformat(), device, torch.__version__, search.task.name,
@@ -143,10 +142,11 @@ def bench(search: Any, *, seconds: float | None = None, ks: Sequence[int] | None
     return m
 
 
-def _with_compile(search: Any, mode: str) -> Any:
+def with_compile(task: Any, cfg: Any, mode: str) -> Any:
+    """`cfg` with its steps in `mode` (train.compile)."""
     from headsearch.tasks import apply_overrides
 
-    return apply_overrides(search.task, search.base, {"train": {"compile": mode}})
+    return apply_overrides(task, cfg, {"train": {"compile": mode}})
 
 
 # -- running a way: its processes ----------------------------------------------------------------------------
@@ -185,7 +185,6 @@ def combine(way: Way, figures: Sequence[dict]) -> WayResult:
         first = min(failed, key=lambda f: bool(f.get("secondary")))
         return WayResult(way, False, first.get("error") or first["mismatch"])
     start, end = min(f["start"] for f in figures), max(f["end"] for f in figures)
-    trials = sum(f["trials"] for f in figures)
     total = sum(f["samples"] for f in figures)
     per_trial = sum(f["samples"] / f["trials"] / (f["end"] - f["start"]) for f in figures) / len(figures)
     return WayResult(way, True, None, round(total / (end - start), 1), round(per_trial, 1),
@@ -221,7 +220,7 @@ def measure_process(job: Job, barrier) -> dict:
     import torch
 
     from headsearch.tasks import get_task
-    from headsearch.training.trainer import prepare_steps, seed_everything, steps_per_epoch, synchronize
+    from headsearch.training.trainer import prepare_steps, seed_everything, steps_per_epoch
 
     task, cfg = get_task(job.task), job.cfg
     device = torch.device("cuda" if job.gpu is not None else "cpu")
@@ -285,7 +284,7 @@ def solo_losses(task: Any, cfg: Any, bound: Any, device: Any, n: int) -> list[fl
     learning-rate schedule a cohort slot gets in `Cohort._train(n)` (epochs of n steps)."""
     from headsearch.training.trainer import prepare_steps, seed_everything
 
-    solo_cfg = _replace_compile(task, cfg, "off")
+    solo_cfg = with_compile(task, cfg, "off")
     scratch = bound.rebind(solo_cfg)
     seed_everything(cfg.seed)
     model = bound.build_model().to(device)
@@ -296,12 +295,6 @@ def solo_losses(task: Any, cfg: Any, bound: Any, device: Any, n: int) -> list[fl
         steps.step(batch)
         losses.append(float(steps.state.last_loss))
     return losses
-
-
-def _replace_compile(task: Any, cfg: Any, mode: str) -> Any:
-    from headsearch.tasks import apply_overrides
-
-    return apply_overrides(task, cfg, {"train": {"compile": mode}})
 
 
 def _fmt(values: Sequence[float]) -> str:

@@ -16,22 +16,21 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from typing import Any
+
+from headsearch.search.measured import cpu_name
 
 # Training fields that change how long an epoch takes (the learning rate and the like do not).
 SPEED_FIELDS = ("batch_size", "amp", "compile", "channels_last", "grad_clip", "optimizer", "max_steps_per_epoch")
 
 
 def device_model(device: Any) -> str:
-    """What the speed depends on: the GPU's model, or the CPU's with its thread count alone."""
-    import platform
-
+    """What the speed depends on: the GPU's model, or the CPU's (its architecture and cores)."""
     import torch
 
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).name
-    return f"cpu {platform.machine()} x{os.cpu_count()}"
+    return cpu_name()
 
 
 def alone_key(cfg: Any, device: Any, threads: int | None = None, step_mode: str | None = None) -> str:

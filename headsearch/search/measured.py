@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from headsearch.io import write_atomic
+from headsearch.io import cache_root, write_atomic
 
 PROCESSES, COHORT = "processes", "cohort"
 # Training fields that change what one step costs (the learning rate and the like do not).
@@ -102,9 +102,11 @@ class Measurement:
         return cls(**{**d, "results": tuple(WayResult.from_dict(r) for r in d["results"])})
 
 
-def cache_root() -> Path:
-    """headsearch's cache folder: $HEADSEARCH_CACHE, else ~/.cache/headsearch."""
-    return Path(os.environ.get("HEADSEARCH_CACHE", Path.home() / ".cache" / "headsearch"))
+def cpu_name() -> str:
+    """A CPU machine as speed sees it: its architecture and core count."""
+    import platform
+
+    return f"cpu {platform.machine()} x{os.cpu_count()}"
 
 
 def key_inputs(device: str, torch_version: str, cfg: Any) -> dict[str, Any]:

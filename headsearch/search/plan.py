@@ -33,13 +33,14 @@ i mod #GPUs, named as CUDA_VISIBLE_DEVICES names it.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 from headsearch.errors import ConfigError
-from headsearch.search.measured import COHORT, Measurement, WayResult, bench_key, key_inputs, load_measurement
+from headsearch.search.measured import COHORT, Measurement, WayResult, bench_key, cpu_name, key_inputs, load_measurement
 from headsearch.search.settings import SearchSettings
 
 # GFLOP of concurrent training steps one multiprocessor absorbs before the GPU is busy: 8 seed-ViT
@@ -83,13 +84,6 @@ def worker_devices(n_workers: int, visible: Sequence[str]) -> list[str | None]:
     if not visible:
         return [None] * n_workers
     return [visible[i % len(visible)] for i in range(n_workers)]
-
-
-def cpu_name() -> str:
-    """A CPU machine as speed sees it: its architecture and core count."""
-    import platform
-
-    return f"cpu {platform.machine()} x{os.cpu_count()}"
 
 
 @dataclass(frozen=True)
@@ -185,7 +179,7 @@ def plan_search(search: Any, visible: list[str] | None = None, gpu: GpuInfo | No
     device = torch.device("cuda" if visible else "cpu")
     step_mode = resolve_mode(search.base.train, search.task, device).describe()
     flag = "--workers" if s.workers else "--trials-per-gpu" if s.trials_per_gpu else None
-    stacks = search.task.stack_refusal is not None and search.task.stack_refusal(search.base) is None
+    stacks = search.stacks()
     if s.cohort is not None and s.cohort > 1 and not stacks:
         why = (search.task.stack_refusal(search.base) if search.task.stack_refusal else
                f"task {search.task.name} trains its trials one at a time")
@@ -230,8 +224,7 @@ def measured_plan(search: Any, m: Measurement, choice: WayResult, visible: Seque
                     threads=way.threads)
     per_device = max(1, min(way.k, math.ceil(search.settings.trials / max(1, len(visible)))))
     compile_mode = way.step_mode if search.settings.compile is None else None
-    train = search.base.train if compile_mode is None else search.base.train.__class__.from_dict({"compile": compile_mode},
-                                                                                                 search.base.train)
+    train = search.base.train if compile_mode is None else dataclasses.replace(search.base.train, compile=compile_mode)
     step_mode = resolve_mode(train, search.task, device).describe()
     if not visible:
         return Plan((None,) * per_device, None, why, step_mode, mps=False, basis=basis, compile=compile_mode,

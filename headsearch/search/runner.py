@@ -120,6 +120,10 @@ class Search:
     def multi_objective(self) -> bool:
         return len(self.objectives) > 1
 
+    def stacks(self) -> bool:
+        """Whether the task trains cohorts and the base config can join one (headsearch.training.cohort)."""
+        return self.task.stack_refusal is not None and self.task.stack_refusal(self.base) is None
+
     def sampler_name(self) -> str:
         return default_sampler(self.settings.sampler, len(self.objectives))
 
@@ -213,11 +217,14 @@ class Search:
             self.current_trial = None
 
     def check_data(self) -> None:
-        """Load the data once on the CPU: missing or malformed data fails here (worker processes load their own)."""
+        """Load the data once on the CPU and let it go: missing or malformed data fails here (worker processes
+        load their own)."""
         self._cpu_data()
+        self._cpu_bound = None
 
     def _cpu_data(self):
-        """The data loaded on the CPU, once (`check_data` and the plan's `step_footprint` share it)."""
+        """The data loaded on the CPU: the plan's `step_footprint` loads it, and the data check that follows
+        (`check_data`, `prepare_data`) reuses it and lets it go."""
         import torch
 
         if self._cpu_bound is None:
@@ -234,6 +241,7 @@ class Search:
     def prepare_data(self) -> None:
         """Load the data now, so that missing or malformed data fails before a study is created."""
         self._bound_for(self.base, resolve_device(self.settings.device))
+        self._cpu_bound = None  # a copy the plan loaded on the CPU is not needed any more
 
     def _bound_for(self, cfg: RunConfig, device):
         """Load data once per worker; later trials rebind it to their config."""

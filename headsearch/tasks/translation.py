@@ -6,13 +6,12 @@ file via --data-file (e.g. the Tatoeba English-Spanish pairs, CC-BY 2.0 FR, tato
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from headsearch.config import ArchConfig, DataOptions, RunConfig, TrainConfig, _coerce, _whole, path_problem
 from headsearch.errors import ConfigError, DataError
-from headsearch.io import write_atomic
+from headsearch.io import cache_root, write_atomic
 from headsearch.tasks.base import DataSource, Metric, Task, TokenAttention, limited, rebound, seeded_subset
 from headsearch.tasks.registry import register
 
@@ -174,10 +173,6 @@ def check_source(source: DataSource) -> None:
         raise DataError(f"data file {source.data_file} {problem}: pass a UTF-8 file of 'English<TAB>Spanish' lines")
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("HEADSEARCH_CACHE", Path.home() / ".cache" / "headsearch"))
-
-
 class BoundTranslation:
     """The tokenised corpus: length-bucketed training batches resident on the device (padded to a few
     fixed lengths on CUDA: `TranslationData.bucket_lengths`), whole validation and test splits."""
@@ -201,7 +196,7 @@ class BoundTranslation:
         else:
             self.src_tok, self.tgt_tok = td.load_or_train_tokenizers(
                 pick(corpus.src, train_idx), pick(corpus.tgt, train_idx),
-                opts.vocab_size, opts.min_frequency, cache_dir() / "tokenizers",
+                opts.vocab_size, opts.min_frequency, cache_root() / "tokenizers",
             )
         src_ids = td.encode(self.src_tok, pick(corpus.src, train_idx))
         tgt_ids = td.encode(self.tgt_tok, pick(corpus.tgt, train_idx))

@@ -32,6 +32,7 @@ from typing import Any
 
 from headsearch.config import TrainConfig
 from headsearch.errors import ConfigError
+from headsearch.io import cache_root
 
 COMPILED = ("default", "reduce-overhead", "max-autotune")  # modes that torch.compile the blocks
 CAPTURED = ("graphs", "reduce-overhead", "max-autotune")  # modes that capture the step in a CUDA graph
@@ -84,7 +85,7 @@ def configure_compile_caches() -> None:
     TORCHINDUCTOR_CACHE_DIR says otherwise)."""
     import torch
 
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_cache_root(), "inductor"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
     dynamo = torch._dynamo.config
     for name in ("recompile_limit", "cache_size_limit"):  # renamed in torch 2.7; set whichever exists
         if hasattr(dynamo, name):
@@ -95,10 +96,6 @@ def configure_compile_caches() -> None:
     functorch = torch._functorch.config
     if hasattr(functorch, "enable_autograd_cache"):
         functorch.enable_autograd_cache = True
-
-
-def _cache_root() -> str:
-    return os.environ.get("HEADSEARCH_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "headsearch"))
 
 
 def compile_blocks(model: Any, mode: StepMode, dynamic: bool | None) -> Any:

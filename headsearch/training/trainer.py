@@ -9,6 +9,7 @@ the final test figure is measured on it.
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import json
 import random
@@ -28,7 +29,7 @@ from headsearch.tasks import BoundTask, Task
 from headsearch.training.fastpath import StepMode, check_compile, compile_blocks, resolve_mode
 from headsearch.training.rundir import save_checkpoint
 from headsearch.training.steps import (  # noqa: F401  (autocast_context, lr_multiplier, make_optimizer: re-exported)
-    Steps, autocast_context, lr_multiplier, make_optimizer, make_steps, synchronize,
+    CaptureBrokeCuda, Steps, autocast_context, lr_multiplier, make_optimizer, make_steps, synchronize,
 )
 
 CHECKPOINT = "model.safetensors"
@@ -464,10 +465,6 @@ def prepare_steps(task: Task, cfg: RunConfig, bound: BoundTask, model: torch.nn.
     its optimizer state) are dropped and CUDA's cache emptied before the next mode. Out of memory in
     eager steps is the run's own, and raised. A capture that left CUDA unusable (`CaptureBrokeCuda`) is
     raised too: no fallback can run in this process."""
-    import gc
-
-    from headsearch.training.steps import CaptureBrokeCuda
-
     t = cfg.train
     mode = resolve_mode(t, task, device)
     total, warmup = spe * t.epochs, round(t.warmup_epochs * spe)
