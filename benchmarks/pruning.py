@@ -18,7 +18,7 @@ from pathlib import Path
 
 from common import DATA, markdown_table, parser, report, resolve_device, search_space
 
-PRUNERS = ("none", "median", "hyperband")
+PRUNERS = ("none", "median", "asha")
 
 
 def main() -> None:

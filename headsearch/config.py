@@ -38,7 +38,7 @@ def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
         raise ConfigError(f"{name} = {value!r} is not known: use one of {', '.join(allowed)}")
 
 
-def _coerce(obj: Any, ints: tuple[str, ...] = (), floats: tuple[str, ...] = (), bools: tuple[str, ...] = (),
+def coerce_fields(obj: Any, ints: tuple[str, ...] = (), floats: tuple[str, ...] = (), bools: tuple[str, ...] = (),
             optional: tuple[str, ...] = ()) -> None:
     """Coerce fields of a frozen dataclass to their types, or raise a ConfigError naming the field."""
     for name in ints + floats + bools:
@@ -64,7 +64,7 @@ def _coerce(obj: Any, ints: tuple[str, ...] = (), floats: tuple[str, ...] = (), 
             raise ConfigError(f"{name} = {value!r} must be {kind}") from None
 
 
-def _whole(value: Any) -> int | None:
+def whole_number(value: Any) -> int | None:
     """`value` as an int when it is a whole number (an int, or a float such as 4.0), else None
     (booleans, infinities, NaN, fractions, strings, lists)."""
     if isinstance(value, bool):
@@ -83,13 +83,13 @@ def _heads_tuple(name: str, heads: Any, layers: int) -> tuple[int, ...]:
             heads = [int(h) for h in heads.replace(" ", "").split(",") if h]
         except ValueError:
             raise ConfigError(f"{name} = {heads!r} is not a list of head counts: write e.g. 64,32,16,8") from None
-    if (n := _whole(heads)) is not None:
+    if (n := whole_number(heads)) is not None:
         if n < 1:
             raise ConfigError(f"{name} = {n}: every layer needs at least one head")
         return (n,) * layers
     if not isinstance(heads, (list, tuple)):
         raise ConfigError(f"{name} = {heads!r} is not a list of head counts: write e.g. [64, 32, 16, 8]")
-    out = tuple(_whole(h) for h in heads)
+    out = tuple(whole_number(h) for h in heads)
     if None in out:
         raise ConfigError(f"{name} = {list(heads)} must hold whole numbers of heads, e.g. [64, 32, 16, 8]")
     return out
@@ -132,13 +132,13 @@ class ArchConfig:
 
     def __post_init__(self) -> None:
         # Frozen, so normalise through object.__setattr__ (the litgpt idiom).
-        _coerce(self, ints=("d_model", "enc_layers", "dec_layers", "d_ff", "patch_size", "soft_dim"),
+        coerce_fields(self, ints=("d_model", "enc_layers", "dec_layers", "d_ff", "patch_size", "soft_dim"),
                 floats=("dropout", "attn_dropout"), bools=("skip_mean",), optional=("soft_dim",))
         for name in ("skip", "fusion", "soft_score", "activation"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name} = {getattr(self, name)!r} must be a name")
         if self.head_dim != "split":
-            if (width := _whole(self.head_dim)) is None:
+            if (width := whole_number(self.head_dim)) is None:
                 raise ConfigError(f"head_dim = {self.head_dim!r} must be 'split' (d_model / heads) or a positive integer")
             object.__setattr__(self, "head_dim", width)
         object.__setattr__(self, "enc_heads", _heads_tuple("enc_heads", self.enc_heads, self.enc_layers))
@@ -273,7 +273,7 @@ class TrainConfig:
     diversity_samples: int = 0
 
     def __post_init__(self) -> None:
-        _coerce(self, ints=("epochs", "batch_size", "max_steps_per_epoch", "diversity_samples"),
+        coerce_fields(self, ints=("epochs", "batch_size", "max_steps_per_epoch", "diversity_samples"),
                 floats=("lr", "weight_decay", "eps", "warmup_epochs", "min_lr_ratio", "label_smoothing", "grad_clip", "target"),
                 optional=("grad_clip", "target", "max_steps_per_epoch"))
         object.__setattr__(self, "compile", _compile_mode(self.compile))

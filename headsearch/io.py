@@ -19,6 +19,21 @@ def cache_root() -> Path:
     return Path(os.environ.get("HEADSEARCH_CACHE", Path.home() / ".cache" / "headsearch"))
 
 
+def folder_problem(root: Path, purpose: str) -> str | None:
+    """What stops `root` being (or becoming, with its missing parents) a writable folder for `purpose`, as
+    the rest of a sentence that starts with the option and `root`, advice included; None if nothing."""
+    root = Path(root)
+    existing = root
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        what = "is a file" if existing == root else f"is inside {existing}, which is a file"
+        return f" {what}: give a folder for {purpose}"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f": {existing} is not writable, give another folder"
+    return None
+
+
 def write_atomic(path: Path, data: str | bytes) -> None:
     """Write to a temporary file in the same folder, then rename: readers never see half a file."""
     path = Path(path)

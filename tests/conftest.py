@@ -235,3 +235,12 @@ def optuna_dashboard() -> None:
 
     if importlib.util.find_spec("optuna_dashboard") is None:
         unavailable("optuna-dashboard is not installed (pip install -e '.[dev]')")
+
+
+@pytest.fixture(scope="session")
+def tensorboard_package() -> None:
+    """The `tensorboard` extra (`--tensorboard` writes through it; the tests read its event files back)."""
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is None:
+        unavailable("tensorboard is not installed (pip install -e '.[dev]')")

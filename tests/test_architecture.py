@@ -5,7 +5,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "headsearch"
 # Highest first: a layer may import only the layers before it.
-LAYERS = ["core", "models", "tasks", "training", "analysis", "search", "cli"]
+LAYERS = ["core", "models", "tasks", "training", "analysis", "search", "api", "cli"]
 
 
 def layer_of(module: str) -> str | None:
@@ -53,3 +53,45 @@ def test_the_checker_sees_imports_inside_functions():
     assert "tasks" in layers  # module level
     assert layer_of("headsearch.training.fastpath") == "training"  # imported inside preflight()
     assert "headsearch.training.fastpath" in imports(PACKAGE / "training" / "__init__.py")
+
+
+def module_cycles(folder: Path) -> list[list[str]]:
+    """Import cycles among the modules of one subpackage (its __init__ aside: it only re-exports)."""
+    prefix = ".".join(folder.relative_to(PACKAGE.parent).parts) + "."
+    graph = {}
+    for path in sorted(folder.glob("*.py")):
+        if path.name != "__init__.py":
+            graph[prefix + path.stem] = {t for t in imports(path) if t.startswith(prefix) and t.count(".") == prefix.count(".")}
+    cycles, seen = [], set()
+
+    def walk(node, stack):
+        if node in stack:
+            cycles.append(stack[stack.index(node):] + [node])
+            return
+        if node in seen:
+            return
+        seen.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            walk(nxt, stack + [node])
+
+    for node in graph:
+        walk(node, [])
+    return cycles
+
+
+def test_no_module_cycles_inside_tasks_or_cli():
+    # The registry finds the built-in tasks as it finds plugins (entry points), so no task module imports
+    # it; the CLI's commands share cli/common.py rather than importing each other's helpers.
+    assert module_cycles(PACKAGE / "tasks") == []
+    assert module_cycles(PACKAGE / "cli") == []
+    assert "headsearch.tasks.registry" not in imports(PACKAGE / "tasks" / "vit_cifar10.py")
+    assert "headsearch.tasks.registry" not in imports(PACKAGE / "tasks" / "translation.py")
+
+
+def test_the_cycle_finder_finds_a_cycle(tmp_path, monkeypatch):
+    pkg = tmp_path / "headsearch" / "demo"
+    pkg.mkdir(parents=True)
+    (pkg / "a.py").write_text("from headsearch.demo import b\n")
+    (pkg / "b.py").write_text("def f():\n    from headsearch.demo.a import x\n")
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", tmp_path / "headsearch")
+    assert module_cycles(pkg) == [["headsearch.demo.a", "headsearch.demo.b", "headsearch.demo.a"]]

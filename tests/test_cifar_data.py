@@ -340,3 +340,9 @@ def test_default_ops_and_unknown_op():
         GpuAugment(["flip", "cutout"])
     with pytest.raises(ConfigError, match="scale"):
         GpuAugment(scale=(0.5, 1.5))
+
+
+def test_the_task_accepts_exactly_the_augmentations_the_data_module_implements():
+    from headsearch.tasks import vit_cifar10
+
+    assert vit_cifar10.AUGMENTATIONS == AUGMENTATIONS

@@ -15,8 +15,8 @@ schedule: {families: [uniform, halving, doubling], heads: [2, 4, 8, 16], min_hea
 skip: [none, output, scores]
 fusion: [none, hadamard, add]
 fixed:
-  train: {epochs: 2, max_steps_per_epoch: 6, batch_size: 32, lr: 3.0e-3, warmup_epochs: 0.5, schedule: cosine}
-  data: {train_limit: 640, val_size: 200, test_limit: 200}
+  train: {epochs: 2, max_steps_per_epoch: 4, batch_size: 32, lr: 3.0e-3, warmup_epochs: 0.5, schedule: cosine}
+  data: {train_limit: 640, val_size: 96, test_limit: 96}
 """
 
 
@@ -34,6 +34,7 @@ def trials_of(s: Search):
     return sorted(study.get_trials(deepcopy=False), key=lambda t: t.number)
 
 
+@pytest.mark.slow
 def test_cohort_4_and_cohort_1_give_the_same_trials_and_results(tmp_path, cifar_dir, one_thread):
     """Same seed and sampler: the same parameters for every trial, accuracies within 0.02 (here: equal to
     float32 rounding), each trial with a complete run directory and its cohort recorded."""
@@ -44,6 +45,9 @@ def test_cohort_4_and_cohort_1_give_the_same_trials_and_results(tmp_path, cifar_
     alone.prepare_data()
     alone.run_worker()
     a, b = trials_of(together), trials_of(alone)
+    # The same proposals, duplicates of a held architecture (running in the cohort, finished alone) included
+    assert [(t.params, t.user_attrs.get("duplicate_of")) for t in a] == [(t.params, t.user_attrs.get("duplicate_of")) for t in b]
+    a, b = [t for t in a if "duplicate_of" not in t.user_attrs], [t for t in b if "duplicate_of" not in t.user_attrs]
     assert len(a) == len(b) == 5
     for x, y in zip(a, b):
         assert x.params == y.params and x.state == y.state == optuna.trial.TrialState.COMPLETE, (x.number, x.params, y.params)

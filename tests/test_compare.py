@@ -16,7 +16,7 @@ from headsearch.tasks import get_task, resolve_config
 VIT = get_task("vit-cifar10")
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 # Small enough for the CPU: the tiny preset's model, 2 epochs on 1,024 images.
-SMALL = {"train": {"epochs": 2}, "data": {"train_limit": 1024, "val_size": 256, "test_limit": 256}}
+SMALL = {"train": {"epochs": 2}, "data": {"train_limit": 512, "val_size": 128, "test_limit": 128}}
 
 
 def small_configs(tmp_path, write_yaml) -> list[Path]:

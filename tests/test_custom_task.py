@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import yaml
 from torch import nn
 
-from headsearch.config import ArchConfig, DataOptions, RunConfig, TrainConfig, _coerce
+from headsearch.config import ArchConfig, DataOptions, RunConfig, TrainConfig, coerce_fields
 from headsearch.errors import ConfigError
 from headsearch.io import write_atomic
 from headsearch.models.transformer import Encoder
@@ -35,7 +35,7 @@ class PlantedData(DataOptions):
     eval_batch_size: int = 64
 
     def __post_init__(self) -> None:
-        _coerce(self, ints=("n_train", "n_eval", "seq_len", "vocab", "eval_batch_size"))
+        coerce_fields(self, ints=("n_train", "n_eval", "seq_len", "vocab", "eval_batch_size"))
         if min(self.n_train, self.n_eval, self.seq_len, self.eval_batch_size) < 1 or self.vocab < 2:
             raise ConfigError("planted-token data options must be positive (vocab at least 2)")
 

@@ -237,7 +237,7 @@ def _crashing_worker(settings, tmp: str) -> None:
 
 
 def test_a_crashed_worker_is_named_with_its_trial_and_reason_in_one_line(planted, tmp_path):
-    from headsearch.cli.main import worker_failure_line
+    from headsearch.cli.common import worker_failure_line
     from headsearch.search.runner import SearchSettings
     from headsearch.search.workers import worker_failure
 
@@ -259,7 +259,7 @@ def test_a_crashed_worker_is_named_with_its_trial_and_reason_in_one_line(planted
 
 
 def test_failed_workers_read_as_one_line(tmp_path):
-    from headsearch.cli.main import worker_failure_line
+    from headsearch.cli.common import worker_failure_line
     from headsearch.search.workers import worker_failure
 
     (tmp_path / "worker-1.failed").write_text("data file pairs.txt, line 3: not valid UTF-8\n")

@@ -1,22 +1,23 @@
-"""Learning really happens: the `tiny` presets, trained on the real data through the command line,
-reach a quality far above chance, and their validation metric improves from the first epoch to the best.
+"""Learning really happens: the `tiny` presets, shortened, trained on the real data through the command
+line, reach a quality far above chance, and their validation metric improves from the first epoch to the best.
 
 Other tests only check that metrics lie in their ranges; a model that never learns (a detached loss,
 a zero learning rate, shuffled labels, a broken decoder) passes those and fails these.
 
-Each test runs the full `tiny` preset (its data and its epochs) in-process through `headsearch train`,
-as a user would, and reads the run directory's `final.json` and `metrics.jsonl`. Runs are
-deterministic for a seed on a given CPU; the thresholds leave wide margins for other CPUs and torch
-versions while staying far above what an untrained model scores.
+Each test runs the `tiny` preset in-process through `headsearch train`, as a user would, with fewer
+images or epochs (`--set`: the full presets took 97-152 s each here, a fifth of the suite), and reads the
+run directory's `final.json` and `metrics.jsonl`. Runs are deterministic for a seed on a given CPU; the
+thresholds leave wide margins for other CPUs and torch versions while staying far above what an untrained
+model scores.
 
-Measured on this project's 2-core CPU (shared, torch on its default threads), seed defaults:
-- vit-cifar10 tiny (20,000 training images x 6 epochs, 119,194 parameters): validation accuracy
-  0.234 at epoch 1 -> 0.5165 at epoch 6 (the best), test accuracy 0.5008; 113 s for the command.
-- translation-en-es tiny (24,000 Tatoeba pairs x 5 epochs, 1.37 M parameters): validation BLEU
-  0.16 at epoch 1 -> 11.64 at epoch 5 (the best), test BLEU 13.80; 152 s for the command (tokenizers
-  trained included). With `--epochs 3` the test BLEU falls to 5.4, so the full preset is kept.
-Under pytest on the idle machine: 97 s and 103 s (3 min 20 s for the file). Both numbers grow several
-times when other work shares the two cores (the ViT took 448 s once beside another test run).
+Measured on this project's 2-core CPU (torch 2.14.1 on its default threads, seed defaults):
+- vit-cifar10 tiny with 10,000 training images x 4 epochs (119,194 parameters): validation accuracy
+  0.193 at epoch 1 -> 0.352 at epoch 4 (the best), test accuracy 0.357 on 2,000 images; 53 s for the
+  command. (The full preset, 20,000 x 6: 0.234 -> 0.5165, test 0.5008, 113 s.)
+- translation-en-es tiny with 3 of its 5 epochs (24,000 Tatoeba pairs, 1.37 M parameters, warm-up half
+  an epoch): validation BLEU 0.49 at epoch 1 -> 4.14 at epoch 3 (the best), test BLEU 4.92 on 300
+  pairs; 98 s, tokenizers trained included. (The full preset: 0.16 -> 11.64, test 13.80, 152 s. With
+  16,000 pairs x 3 epochs the test BLEU was 3.4: too close to noise to keep.)
 """
 from __future__ import annotations
 
@@ -66,18 +67,19 @@ def assert_completed_and_improved(final: dict, epochs: list[dict], metric: str, 
 def test_tiny_vit_learns_cifar10(cifar_dir, tmp_path):
     """The tiny ViT preset on the real CIFAR-10 shards classifies far above chance (0.10).
 
-    Asserts: the run completes; test accuracy >= 0.35 and best validation accuracy >= 0.35; the
+    Asserts: the run completes; test accuracy >= 0.28 and best validation accuracy >= 0.28; the
     validation accuracy at the best epoch is at least 0.10 above epoch 1's (and the best epoch is the
     curve's maximum).
-    Measured (2-core CPU, full tiny preset: 20,000 images x 6 epochs): validation accuracy 0.234 at
-    epoch 1 -> 0.5165 at epoch 6 (best), test accuracy 0.5008; 97-113 s on an idle machine.
+    Measured (2-core CPU, 10,000 images x 4 epochs): validation accuracy 0.193 at epoch 1 -> 0.352 at
+    epoch 4 (best), test accuracy 0.357; 53 s on an idle machine.
     """
-    run_dir = train("--task", "vit-cifar10", "--preset", "tiny", "--data-dir", cifar_dir, "--out", tmp_path / "run")
+    run_dir = train("--task", "vit-cifar10", "--preset", "tiny", "--data-dir", cifar_dir, "--out", tmp_path / "run",
+                    "--epochs", 4, "--set", "data.train_limit=10000", "--set", "data.test_limit=2000")
     final, epochs = read_run(run_dir)
 
     assert_completed_and_improved(final, epochs, "accuracy", min_gain=0.10)
-    assert final["best_metrics"]["accuracy"] >= 0.35, final["best_metrics"]
-    assert final["test_metrics"]["accuracy"] >= 0.35, final["test_metrics"]
+    assert final["best_metrics"]["accuracy"] >= 0.28, final["best_metrics"]
+    assert final["test_metrics"]["accuracy"] >= 0.28, final["test_metrics"]
 
 
 @pytest.mark.slow
@@ -85,16 +87,17 @@ def test_tiny_translation_learns_en_es(spa_file, tmp_path, monkeypatch):
     """The tiny translation preset on the real Tatoeba English-Spanish file translates: corpus BLEU
     far above 0 (an untrained or broken decoder scores ~0; epoch 1 scored 0.16).
 
-    Asserts: the run completes; test BLEU >= 5 and best validation BLEU >= 5; the validation BLEU at
-    the best epoch is at least 3 points above epoch 1's (and the best epoch is the curve's maximum).
-    Measured (2-core CPU, full tiny preset: 24,000 pairs x 5 epochs): validation BLEU 0.16 at epoch 1
-    -> 11.64 at epoch 5 (best), test BLEU 13.80 (CER 0.54, WER 0.69); 103-152 s, tokenizers included.
+    Asserts: the run completes; test BLEU >= 2.5 and best validation BLEU >= 2.5; the validation BLEU at
+    the best epoch is at least 2 points above epoch 1's (and the best epoch is the curve's maximum).
+    Measured (2-core CPU, 24,000 pairs x 3 epochs): validation BLEU 0.49 at epoch 1 -> 4.14 at epoch 3
+    (best), test BLEU 4.92 (CER 0.65, WER 0.83); 98 s, tokenizers included.
     """
     monkeypatch.setenv("HEADSEARCH_CACHE", str(tmp_path / "cache"))
     run_dir = train("--task", "translation-en-es", "--preset", "tiny", "--data-file", spa_file,
-                    "--out", tmp_path / "run")
+                    "--out", tmp_path / "run", "--epochs", 3, "--set", "train.warmup_epochs=0.5",
+                    "--set", "data.test_size=300")
     final, epochs = read_run(run_dir)
 
-    assert_completed_and_improved(final, epochs, "bleu", min_gain=3.0)
-    assert final["best_metrics"]["bleu"] >= 5.0, final["best_metrics"]
-    assert final["test_metrics"]["bleu"] >= 5.0, final["test_metrics"]
+    assert_completed_and_improved(final, epochs, "bleu", min_gain=2.0)
+    assert final["best_metrics"]["bleu"] >= 2.5, final["best_metrics"]
+    assert final["test_metrics"]["bleu"] >= 2.5, final["test_metrics"]

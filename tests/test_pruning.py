@@ -18,11 +18,13 @@ from headsearch.search.pruning import (
     MedianRule,
     PercentileRule,
     PruneDecision,
+    RulePruner,
     RungRule,
     comparison_curves,
     make_curve_pruner,
     make_optuna_pruner,
 )
+from headsearch.search.study import StudyStorage
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -152,7 +154,7 @@ def test_rung_maximize():
     # rung 3, n = 5 others: the top ceil(6/3) = 2 of the 6 are kept.
     # .45: ranking .5, .45, .4, ... -> 2nd: kept; threshold = 2nd best of the 6 = .45 itself
     d = rule.decide(3, {1: 0.0, 2: 0.0, 3: 0.45}, others)
-    assert (d.prune, d.rule, d.value, d.threshold, d.n_compared) == (False, "hyperband", 0.45, 0.45, 5)
+    assert (d.prune, d.rule, d.value, d.threshold, d.n_compared) == (False, "asha", 0.45, 0.45, 5)
     # .35: ranking .5, .4, .35, ... -> 3rd: pruned; threshold = 2nd best = .4
     d = rule.decide(3, {1: 0.0, 2: 0.0, 3: 0.35}, others)
     assert (d.prune, d.threshold) == (True, 0.4)
@@ -238,9 +240,9 @@ def test_search_sequence_rungs():
     ]
     out = run_search(rule, [[float(v) for v in c] for c in curves])
     assert [o is None for o in out] == [True, False, False, True, True, False]
-    assert out[1] == dict(prune=True, rule="hyperband", epoch=1, value=5.0, threshold=10.0, n_compared=1, note="")
-    assert out[2] == dict(prune=True, rule="hyperband", epoch=2, value=18.0, threshold=20.0, n_compared=1, note="")
-    assert out[5] == dict(prune=True, rule="hyperband", epoch=2, value=19.0, threshold=20.0, n_compared=4, note="")
+    assert out[1] == dict(prune=True, rule="asha", epoch=1, value=5.0, threshold=10.0, n_compared=1, note="")
+    assert out[2] == dict(prune=True, rule="asha", epoch=2, value=18.0, threshold=20.0, n_compared=1, note="")
+    assert out[5] == dict(prune=True, rule="asha", epoch=2, value=19.0, threshold=20.0, n_compared=4, note="")
 
 
 def test_reason_is_json():
@@ -330,9 +332,9 @@ def test_interval_agrees_with_optuna(direction, warmup, interval):
 
 
 def test_make_curve_pruner():
-    assert PRUNERS == ("median", "percentile", "hyperband", "none")
+    assert PRUNERS == ("pareto", "median", "percentile", "asha", "hyperband", "none")
     assert make_curve_pruner("none", "maximize") is None
-    with pytest.raises(ConfigError, match="unknown pruner 'x': use one of median, percentile, hyperband, none"):
+    with pytest.raises(ConfigError, match="unknown pruner 'x': use one of pareto, median, percentile, asha, hyperband, none"):
         make_curve_pruner("x", "maximize")
     m = make_curve_pruner("median", "minimize")
     assert isinstance(m, MedianRule) and isinstance(m, CurvePruner) and m.rule == "median"
@@ -340,8 +342,13 @@ def test_make_curve_pruner():
     p = make_curve_pruner("percentile", "maximize", percentile=10.0, n_startup_trials=2, n_warmup_epochs=3)
     assert type(p) is PercentileRule and (p.percentile, p.n_startup_trials, p.n_warmup_epochs) == (10.0, 2, 3)
     assert make_curve_pruner("percentile", "maximize").percentile == 25.0
-    h = make_curve_pruner("hyperband", "maximize", min_epochs=2, reduction_factor=4, n_warmup_epochs=5)
+    h = make_curve_pruner("asha", "maximize", min_epochs=2, reduction_factor=4, n_warmup_epochs=5)
     assert isinstance(h, RungRule) and (h.min_epochs, h.reduction_factor, h.n_startup_trials) == (2, 4, 3)
+    assert h.rule == "asha"
+    # hyperband is Optuna's multi-bracket pruner, for one objective: with several, one line naming asha
+    with pytest.raises(ConfigError, match="^--pruner hyperband is Optuna's multi-bracket HyperbandPruner, for one"
+                                          " objective: with several use asha"):
+        make_curve_pruner("hyperband", "maximize")
 
 
 @pytest.mark.parametrize(
@@ -355,6 +362,8 @@ def test_make_curve_pruner():
         (lambda: RungRule("maximize", reduction_factor=1), "reduction_factor must be an integer >= 2"),
         (lambda: RungRule("maximize", min_epochs=0), "min_epochs must be an integer >= 1"),
         (lambda: make_optuna_pruner("hyperband", epochs=2, min_epochs=3), "epochs >= min_epochs"),
+        (lambda: make_optuna_pruner("asha", epochs=2, reduction_factor=1), "reduction_factor must be an integer >= 2"),
+        (lambda: make_optuna_pruner("pareto", epochs=2), "percentile, asha, hyperband or none"),
         (lambda: make_optuna_pruner("nope", epochs=2), "unknown pruner 'nope'"),
     ],
 )
@@ -456,6 +465,38 @@ def test_make_optuna_pruner_hyperband_is_optunas_with_our_rungs(direction):
                        optuna.pruners.HyperbandPruner(min_resource=1, max_resource=9, reduction_factor=3), direction, seed=1)
 
 
+@pytest.mark.parametrize("direction", ["maximize", "minimize"])
+@pytest.mark.parametrize("kw", [dict(n_startup_trials=1, reduction_factor=2), dict(n_startup_trials=3),
+                                dict(min_epochs=2, reduction_factor=2, n_startup_trials=0)])
+def test_asha_with_one_objective_is_the_rung_rule(direction, kw):
+    """`--pruner asha` with one objective: Optuna's should_prune decides exactly as `RungRule` does with
+    several objectives, on the same trials (COMPLETE and PRUNED: `comparison_curves`)."""
+    pruner = make_optuna_pruner("asha", epochs=9, **kw)
+    assert isinstance(pruner, RulePruner) and pruner.rule.rule == "asha"
+    rule = make_curve_pruner("asha", direction, **kw)
+    rng = np.random.default_rng(len(kw))
+    study = optuna.create_study(direction=direction, pruner=pruner)
+    pruned = kept = 0
+    for _ in range(30):
+        trial = study.ask()
+        curve: dict[int, float] = {}
+        state = TrialState.COMPLETE
+        for epoch in range(1, 10):
+            curve[epoch] = float(rng.random())
+            trial.report(curve[epoch], epoch)
+            others = comparison_curves(study.get_trials(deepcopy=False), "asha", trial.number)
+            expected = rule.decide(epoch, curve, others)
+            assert trial.should_prune() == expected.prune, (trial.number, epoch)
+            assert pruner.last == expected
+            if expected.prune:
+                state = TrialState.PRUNED
+                break
+            kept += expected.threshold is not None
+        pruned += state == TrialState.PRUNED
+        study.tell(trial, 0.0 if state == TrialState.COMPLETE else None, state=state)
+    assert pruned >= 5 and kept >= 5  # both outcomes were judged
+
+
 def test_make_optuna_pruner_none():
     pruner = make_optuna_pruner("none", epochs=4)
     assert isinstance(pruner, optuna.pruners.NopPruner)
@@ -468,7 +509,14 @@ def test_make_optuna_pruner_none():
 def known_trials(directions=("maximize", "minimize")):
     """A multi-objective study: three complete trials at .5, .6, .7 on epoch 1, a trial pruned at epoch 1
     with a terrible 0.0, a rejected trial (PRUNED, no values), and the running trial judged (number 5)."""
-    study = optuna.create_study(directions=list(directions))
+    study, running, _ = known_trials_stored(directions)
+    return study, running
+
+
+def known_trials_stored(directions=("maximize", "minimize")):
+    """`known_trials`, and the study's `StudyStorage` (a multi-objective TrialPruning writes through it)."""
+    storage = optuna.storages.InMemoryStorage()
+    study = optuna.create_study(storage=storage, directions=list(directions))
     for v in (0.5, 0.6, 0.7):
         study.add_trial(optuna.trial.create_trial(state=TrialState.COMPLETE, values=[v, 10.0],
                                                   intermediate_values={1: v, 2: v}))
@@ -476,7 +524,7 @@ def known_trials(directions=("maximize", "minimize")):
                                               user_attrs={"pruned": {"rule": "median", "epoch": 1}}))
     study.add_trial(optuna.trial.create_trial(state=TrialState.PRUNED, user_attrs={"rejected": "heads"}))
     running = study.ask()
-    return study, running
+    return study, running, StudyStorage(storage, study.study_name)
 
 
 def test_comparison_curves_pick_complete_trials_for_median_and_percentile():
@@ -486,8 +534,8 @@ def test_comparison_curves_pick_complete_trials_for_median_and_percentile():
     assert comparison_curves(trials, "median", running.number) == complete
     assert comparison_curves(trials, "percentile", running.number) == complete
     # with the pruned trial: complete ones and the pruned one, not the rejected one nor the trial judged
-    assert comparison_curves(trials, "hyperband", running.number) == [*complete, {1: 0.0}]
-    assert comparison_curves(trials, "hyperband", 3) == complete  # trial 3 (the pruned one) not against itself
+    assert comparison_curves(trials, "asha", running.number) == [*complete, {1: 0.0}]
+    assert comparison_curves(trials, "asha", 3) == complete  # trial 3 (the pruned one) not against itself
     with pytest.raises(ConfigError, match="unknown pruner 'none'"):
         comparison_curves(trials, "none", running.number)
 
@@ -514,23 +562,24 @@ def test_a_pruned_trials_curve_does_not_move_the_median_but_counts_at_a_rung():
     # At rung 1 (reduction factor 2) the pruned trial reached the rung and counts: 4 others, the top
     # ceil(5/2) = 3 are kept, and .55 is third (.7, .6, .55, .5, 0). Without it: top 2 of 4, .55 pruned.
     rung = RungRule("maximize", min_epochs=1, reduction_factor=2, n_startup_trials=1)
-    d = rung.decide(1, curve, comparison_curves(trials, "hyperband", running.number))
+    d = rung.decide(1, curve, comparison_curves(trials, "asha", running.number))
     assert (d.prune, d.n_compared, d.threshold) == (False, 4, 0.55)
     assert rung.decide(1, curve, comparison_curves(trials, "median", running.number)).prune
 
 
-@pytest.mark.parametrize("rule, pruned", [("median", True), ("hyperband", False)])
+@pytest.mark.parametrize("rule, pruned", [("median", True), ("asha", False)])
 def test_the_search_callback_judges_against_comparison_curves(rule, pruned):
     """TrialPruning, the trainer callback of a multi-objective search, on the same study: it stores the
     epoch's value through the storage and judges it against `comparison_curves`."""
     from headsearch.search.runner import TrialPruning
     from headsearch.training.trainer import Callback
 
-    study, running = known_trials()
-    kw = dict(n_startup_trials=1, reduction_factor=2) if rule == "hyperband" else dict(n_startup_trials=3)
-    callback = TrialPruning(study, running, "bleu", make_curve_pruner(rule, "maximize", **kw), rule, single_objective=False)
+    study, running, store = known_trials_stored()
+    kw = dict(n_startup_trials=1, reduction_factor=2) if rule == "asha" else dict(n_startup_trials=3)
+    callback = TrialPruning(study, running, "bleu", make_curve_pruner(rule, "maximize", **kw), rule, single_objective=False,
+                            store=store)
     assert isinstance(callback, Callback)
-    record = SimpleNamespace(epoch=1, metrics={"bleu": 0.55}, epoch_seconds_alone=2.5)
+    record = SimpleNamespace(epoch=1, metrics={"bleu": 0.55}, epoch_seconds_alone=2.5, params=1000)
     if pruned:
         with pytest.raises(optuna.TrialPruned):
             callback.on_epoch_end(record)
@@ -547,9 +596,9 @@ def test_the_last_epoch_is_recorded_but_never_pruned():
     trial's last: the epoch is trained already, and pruning would only discard its objectives."""
     from headsearch.search.runner import TrialPruning
 
-    study, running = known_trials()
+    study, running, store = known_trials_stored()
     callback = TrialPruning(study, running, "bleu", make_curve_pruner("median", "maximize", n_startup_trials=3), "median",
-                            single_objective=False, epochs=1)
-    callback.on_epoch_end(SimpleNamespace(epoch=1, metrics={"bleu": 0.55}, epoch_seconds_alone=None))
+                            single_objective=False, epochs=1, store=store)
+    callback.on_epoch_end(SimpleNamespace(epoch=1, metrics={"bleu": 0.55}, epoch_seconds_alone=None, params=None))
     assert "pruned" not in running.user_attrs and "epoch_seconds_alone" not in running.user_attrs
     assert study.trials[running.number].intermediate_values == {1: 0.55}

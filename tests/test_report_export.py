@@ -65,7 +65,8 @@ def real(tmp_path_factory, cifar_dir):
         study.enqueue_trial(params)
     search.run_worker()
     study = optuna.load_study(study_name="vit-test", storage=url)
-    assert len(study.trials) == 7
+    # trial 3 repeats trial 0: told FAIL as a duplicate, not trained and not counted toward the 7
+    assert len([t for t in study.trials if "duplicate_of" not in t.user_attrs]) == 7
     return {"url": url, "study": study, "root": root, "data": cifar_dir}
 
 
@@ -88,9 +89,12 @@ def test_summarize_counts_front_and_savings(real):
     assert rep.counts["pruned"] == sum(t.state == TrialState.PRUNED for t in trials) - len(rejected)
     assert rep.counts["failed"] == rep.counts["running"] == rep.counts["waiting"] == 0
     assert trials[2].user_attrs["rejected"] and "does not divide" in trials[2].user_attrs["rejected"]
-    assert trials[3].user_attrs["duplicate_of"] == 0 and trials[3].values == trials[0].values
+    assert trials[3].user_attrs["duplicate_of"] == 0 and trials[3].state == TrialState.FAIL and trials[3].values is None
+    assert "epochs_run" not in trials[3].user_attrs and "run_dir" not in trials[3].user_attrs  # never trained
+    assert rep.counts["duplicate"] == sum("duplicate_of" in t.user_attrs for t in trials) >= 1
     assert [r.state for r in rep.trials] == [
-        "rejected" if "rejected" in t.user_attrs else t.state.name.lower() for t in trials]
+        "rejected" if "rejected" in t.user_attrs else "duplicate" if "duplicate_of" in t.user_attrs
+        else t.state.name.lower() for t in trials]
 
     # Every front member is non-dominated among COMPLETE trials (checked by hand), and every
     # non-dominated complete trial is on the front (a duplicate folded into its twin's row).
@@ -172,9 +176,10 @@ def test_report_plots_written_and_uploaded_as_artifacts(real, tmp_path, cli):
     result = cli(["report", "--storage", url, "--plots", out])
     assert result.exit_code == 0, result.output
     pngs, htmls = sorted(out.glob("*.png")), sorted(out.glob("*.html"))
-    names = {p.name for p in pngs + htmls}
     for kind in ("pareto-front", "learning-curves", "param-importances"):
-        assert f"vit-test-{kind}.png" in names and f"vit-test-{kind}.html" in names
+        assert (out / f"vit-test-{kind}.png").is_file()
+    assert {p.name for p in htmls} == {"vit-test-pareto-front.html", "vit-test-learning-curves.html"} | {
+        f"vit-test-param-importances-{i.objective}.html" for i in summarize(url, "vit-test").importances if not i.error}
     for p in pngs:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
     for p in htmls:
@@ -189,20 +194,39 @@ def test_report_plots_written_and_uploaded_as_artifacts(real, tmp_path, cli):
     for p in pngs + htmls:
         assert str(p) in result.stdout
 
+    # Only the PNGs go to the artifact store (the HTML files inline plotly.js: MBs each).
     study = optuna.load_study(study_name="vit-test", storage=url)
     metas = optuna.artifacts.get_all_artifact_meta(study)
-    assert sorted(m.filename for m in metas) == sorted(names)
+    assert sorted(m.filename for m in metas) == sorted(p.name for p in pngs)
     adir = default_artifact_dir(url)
     assert adir == real["root"] / "search-artifacts"
     for m in metas:
         assert (adir / m.artifact_id).read_bytes() == (out / m.filename).read_bytes()
-        assert m.mimetype == ("image/png" if m.filename.endswith(".png") else "text/html")
+        assert m.mimetype == "image/png"
+    # The figures live in the study, for optuna-dashboard, under fixed ids: a few KB of JSON.
+    from optuna_dashboard._custom_plot_data import get_plotly_graph_objects
 
-    # The same plots again: nothing new is uploaded.
+    figures = get_plotly_graph_objects(_system_attrs(url, "vit-test"))
+    assert {"headsearch-pareto-front", "headsearch-learning-curves"} <= set(figures)
+    assert sum(len(f) for f in figures.values()) < 200_000 < sum(p.stat().st_size for p in htmls)
+    curve = json.loads(figures["headsearch-learning-curves"])
+    shown = {tr["legendgroup"] for tr in curve["data"]}
+    assert shown == {str(t.number) for t in study.trials if t.intermediate_values and "duplicate_of" not in t.user_attrs}
+
+    # The same plots again: nothing new is uploaded, the figures are replaced, not added.
     result = cli(["report", "--storage", url, "--plots", out, "--format", "json"])
     assert result.exit_code == 0, result.output
     json.loads(result.stdout)  # the plot list went to stderr
     assert len(optuna.artifacts.get_all_artifact_meta(study)) == len(metas)
+    assert set(get_plotly_graph_objects(_system_attrs(url, "vit-test"))) == set(figures)
+
+
+def _system_attrs(url: str, name: str) -> dict:
+    """A study's system attributes, through the storage's public API (where optuna-dashboard keeps figures)."""
+    from headsearch.search.report import load_study_stored
+
+    _, stored = load_study_stored(url, name)
+    return stored.storage.get_study_system_attrs(stored.study_id)
 
 
 def study_has_no_pruned(study) -> bool:
@@ -259,7 +283,9 @@ def _get_json(url: str):
 
 
 @pytest.mark.slow
-def test_dashboard_serves_the_study(real, optuna_dashboard):
+def test_dashboard_serves_the_study(real, optuna_dashboard, cli, tmp_path):
+    result = cli(["report", "--storage", real["url"], "--study", "vit-test", "--plots", tmp_path / "plots"])
+    assert result.exit_code == 0, result.output
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "headsearch", "dashboard", "--storage", real["url"], "--port", str(port),
                              "--study", "vit-test"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -282,6 +308,14 @@ def test_dashboard_serves_the_study(real, optuna_dashboard):
         for t in real["study"].trials:
             got = {v["step"]: v["value"] for v in trials[t.number]["intermediate_values"]}
             assert got == t.intermediate_values
+        # The figures `report --plots` saved, as the dashboard's page gets them (its own learning-curve chart
+        # is for single-objective studies only: this one is the multi-objective study's).
+        served = {g["id"]: json.loads(g["graph_object"]) for g in detail["plotly_graph_objects"]}
+        assert {"headsearch-pareto-front", "headsearch-learning-curves"} <= set(served)
+        curves = served["headsearch-learning-curves"]["data"]
+        assert {tr["legendgroup"] for tr in curves} == {str(t.number) for t in real["study"].trials
+                                                        if t.intermediate_values and "duplicate_of" not in t.user_attrs}
+        assert len(served["headsearch-pareto-front"]["data"]) >= 1
     finally:
         proc.terminate()
         out, _ = proc.communicate(timeout=10)
@@ -358,7 +392,8 @@ def test_summarize_hand_made_study_states_duplicates_and_savings(tmp_path):
     url = f"sqlite:///{tmp_path / 'hand.db'}"
     _hand_made(url)
     rep = summarize(url, None)
-    assert rep.counts == {"complete": 4, "pruned": 1, "rejected": 1, "failed": 1, "running": 0, "waiting": 1}
+    # 3 is a duplicate as earlier studies recorded them (COMPLETE, with its twin's values): folded into 1
+    assert rep.counts == {"complete": 4, "pruned": 1, "rejected": 1, "failed": 1, "duplicate": 0, "running": 0, "waiting": 1}
     assert [r.number for r in rep.front] == [0, 1] and rep.front[1].duplicates == [3]
     assert rep.front[0].schedule == [1, 1, 1, 1] and rep.front[0].values == {"accuracy": 0.5, "time": 10.0}
     # Trained: 0, 1, 2 (complete) and 4 (pruned after 1 of 4 epochs); not 3 (duplicate), 5 (rejected), 6 (failed).
@@ -377,19 +412,27 @@ def test_summarize_hand_made_study_states_duplicates_and_savings(tmp_path):
 
 def test_single_objective_report_plots_and_importance_reasons(tmp_path):
     from headsearch.search.plots import write_plots
-    from headsearch.search.report import load_study
+    from headsearch.search.report import load_study_stored
 
     url = f"sqlite:///{tmp_path / 'one.db'}"
     _hand_made(url, directions=("maximize",))
-    study = load_study(url, None)
+    study, stored = load_study_stored(url, None)
     rep = summarize(url, None, study=study)
     assert [r.number for r in rep.front] == [1]  # the best trial (its duplicate 3 folded in)
-    paths = write_plots(study, rep, tmp_path / "plots")
-    assert {p.name for p in paths} == {f"hand-{k}.{e}" for k in ("objective", "learning-curves", "param-importances")
-                                        for e in ("png", "html")}
+    paths, figures = write_plots(study, rep, tmp_path / "plots")
+    assert {p.name for p in paths} == {f"hand-{k}.png" for k in ("objective", "learning-curves", "param-importances")} | {
+        f"hand-{k}.html" for k in ("objective", "learning-curves", "param-importances-accuracy")}
+    assert set(figures) == {"headsearch-objective", "headsearch-learning-curves", "headsearch-param-importances-accuracy"}
     assert all(p.stat().st_size > 1000 for p in paths)
-    ids = upload_plots(study, paths, default_artifact_dir(url))
+    ids = upload_plots(study, paths, default_artifact_dir(url), stored)
     assert len(set(ids)) == len(paths) and (tmp_path / "one-artifacts").is_dir()
+    assert upload_plots(study, paths, default_artifact_dir(url), stored) == ids  # unchanged files: nothing new
+
+    # An artifact deleted in optuna-dashboard leaves a JSON null record (Optuna's get_all_artifact_meta raises
+    # on it): the other plots are still recognised, and the deleted one is uploaded again.
+    stored.storage.set_study_system_attr(stored.study_id, f"artifacts:{ids[0]}", json.dumps(None))
+    again = upload_plots(study, paths, default_artifact_dir(url), stored)
+    assert again[1:] == ids[1:] and again[0] not in ids
 
     # Too few complete trials: a reason, not a crash.
     url2 = f"sqlite:///{tmp_path / 'two.db'}"

@@ -177,13 +177,17 @@ def running_after_a_complete_trial(poller: StoragePoller):
 
 @pytest.mark.slow
 def test_search_budget_curves_pruning_and_resume(tmp_path, spa_file, cache_env, one_thread, make_settings):
-    settings = make_settings(trials=8, pruner_startup_trials=2)
+    settings = make_settings(trials=8, pruner="median", pruner_startup_trials=2)
     Search(settings).run_worker()
 
     study = load(settings.storage, "s")
     trials = study.get_trials(deepcopy=False)
     assert len(finished(study)) == 8
-    assert len(trials) == 8, [t.state.name for t in trials]  # nothing FAIL, RUNNING or WAITING left over
+    duplicates = [t for t in trials if "duplicate_of" in t.user_attrs]
+    held = [t for t in trials if "duplicate_of" not in t.user_attrs]
+    assert len(held) == 8, [t.state.name for t in trials]  # nothing FAIL, RUNNING or WAITING left over ...
+    assert all(t.state == TrialState.FAIL for t in duplicates)  # ... but the proposals of a held architecture
+    assert len({json.dumps(t.user_attrs["config"], sort_keys=True) for t in held}) == 8  # 8 distinct architectures
     assert study.metric_names == ["bleu", "time"]
     assert [d.name for d in study.directions] == ["MAXIMIZE", "MINIMIZE"]
     attrs = study.user_attrs["headsearch"]
@@ -236,11 +240,10 @@ def test_search_budget_curves_pruning_and_resume(tmp_path, spa_file, cache_env, 
             for epoch in t.intermediate_values:
                 curve = {e: v for e, v in t.intermediate_values.items() if e <= epoch}
                 assert not rule.decide(epoch, curve, earlier).prune, (t.number, epoch)
-    for t in trials:  # a reused result names a complete trial with the same config
-        if "duplicate_of" in t.user_attrs:
-            twin = numbers[t.user_attrs["duplicate_of"]]
-            assert twin.state == TrialState.COMPLETE and twin.number < t.number
-            assert t.user_attrs["config"] == twin.user_attrs["config"] and t.values == twin.values
+    for t in duplicates:  # a duplicate names the earlier trial that holds the same config, and was never trained
+        twin = numbers[t.user_attrs["duplicate_of"]]
+        assert twin.state in (TrialState.COMPLETE, TrialState.PRUNED) and twin.number < t.number
+        assert t.user_attrs["config"] == twin.user_attrs["config"] and t.values is None and "run_dir" not in t.user_attrs
 
     # Resume: "up to N finished" -- the same settings add nothing.
     before = {t.number: (t.state, t.values) for t in trials}
@@ -249,11 +252,11 @@ def test_search_budget_curves_pruning_and_resume(tmp_path, spa_file, cache_env, 
     assert {t.number: (t.state, t.values) for t in study.get_trials(deepcopy=False)} == before
 
     # Raising the budget to 10 adds exactly two trials and changes none of the others.
-    Search(make_settings(trials=10, pruner_startup_trials=2)).run_worker()
+    Search(make_settings(trials=10, pruner="median", pruner_startup_trials=2)).run_worker()
     study = load(settings.storage, "s")
     after = study.get_trials(deepcopy=False)
-    assert len(after) == 10 and len(finished(study)) == 10
-    assert {t.number: (t.state, t.values) for t in after if t.number < 8} == before
+    assert len([t for t in after if "duplicate_of" not in t.user_attrs]) == 10 and len(finished(study)) == 10
+    assert {t.number: (t.state, t.values) for t in after if t.number in before} == before
 
 
 # ------------------------------------------------------------------------ single objective
@@ -415,10 +418,11 @@ def test_diverged_trials_fail_and_do_not_count(tmp_path, spa_file, cache_env, on
     assert time.monotonic() - start < 150, "the worker ran to its safety timeout instead of filling its budget"
 
     study = load(settings.storage, "s")
-    failed = by_state(study, TrialState.FAIL)
+    failed = [t for t in by_state(study, TrialState.FAIL) if "duplicate_of" not in t.user_attrs]
+    duplicates = [t for t in study.trials if "duplicate_of" in t.user_attrs]
     assert failed, "some trials draw lr = 1e4, which diverges"
     assert len(finished(study)) == 4  # the budget counts COMPLETE + PRUNED only ...
-    assert len(study.trials) == 4 + len(failed)  # ... and each FAIL was replaced by one more trial
+    assert len(study.trials) == 4 + len(failed) + len(duplicates)  # ... and each FAIL was replaced by one more trial
     for t in failed:
         assert t.params["lr"] == 1.0e30
         assert "diverged" in t.user_attrs["fail_reason"] and "non-finite loss" in t.user_attrs["fail_reason"]

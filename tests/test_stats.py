@@ -6,9 +6,10 @@ import math
 import numpy as np
 import pytest
 
-from headsearch.analysis.stats import (
-    bootstrap_ci, mean_std, paired_difference, paired_t_test, regularized_beta, student_t_two_sided,
-)
+from scipy import stats
+
+from headsearch.analysis.stats import bootstrap_ci, mean_std, paired_difference, paired_t_test
+from headsearch.search.report import spearman
 
 
 def test_mean_and_sample_std():
@@ -17,28 +18,30 @@ def test_mean_and_sample_std():
     assert m == 0.7 and math.isnan(s)
 
 
-@pytest.mark.parametrize("t", [0.0, 0.5, 1.0, 2.0, 6.3138, 40.0])
-def test_student_t_one_and_two_degrees_of_freedom_have_closed_forms(t):
-    # df = 1 is the Cauchy distribution: P(|T| > t) = 1 - (2 / pi) atan(t).
-    assert student_t_two_sided(t, 1) == pytest.approx(1 - 2 / math.pi * math.atan(t), abs=1e-12)
-    # df = 2: P(|T| > t) = 1 - t / sqrt(2 + t^2).
-    assert student_t_two_sided(t, 2) == pytest.approx(1 - t / math.sqrt(2 + t * t), abs=1e-12)
+@pytest.mark.parametrize("t", [0.5, 1.0, 2.0, 6.3138, 40.0])
+def test_the_t_test_matches_the_closed_forms_of_one_and_two_degrees_of_freedom(t):
+    # d = (1 - c, 1 + c): mean 1, sd c sqrt 2, t = 1 / c: df = 1 is the Cauchy distribution, P(|T| > t) = 1 - (2 / pi) atan(t).
+    c = 1 / t
+    assert paired_t_test([1 - c, 1 + c]) == pytest.approx(1 - 2 / math.pi * math.atan(t), abs=1e-12)
+    # d = (1 - c, 1, 1 + c): mean 1, sd c, t = sqrt 3 / c; df = 2: P(|T| > t) = 1 - t / sqrt(2 + t^2).
+    c = math.sqrt(3) / t
+    assert paired_t_test([1 - c, 1.0, 1 + c]) == pytest.approx(1 - t / math.sqrt(2 + t * t), abs=1e-12)
 
 
-def test_student_t_against_table_values():
-    # Two-sided 5% critical values of Student's t (any printed table): 12.706 (1), 2.776 (4), 2.228 (10), 1.960 (inf).
-    assert student_t_two_sided(12.706, 1) == pytest.approx(0.05, abs=1e-4)
-    assert student_t_two_sided(2.776, 4) == pytest.approx(0.05, abs=1e-4)
-    assert student_t_two_sided(2.228, 10) == pytest.approx(0.05, abs=1e-4)
-    assert student_t_two_sided(1.960, 100_000) == pytest.approx(0.05, abs=1e-4)
+def test_the_t_test_is_scipys_paired_test():
+    rng = np.random.default_rng(0)
+    for n in (2, 3, 5, 30):
+        a, b = rng.normal(0.8, 0.02, n), rng.normal(0.81, 0.02, n)
+        assert paired_t_test(b - a) == pytest.approx(stats.ttest_rel(b, a).pvalue, rel=1e-12)
 
 
-def test_regularized_beta_symmetry_and_a_polynomial_case():
-    # I_x(1, b) = 1 - (1 - x)^b, and I_x(a, b) = 1 - I_{1-x}(b, a).
-    for x in (0.01, 0.3, 0.77, 0.99):
-        assert regularized_beta(x, 1.0, 3.0) == pytest.approx(1 - (1 - x) ** 3, abs=1e-13)
-        assert regularized_beta(x, 2.5, 0.5) == pytest.approx(1 - regularized_beta(1 - x, 0.5, 2.5), abs=1e-13)
-    assert regularized_beta(0.0, 2, 3) == 0.0 and regularized_beta(1.0, 2, 3) == 1.0
+def test_spearman_by_hand_with_ties():
+    # x ranks 1, 2, 3, 4 (deviations -1.5, -0.5, 0.5, 1.5); y = (1, 2, 2, 3) ranks 1, 2.5, 2.5, 4 (-1.5, 0, 0, 1.5):
+    # rho = sum of products / sqrt(sums of squares) = 4.5 / sqrt(5 * 4.5).
+    assert spearman([1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 2.0, 3.0]) == pytest.approx(4.5 / math.sqrt(5 * 4.5))
+    assert spearman([1.0, 2.0, 3.0], [3.0, 2.0, 1.0]) == pytest.approx(-1.0)
+    assert spearman([1.0, 2.0], [1.0, 2.0]) is None  # fewer than 3 pairs
+    assert spearman([1.0, 2.0, 3.0], [5.0, 5.0, 5.0]) is None  # a constant side has no ranks to correlate
 
 
 def test_paired_t_test_by_hand():

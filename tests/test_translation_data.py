@@ -95,8 +95,9 @@ def test_columns_blank_lines_and_bom(tmp_path):
 def test_opus_books_rows_and_network_failure(monkeypatch):
     rows = [{"en": " Hello. ", "es": "Hola."}, {"en": "", "es": "Vacío."}, {"en": "Bye.", "es": "Adiós."}]
     fake = types.ModuleType("datasets")
-    fake.load_dataset = lambda name, pair, split: {"translation": rows}
+    fake.load_dataset = lambda name, pair, split, revision: {"translation": rows}
     monkeypatch.setitem(sys.modules, "datasets", fake)
+    monkeypatch.setattr(td, "resolve_hub_commit", lambda dataset_id, revision: None)
     c = td.load_opus_books("en-es")
     assert c.src == ("Hello.", "Bye.") and c.tgt == ("Hola.", "Adiós.")
 
@@ -107,6 +108,41 @@ def test_opus_books_rows_and_network_failure(monkeypatch):
     with pytest.raises(DataError, match="--data-file") as err:
         td.load_opus_books("en-es")
     _one_line(err)
+
+
+def test_opus_books_loads_the_canonical_id_at_a_resolved_commit_and_records_it(monkeypatch):
+    """No network: `datasets.load_dataset` and the hub's commit lookup are stand-ins that record what they were
+    asked. The corpus is loaded by its canonical id at the commit the revision resolved to, and its provenance
+    (what the run directory's split.json keeps under "data") names the id, config, revision and commit."""
+    calls = []
+
+    def load_dataset(name, config, split, revision):
+        calls.append((name, config, split, revision))
+        return {"translation": [{"en": "Hello.", "es": "Hola."}]}
+
+    fake = types.ModuleType("datasets")
+    fake.load_dataset = load_dataset
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    asked = []
+    monkeypatch.setattr(td, "resolve_hub_commit", lambda dataset_id, revision: asked.append((dataset_id, revision)) or "c0ffee" * 6 + "abcd")
+    monkeypatch.delenv(td.OPUS_BOOKS_REVISION_ENV, raising=False)
+    commit = "c0ffee" * 6 + "abcd"
+
+    c = td.load_opus_books("en-es")
+    assert asked == [("Helsinki-NLP/opus_books", td.OPUS_BOOKS_REVISION)]
+    assert calls == [("Helsinki-NLP/opus_books", "en-es", "train", commit)]
+    assert c.provenance == {"dataset": "Helsinki-NLP/opus_books", "config": "en-es", "revision": td.OPUS_BOOKS_REVISION,
+                            "commit": commit}
+    assert c.source == f"Helsinki-NLP/opus_books en-es @ {commit} (Hugging Face hub)"
+
+    # A revision pinned for one run; the hub cannot be asked (offline): loaded at the revision as given.
+    monkeypatch.setenv(td.OPUS_BOOKS_REVISION_ENV, "v1.0")
+    monkeypatch.setattr(td, "resolve_hub_commit", lambda dataset_id, revision: None)
+    calls.clear()
+    c = td.load_opus_books("en-es")
+    assert calls == [("Helsinki-NLP/opus_books", "en-es", "train", "v1.0")]
+    assert c.provenance == {"dataset": "Helsinki-NLP/opus_books", "config": "en-es", "revision": "v1.0", "commit": None}
+    assert c == td.ParallelCorpus(c.src, c.tgt, c.source)  # provenance takes no part in equality
 
 
 # --- splits ----------------------------------------------------------------------------------------
@@ -423,3 +459,23 @@ def test_metrics_need_paired_inputs():
     for metric in (corpus_bleu, cer, wer):
         with pytest.raises(ValueError):
             metric(["a", "b"], ["a"])
+
+
+def test_a_run_directory_records_the_downloaded_corpus_revision(spa_file, tmp_path, monkeypatch):
+    """The bound translation task writes the corpus's provenance into the run directory's split.json."""
+    import json
+
+    from headsearch.tasks import DataSource, apply_overrides, get_task, resolve_config
+
+    monkeypatch.setenv("HEADSEARCH_CACHE", str(tmp_path))
+    pairs = td.read_parallel_tsv(spa_file)
+    provenance = {"dataset": "Helsinki-NLP/opus_books", "config": "en-es", "revision": None, "commit": "ab" * 20}
+    corpus = td.ParallelCorpus(pairs.src[:300], pairs.tgt[:300], "stand-in", provenance=provenance)
+    monkeypatch.setattr(td, "load_opus_books", lambda pair: corpus)
+    task = get_task("translation-en-es")
+    cfg = apply_overrides(task, resolve_config(task, preset="tiny"), {
+        "data": {"train_limit": 200, "val_size": 40, "test_size": 20, "max_len": 16, "vocab_size": 300}})
+    bound = task.setup(cfg, DataSource(), torch.device("cpu"))  # no --data-file: the hub's corpus
+    bound.write_artifacts(tmp_path)
+    split = json.loads((tmp_path / "split.json").read_text())
+    assert split["data"] == provenance and split["source"] == "stand-in"

@@ -10,8 +10,7 @@ pairs, not two independent samples, are compared.
   replacement `resamples` times, take the mean of each resample, and report the 2.5th and 97.5th
   percentiles of those means. Seeded: the same numbers give the same interval.
 - Paired t-test (Student 1908): t = mean(d) / (sd(d) / sqrt(N)), two-sided p-value from Student's t with
-  N - 1 degrees of freedom, computed here through the regularised incomplete beta function (no SciPy):
-  P(|T| > t) = I_{df / (df + t^2)}(df / 2, 1 / 2).
+  N - 1 degrees of freedom (SciPy's `ttest_1samp` on the differences, which is `ttest_rel` on the pairs).
 
 Both promise little with N = 2 or 3 seeds: an interval from two differences spans them, one from three
 of the same sign excludes 0 whatever their spread (a quarter of the time when nothing differs), and a
@@ -90,52 +89,13 @@ def bootstrap_ci(d: Sequence[float], *, resamples: int = BOOTSTRAP_RESAMPLES, se
 
 
 def paired_t_test(d: Sequence[float]) -> float:
-    """Two-sided p-value of the paired t-test that the mean of the differences `d` is 0 (Student 1908).
+    """Two-sided p-value of the paired t-test that the mean of the differences `d` is 0 (Student 1908), by
+    SciPy. All differences equal: no spread to test against (SciPy says NaN), so p is 1 when they are 0 and
+    0 otherwise."""
+    from scipy import stats
 
-    All differences equal: no spread to test against, so p is 1 when they are 0 and 0 otherwise."""
     x = np.asarray(d, dtype=np.float64)
-    n = x.size
     mean, sd = float(x.mean()), float(x.std(ddof=1))
     if sd == 0.0 or not math.isfinite(sd):
         return 1.0 if mean == 0.0 else 0.0
-    t = mean / (sd / math.sqrt(n))
-    return student_t_two_sided(t, n - 1)
-
-
-def student_t_two_sided(t: float, df: int) -> float:
-    """P(|T| > |t|) for Student's t with `df` degrees of freedom."""
-    if df < 1:
-        raise ValueError("Student's t needs at least 1 degree of freedom")
-    return regularized_beta(df / (df + t * t), df / 2.0, 0.5)
-
-
-def regularized_beta(x: float, a: float, b: float) -> float:
-    """The regularised incomplete beta function I_x(a, b), by its continued fraction (Lentz's method), on the
-    side where it converges fast (x < (a + 1) / (a + b + 2)), else through I_x(a, b) = 1 - I_{1-x}(b, a)."""
-    if x <= 0.0:
-        return 0.0
-    if x >= 1.0:
-        return 1.0
-    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
-    if x < (a + 1.0) / (a + b + 2.0):
-        return math.exp(log_front) * _beta_fraction(x, a, b) / a
-    return 1.0 - math.exp(log_front) * _beta_fraction(1.0 - x, b, a) / b
-
-
-def _beta_fraction(x: float, a: float, b: float, steps: int = 300, eps: float = 1e-15) -> float:
-    """The continued fraction of I_x(a, b) (modified Lentz)."""
-    tiny = 1e-300
-    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    f = d
-    for m in range(1, steps + 1):
-        for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
-                          -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
-            d = 1.0 + numerator * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + numerator / c
-            c = c if abs(c) > tiny else tiny
-            f *= c * d
-        if abs(c * d - 1.0) < eps:
-            break
-    return f
+    return float(stats.ttest_1samp(x, 0.0).pvalue)

@@ -9,7 +9,7 @@ import typer
 
 
 def bench(
-    task: str = typer.Option(..., "--task", "-t", help="Task name (see `headsearch tasks`)."),
+    task: str = typer.Option(..., "--task", "-t", help="Task name (see `headsearch tasks`), or a plugin as package.module:attr (docs/plugins.md)."),
     space: str = typer.Option("deep-head", "--space", "-s", help="The search space whose base architecture is measured (as in `run`)."),
     preset: Optional[str] = typer.Option(None, "--preset", "-p", help="Task preset, as the searches you will run use it (e.g. tiny)."),
     data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="Local dataset folder (vit-cifar10)."),
@@ -23,7 +23,7 @@ def bench(
     from rich.console import Console
     from rich.table import Table
 
-    from headsearch.cli.main import fail, fail_on_fault
+    from headsearch.cli.common import fail, fail_on_fault
     from headsearch.errors import HeadsearchError
     from headsearch.search.bench import bench as measure
     from headsearch.search.runner import Search, SearchSettings

@@ -11,6 +11,8 @@ from typing import Optional
 
 import typer
 
+from headsearch.cli.common import storage_option
+
 FORMATS = ("table", "json", "csv")
 # The metrics the table shows, when the runs have them; the JSON holds every one.
 TABLE_METRICS = ("val_{primary}", "test_{primary}", "best_epoch", "time", "params")
@@ -18,7 +20,7 @@ TABLE_METRICS = ("val_{primary}", "test_{primary}", "best_epoch", "time", "param
 
 def compare(
     configs: list[str] = typer.Argument(..., metavar="CONFIG...", help="YAML files (architecture or run config), study:NAME:TRIAL or study:NAME:pareto."),
-    task: str = typer.Option(..., "--task", "-t", help="Task name (see `headsearch tasks`)."),
+    task: str = typer.Option(..., "--task", "-t", help="Task name (see `headsearch tasks`), or a plugin as package.module:attr (docs/plugins.md)."),
     seeds: int = typer.Option(3, "--seeds", help="Seeds per config: 0..N-1 (at least 2)."),
     data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="Local dataset folder (vit-cifar10)."),
     data_file: Optional[Path] = typer.Option(None, "--data-file", help="Local tab-separated parallel file (translation-en-es)."),
@@ -27,7 +29,7 @@ def compare(
     sets: list[str] = typer.Option([], "--set", help="SECTION.KEY=VALUE for every config, e.g. data.val_size=0 (repeatable)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Folder for comparison.json and curves.png (default RUN_ROOT/<study>/compare)."),
     fmt: str = typer.Option("table", "--format", "-f", help="table | json | csv (on stdout)."),
-    storage: str = typer.Option("sqlite:///headsearch.db", "--storage", help="Optuna storage URL: the runs' study, and where study:NAME configs are read."),
+    storage: str = storage_option("Optuna storage URL: the runs' study, and where study:NAME configs are read."),
     study: Optional[str] = typer.Option(None, "--study", help="The comparison's study name (default compare-<task>-<hash of the configs>)."),
     run_root: Path = typer.Option(Path("runs"), "--run-root", help="Run directories go in RUN_ROOT/<study>/."),
     workers: Optional[int] = typer.Option(None, "--workers", help="Worker processes (default: the plan's, as `run`)."),
@@ -35,7 +37,7 @@ def compare(
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda ..."),
 ) -> None:
     """Train every CONFIG with seeds 0..N-1; means, spreads and paired differences with 95% intervals."""
-    from headsearch.cli.main import fail
+    from headsearch.cli.common import fail
 
     if fmt not in FORMATS:
         fail(f"--format {fmt!r} is not known: use one of {', '.join(FORMATS)}")
@@ -49,7 +51,7 @@ def compare_or_fail(build, run_root: Path, out: Path | None = None):
     """`build()` -> (Search, ConfigGrid); train what the comparison lacks, read it back, write its files
     (`out`, default RUN_ROOT/<study>/compare, named on stderr). Returns (search, result). Bad input and
     faults end the command with one line, as every command's do."""
-    from headsearch.cli.main import fail, fail_on_fault
+    from headsearch.cli.common import fail, fail_on_fault
     from headsearch.errors import HeadsearchError
 
     try:
@@ -68,7 +70,7 @@ def compare_or_fail(build, run_root: Path, out: Path | None = None):
 def run_comparison(search, grid, out: Path):
     """Train what the comparison's study lacks (a live view on stderr), then read it back: (result, files written).
     Failed workers end the command as `run`'s do."""
-    from headsearch.cli.main import fail, worker_failure_line
+    from headsearch.cli.common import fail, worker_failure_line
     from headsearch.cli.progress import SearchProgress
     from headsearch.search.compare import comparison, write_comparison
     from headsearch.search.workers import open_search, run_search
@@ -83,21 +85,13 @@ def run_comparison(search, grid, out: Path):
 
 
 def _prepare(configs, task, seeds, data_dir, data_file, preset, epochs, sets, storage, study, run_root, workers, cohort, device):
-    """The comparison's search (its settings checked, its data loadable) and grid; nothing written yet."""
-    from headsearch.search.compare import ConfigGrid, check_seeds, default_study_name, parse_sets, resolve_candidates
-    from headsearch.search.runner import Search, SearchSettings
-    from headsearch.tasks import get_task
+    """The comparison's search and grid; nothing written yet."""
+    from headsearch.search.compare import comparison_search, parse_sets
 
-    check_seeds(seeds)
-    task_obj = get_task(task)
-    cands = resolve_candidates(configs, task_obj, preset=preset, epochs=epochs, storage=storage, sets=parse_sets(sets))
-    grid = ConfigGrid(tuple(cands), seeds)
-    settings = SearchSettings(
-        task=task, space=grid, trials=grid.points, sampler="random", pruner="none", storage=storage,
-        study=study or default_study_name(task, cands), preset=preset,
-        data_dir=str(data_dir) if data_dir else None, data_file=str(data_file) if data_file else None,
-        workers=workers, cohort=cohort, run_root=str(run_root), device=device)
-    return Search(settings), grid
+    return comparison_search(configs, task, seeds=seeds, storage=storage, run_root=str(run_root), preset=preset,
+                             epochs=epochs, sets=parse_sets(sets), study=study,
+                             data_dir=str(data_dir) if data_dir else None, data_file=str(data_file) if data_file else None,
+                             workers=workers, cohort=cohort, device=device)
 
 
 def print_result(result: dict, fmt: str, task) -> None:

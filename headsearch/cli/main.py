@@ -10,29 +10,14 @@ from typing import Optional
 
 import typer
 
+from headsearch.cli.common import check_format, fail, fail_on_fault, storage_option, worker_failure_line  # noqa: F401
+
 app = typer.Typer(
     help="Search attention-head architectures (head schedules, skips, heterogeneous attention) and look inside the heads.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion for bash, zsh, fish, PowerShell
     pretty_exceptions_enable=False,
 )
-
-
-def fail(message: str, code: int = 2) -> None:
-    """One clear line on stderr, no traceback."""
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code)
-
-
-def fail_on_fault(e: BaseException, kept: str) -> None:
-    """An environment fault (a full disk, an I/O error) gets one line and exit code 1, saying what
-    finished work is kept; anything else is re-raised with its traceback (a bug)."""
-    from headsearch.errors import environment_fault
-
-    fault = environment_fault(e)
-    if fault is None:
-        raise e
-    fail(f"{fault}: {kept}", code=1)
 
 
 COMPILE_HELP = ("How training steps run: auto (default: on CUDA compiled blocks + the whole step in a CUDA graph,"
@@ -40,13 +25,42 @@ COMPILE_HELP = ("How training steps run: auto (default: on CUDA compiled blocks 
                 " The warm-up is timed apart (compile_seconds in final.json).")
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from headsearch import __version__
+
+        typer.echo(f"headsearch {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                       help="Print headsearch's version and exit.")) -> None:
+    pass
+
+
+FORMAT_HELP = "table (Rich) | json (for scripts)."
+TENSORBOARD_HELP = ("Write each epoch's train loss, learning rate, epoch seconds and validation metrics as TensorBoard"
+                    " scalars into DIR (`run`: one run per trial, DIR/trial-NNNNN). Needs the tensorboard package (headsearch's extra of that name).")
+SET_HELP = ("SECTION.KEY=VALUE (SECTION arch, train or data; VALUE as YAML), e.g. train.lr=3e-4 data.train_limit=5000;"
+            " repeatable; over the preset and --config, under --epochs/--seed/--compile.")
+
+
 @app.command()
-def tasks() -> None:
+def tasks(fmt: str = typer.Option("table", "--format", "-f", help=FORMAT_HELP)) -> None:
     """List the tasks, their metrics (with directions) and presets."""
+    from headsearch.tasks import all_tasks
+
+    check_format(fmt, ("table", "json"))
+    if fmt == "json":
+        import json
+
+        typer.echo(json.dumps([{"name": t.name, "description": t.description, "presets": list(t.presets),
+                                "metrics": [{"name": m.name, "direction": m.direction} for m in t.metrics]}
+                               for t in all_tasks()], indent=1))
+        return
     from rich.console import Console
     from rich.table import Table
-
-    from headsearch.tasks import all_tasks
 
     table = Table("task", "metrics (first = selected on)", "presets", "description")
     for t in all_tasks():
@@ -57,31 +71,34 @@ def tasks() -> None:
 
 @app.command()
 def train(
-    task: str = typer.Option(..., "--task", "-t", help="Task name (see `headsearch tasks`)."),
+    task: str = typer.Option(..., "--task", "-t", help="Task name (see `headsearch tasks`), or a plugin as package.module:attr (docs/plugins.md)."),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML: architecture fields, or a full run config (task/seed/arch/train/data)."),
     preset: Optional[str] = typer.Option(None, "--preset", "-p", help="Task preset, e.g. tiny for a CPU smoke run."),
     epochs: Optional[int] = typer.Option(None, "--epochs", help="Override the number of epochs."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Override the seed."),
     data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="Local dataset folder (vit-cifar10)."),
-    data_file: Optional[Path] = typer.Option(None, "--data-file", help="Local tab-separated parallel file (translation-en-es)."),
+    data_file: Optional[Path] = typer.Option(None, "--data-file", help="Local data file (translation-en-es: tab-separated parallel text; plugins that read one file)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Run directory (default runs/<task>-<time>)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:1 ..."),
     track_diversity: Optional[int] = typer.Option(None, "--track-diversity", help="Measure head diversity each epoch on N validation samples (metrics.jsonl)."),
     compile_mode: Optional[str] = typer.Option(None, "--compile", help=COMPILE_HELP),
+    sets: list[str] = typer.Option([], "--set", help=SET_HELP),
+    tensorboard: Optional[Path] = typer.Option(None, "--tensorboard", help=TENSORBOARD_HELP),
 ) -> None:
     """Train one architecture on a task and write a run directory."""
     from headsearch.analysis.tracking import diversity_callbacks
     from headsearch.cli.progress import TrainProgress, print_result
     from headsearch.errors import Diverged, HeadsearchError
-    from headsearch.tasks import DataSource, flag_overrides, resolve_config
+    from headsearch.tasks import DataSource, flag_overrides, parse_sets, resolve_config
     from headsearch.training import train_run
 
     try:
-        flags = flag_overrides(epochs=epochs, seed=seed, compile=compile_mode, diversity_samples=track_diversity)
+        flags = flag_overrides(epochs=epochs, seed=seed, compile=compile_mode, diversity_samples=track_diversity,
+                               sets=parse_sets(sets))
         cfg = resolve_config(task, preset=preset, config=config, overrides=flags)
         with TrainProgress() as progress:
             run_dir, result = train_run(cfg, DataSource(data_dir, data_file), out, device=device, argv=sys.argv,
-                                        callbacks=[progress, *diversity_callbacks(cfg)])
+                                        callbacks=[progress, *diversity_callbacks(cfg)], tensorboard=tensorboard)
     except HeadsearchError as e:
         fail(str(e))
     except Diverged as e:
@@ -95,12 +112,22 @@ def train(
 
 
 @app.command()
-def spaces() -> None:
+def spaces(fmt: str = typer.Option("table", "--format", "-f", help=FORMAT_HELP)) -> None:
     """List the built-in search spaces."""
+    from headsearch.search.space import all_spaces
+
+    check_format(fmt, ("table", "json"))
+    if fmt == "json":
+        import json
+
+        typer.echo(json.dumps([{"name": s.name, "description": s.description, "tasks": list(s.tasks) if s.tasks else None,
+                                "schedule": {"families": list(s.families), "heads": list(s.heads), "min_heads": s.min_heads},
+                                "skip": list(s.skips), "fusion": list(s.fusions),
+                                "ranges": [r.describe() for r in s.ranges], "fixed": s.fixed} for s in all_spaces()],
+                              indent=1, default=str))
+        return
     from rich.console import Console
     from rich.table import Table
-
-    from headsearch.search.space import all_spaces
 
     table = Table("space", "schedules (heads)", "skip", "fusion", "ranges", "description")
     for s in all_spaces():
@@ -111,22 +138,22 @@ def spaces() -> None:
 
 @app.command()
 def run(
-    task: str = typer.Option(..., "--task", "-t", help="Task name (see `headsearch tasks`)."),
+    task: str = typer.Option(..., "--task", "-t", help="Task name (see `headsearch tasks`), or a plugin as package.module:attr (docs/plugins.md)."),
     space: str = typer.Option("deep-head", "--space", "-s", help="Search space: a built-in name (see `headsearch spaces`) or a YAML path."),
     trials: int = typer.Option(50, "--trials", "-n", help="Finished trials the study should hold (resumes up to this)."),
     timeout: Optional[float] = typer.Option(None, "--timeout", help="Stop starting trials after this many seconds."),
     objectives: Optional[str] = typer.Option(None, "--objectives", help="Comma list: a task metric, time, epochs, params. Default: <quality>,time."),
     sampler: Optional[str] = typer.Option(None, "--sampler", help="nsga2 | tpe | random | gp (default nsga2; tpe for one objective)."),
-    pruner: str = typer.Option("median", "--pruner", help="median | percentile | hyperband | none."),
+    pruner: Optional[str] = typer.Option(None, "--pruner", help="pareto (several objectives) | median | percentile | asha (successive halving, one bracket) | hyperband (Optuna's, one objective) | none (default: pareto for several objectives, median for one)."),
     pruner_startup: Optional[int] = typer.Option(None, "--pruner-startup", help="Finished trials needed before pruning starts."),
     pruner_warmup: Optional[int] = typer.Option(None, "--pruner-warmup", help="Epochs a trial always runs before it can be pruned."),
-    storage: str = typer.Option("sqlite:///headsearch.db", "--storage", help="Optuna storage URL (sqlite, postgresql, journal:FILE, redis)."),
+    storage: str = storage_option(),
     study: Optional[str] = typer.Option(None, "--study", help="Study name (default <task>-<space>[-<preset>])."),
     seed: int = typer.Option(0, "--seed", help="Seed of the sampler and of every trial's training."),
     epochs: Optional[int] = typer.Option(None, "--epochs", help="Epochs per trial (default: the task's or preset's)."),
     preset: Optional[str] = typer.Option(None, "--preset", "-p", help="Task preset for every trial, e.g. tiny."),
     data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="Local dataset folder (vit-cifar10)."),
-    data_file: Optional[Path] = typer.Option(None, "--data-file", help="Local tab-separated parallel file (translation-en-es)."),
+    data_file: Optional[Path] = typer.Option(None, "--data-file", help="Local data file (translation-en-es: tab-separated parallel text; plugins that read one file)."),
     workers: Optional[int] = typer.Option(None, "--workers", help="Worker processes on this machine, spread round-robin over the GPUs (default 1)."),
     trials_per_gpu: Optional[int] = typer.Option(None, "--trials-per-gpu", help="Instead of --workers: K concurrent trials on each visible GPU (K processes without GPUs). Default on GPUs: chosen from the model's size and the GPU, with NVIDIA MPS started when available."),
     cohort: Optional[int] = typer.Option(None, "--cohort", help="Train K trials together as one stacked model in each worker (ViT). Default: on GPUs, K from the model's size and the GPU; 1 turns cohorts off."),
@@ -135,13 +162,22 @@ def run(
     heartbeat: int = typer.Option(30, "--heartbeat", help="Seconds between heartbeats (RDB storages); a silent trial is retried after 3x."),
     track_diversity: int = typer.Option(0, "--track-diversity", help="Measure head diversity each epoch on N validation samples; `report` relates it to quality."),
     compile_mode: Optional[str] = typer.Option(None, "--compile", help=COMPILE_HELP),
+    sets: list[str] = typer.Option([], "--set", help=SET_HELP + " For every trial; the space's fixed values win."),
+    callback: list[str] = typer.Option([], "--callback", help="module:attr: an Optuna callback (study, FrozenTrial) called after each finished trial, in every worker, as study.optimize(callbacks=...) calls it (e.g. optuna-integration's W&B or MLflow callback; repeatable)."),
+    tensorboard: Optional[Path] = typer.Option(None, "--tensorboard", help=TENSORBOARD_HELP),
+    enqueue: list[Path] = typer.Option([], "--enqueue", help="A config (architecture fields, as in examples/) to train first: a warm start from known architectures (repeatable)."),
 ) -> None:
     """Search head schedules, skip kinds and fusion types with Optuna; prune poor trials."""
     from headsearch.cli.progress import SearchProgress, print_search_summary
     from headsearch.errors import HeadsearchError
     from headsearch.search.runner import Search, SearchSettings
     from headsearch.search.workers import open_search, run_search
+    from headsearch.tasks import parse_sets
 
+    try:
+        overrides = parse_sets(sets) or None
+    except HeadsearchError as e:
+        fail(str(e))
     settings = SearchSettings(
         task=task, space=space, trials=trials, timeout=timeout,
         objectives=tuple(o.strip() for o in objectives.split(",") if o.strip()) if objectives else None,
@@ -149,13 +185,16 @@ def run(
         storage=storage, study=study, seed=seed, epochs=epochs, preset=preset,
         data_dir=str(data_dir) if data_dir else None, data_file=str(data_file) if data_file else None,
         workers=workers, trials_per_gpu=trials_per_gpu, compile=compile_mode, run_root=str(run_root), device=device,
-        heartbeat=heartbeat, diversity_samples=track_diversity, cohort=cohort,
+        heartbeat=heartbeat, diversity_samples=track_diversity, cohort=cohort, sets=overrides, callbacks=tuple(callback),
+        tensorboard=str(tensorboard) if tensorboard else None,
     )
     study_obj = None
     try:
         search = Search(settings)
+        first = [search.params_of(c) for c in enqueue]  # a config the space does not hold: before any study exists
         study_obj = open_search(search)  # malformed data fails here, before a study exists
-        with SearchProgress(study_obj, trials) as display:
+        search.enqueue(study_obj, first)
+        with SearchProgress(study_obj, search.trial_target()) as display:
             failures = run_search(search, [display], argv=sys.argv, poll=display.refresh, announce=display.announce)
     except HeadsearchError as e:
         fail(str(e))
@@ -170,31 +209,21 @@ def run(
     print_search_summary(study_obj, settings.storage)
 
 
-def worker_failure_line(failures) -> str:
-    """One line for failed worker processes: the first failure's reason (bad input: as one process says
-    it), where its log is, and how many others failed."""
-    first = failures[0]
-    if first.bad_input:
-        line = first.message
-    else:
-        line = f"worker {first.index} failed {first.message} (traceback in {first.log})"
-    others = len(failures) - 1
-    return line + (f"; {others} other worker(s) failed too, logs beside it" if others else "")
-
-
 from headsearch.cli.bench_command import register as _register_bench  # noqa: E402
 from headsearch.cli.compare_command import register as _register_compare  # noqa: E402
 from headsearch.cli.study_commands import register as _register_study_commands  # noqa: E402
+from headsearch.cli.table_command import register as _register_table  # noqa: E402
 _register_study_commands(app)
 _register_compare(app)
 _register_bench(app)
+_register_table(app)
 
 
 @app.command()
 def analyze(
     run_dir: Path = typer.Argument(..., help="A run directory (headsearch train, or a search trial's)."),
     data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="Local dataset folder (vit-cifar10)."),
-    data_file: Optional[Path] = typer.Option(None, "--data-file", help="Local tab-separated parallel file (translation-en-es)."),
+    data_file: Optional[Path] = typer.Option(None, "--data-file", help="Local data file (translation-en-es: tab-separated parallel text; plugins that read one file)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Where analysis.json and the figures go (default RUN_DIR/analysis)."),
     samples: int = typer.Option(256, "--samples", help="Validation samples used for every measurement."),
     ablate: bool = typer.Option(True, "--ablation/--no-ablation", help="Evaluate the model once per head with that head masked."),

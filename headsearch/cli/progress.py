@@ -121,7 +121,8 @@ class SearchProgress(SearchCallback):
         if self.snap is not None:
             c = self.snap.counts
             table.add_row("trials", f"{self.snap.finished}/{self.trials} finished: {c['complete']} complete, {c['pruned']} pruned,"
-                          f" {c['rejected']} rejected, {c['failed']} failed, {c['running']} running")
+                          f" {c['rejected']} rejected, {c['failed']} failed, {c['running']} running"
+                          + (f"; {c['duplicate']} duplicate proposals skipped" if c["duplicate"] else ""))
             if self.snap.best:
                 table.add_row("best so far", "  ".join(f"{k} {v:.4g}" for k, v in self.snap.best.items()))
             for r in self.snap.running:
@@ -168,7 +169,7 @@ def print_search_summary(study, storage: str, console: Console | None = None) ->
     snap = snapshot(study)
     c = snap.counts
     console.print(f"study {study.study_name}: {c['complete']} complete, {c['pruned']} pruned, {c['rejected']} rejected,"
-                  f" {c['failed']} failed")
+                  f" {c['failed']} failed" + (f"; {c['duplicate']} duplicate proposals skipped (not trained)" if c["duplicate"] else ""))
     if snap.best:
         console.print("best per objective: " + "  ".join(f"{k} {v:.4g}" for k, v in snap.best.items()))
     console.print(f"next: headsearch report --study {study.study_name} --storage {storage}")

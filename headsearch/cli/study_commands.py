@@ -11,21 +11,11 @@ from typing import Optional
 
 import typer
 
+from headsearch.cli.common import fail, fail_on_fault, storage_option
+
 STORAGE_HELP = "Optuna storage URL of the search (sqlite:///FILE.db, postgresql://..., journal:FILE.log, redis://...)."
 STUDY_HELP = "Study name (default: the only study in the storage)."
 FORMATS = ("table", "json", "csv")
-
-
-def _fail(message: str, code: int = 2) -> None:
-    """One clear line on stderr, no traceback (as headsearch.cli.main.fail)."""
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code)
-
-
-def _fail_on_fault(e: BaseException, kept: str) -> None:
-    from headsearch.cli.main import fail_on_fault
-
-    fail_on_fault(e, kept)
 
 
 def _quiet_optuna() -> None:
@@ -39,7 +29,7 @@ def _quiet_optuna() -> None:
 
 def report(
     study: Optional[str] = typer.Option(None, "--study", help=STUDY_HELP),
-    storage: str = typer.Option("sqlite:///headsearch.db", "--storage", help=STORAGE_HELP),
+    storage: str = storage_option(STORAGE_HELP),
     fmt: str = typer.Option("table", "--format", "-f", help="table (Rich tables), json (the whole report) or csv (one row per trial)."),
     plots: Optional[Path] = typer.Option(None, "--plots", help="Also write PNG and HTML plots into this folder and upload them to the study as artifacts."),
     robust: int = typer.Option(0, "--robust", help="Retrain the Pareto front with seeds 0..N-1 (`headsearch compare`) and show it on mean values with 95% intervals."),
@@ -52,11 +42,11 @@ def report(
     from headsearch.errors import HeadsearchError
 
     if fmt not in FORMATS:
-        _fail(f"--format {fmt!r} is not known: use one of {', '.join(FORMATS)}")
+        fail(f"--format {fmt!r} is not known: use one of {', '.join(FORMATS)}")
     _quiet_optuna()
     if robust:
         return _robust_report(study, storage, robust, fmt, run_root, device)
-    from headsearch.search.report import load_study, summarize
+    from headsearch.search.report import load_study_stored, summarize
 
     try:
         if plots is not None:
@@ -65,21 +55,19 @@ def report(
             check_plot_libraries()
             if plots.exists() and not plots.is_dir():
                 raise HeadsearchError(f"--plots {plots} is a file: pass a folder")
-        study_obj = load_study(storage, study)
+        study_obj, stored = load_study_stored(storage, study)
         rep = summarize(storage, study, study=study_obj)
-        written: list[tuple[Path, str]] = []
+        published = None
         if plots is not None:
-            from headsearch.search.artifacts import default_artifact_dir, upload_plots
-            from headsearch.search.plots import write_plots
+            from headsearch.search.artifacts import default_artifact_dir
+            from headsearch.search.plots import publish_plots
 
-            paths = write_plots(study_obj, rep, plots)
             artifact_dir = default_artifact_dir(storage)
-            ids = upload_plots(study_obj, paths, artifact_dir)
-            written = list(zip(paths, ids))
+            published = publish_plots(study_obj, rep, plots, artifact_dir, stored)
     except HeadsearchError as e:
-        _fail(str(e))
+        fail(str(e))
     except Exception as e:
-        _fail_on_fault(e, "the study is unchanged and plots already written are whole; free space and run it again")
+        fail_on_fault(e, "the study is unchanged and plots already written are whole; free space and run it again")
     if fmt == "json":
         typer.echo(json.dumps(rep.to_dict(), indent=2))
     elif fmt == "csv":
@@ -92,12 +80,17 @@ def report(
         w.writerows(rows)
     else:
         print_report(rep)
-    if written:
+    if published:
         # With json/csv on stdout, the list of plots goes to stderr so the data stays parseable.
         to_err = fmt != "table"
-        typer.echo(f"plots (uploaded as artifacts to {artifact_dir}):", err=to_err)
-        for path, artifact_id in written:
-            typer.echo(f"  {path}  (artifact {artifact_id})", err=to_err)
+        typer.echo(f"plots (PNGs uploaded as artifacts to {artifact_dir}):", err=to_err)
+        for path in published.files:
+            uploaded = published.artifacts.get(path)
+            typer.echo(f"  {path}" + (f"  (artifact {uploaded})" if uploaded else ""), err=to_err)
+        if published.dashboard:
+            typer.echo(f"figures saved in the study for optuna-dashboard: {', '.join(published.dashboard)}", err=to_err)
+        elif published.dashboard_note:
+            typer.echo(published.dashboard_note, err=to_err)
 
 
 def _robust_report(study: Optional[str], storage: str, seeds: int, fmt: str, run_root: Path, device: str) -> None:
@@ -121,7 +114,8 @@ def print_report(rep, console=None) -> None:
     objs = ", ".join(f"{o.name} {'↑' if o.direction == 'maximize' else '↓'}" for o in rep.objectives)
     console.print(f"[bold]study {rep.study}[/bold]  task {rep.task or '-'}  objectives: {objs}  storage {rep.storage}")
     console.print(f"trials: {c['complete']} complete, {c['pruned']} pruned, {c['rejected']} rejected, {c['failed']} failed,"
-                  f" {c['running']} running, {c['waiting']} waiting")
+                  f" {c['running']} running, {c['waiting']} waiting"
+                  + (f"; {c['duplicate']} duplicate proposals (not trained, not counted)" if c["duplicate"] else ""))
 
     title = "Pareto front" if rep.multi_objective else "best trial"
     front = Table(title=f"{title} ({len(rep.front)} trials)")
@@ -191,7 +185,7 @@ def _fmt(v) -> str:
 
 def export(
     study: Optional[str] = typer.Option(None, "--study", help=STUDY_HELP),
-    storage: str = typer.Option("sqlite:///headsearch.db", "--storage", help=STORAGE_HELP),
+    storage: str = storage_option(STORAGE_HELP),
     trial: Optional[int] = typer.Option(None, "--trial", help="Export this trial (it must be complete)."),
     pareto: bool = typer.Option(False, "--pareto", help="Export every trial on the Pareto front (or the best trial of a single-objective study)."),
     best: Optional[str] = typer.Option(None, "--best", help="Export the complete trial best on this objective or validation metric."),
@@ -202,23 +196,23 @@ def export(
 
     n = sum([trial is not None, pareto, best is not None])
     if n != 1:
-        _fail("pass exactly one of --trial N, --pareto, --best METRIC")
+        fail("pass exactly one of --trial N, --pareto, --best METRIC")
     _quiet_optuna()
     from headsearch.search.export import export_configs
 
     try:
         paths = export_configs(storage, study, trial=trial, pareto=pareto, best=best, out_dir=out)
     except HeadsearchError as e:
-        _fail(str(e))
+        fail(str(e))
     except Exception as e:
-        _fail_on_fault(e, "configs already written are whole; free space and export again")
+        fail_on_fault(e, "configs already written are whole; free space and export again")
     for p in paths:
         typer.echo(str(p))
 
 
 def dashboard(
     study: Optional[str] = typer.Option(None, "--study", help="Check this study exists and print its page's URL."),
-    storage: str = typer.Option("sqlite:///headsearch.db", "--storage", help=STORAGE_HELP),
+    storage: str = storage_option(STORAGE_HELP),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0 to be reachable from other machines)."),
     port: int = typer.Option(8080, "--port", help="Port to listen on."),
     artifact_dir: Optional[Path] = typer.Option(None, "--artifact-dir", help="Artifact folder (default: beside the database, where `report --plots` uploads)."),
@@ -229,11 +223,11 @@ def dashboard(
     from headsearch.errors import HeadsearchError
 
     if importlib.util.find_spec("optuna_dashboard") is None:
-        _fail("optuna-dashboard is not installed: pip install 'headsearch[dashboard]'")
+        fail("optuna-dashboard is not installed: pip install 'headsearch[dashboard]'")
     if not 0 < port < 65536:
-        _fail(f"--port {port} is not a port number (1-65535)")
+        fail(f"--port {port} is not a port number (1-65535)")
     if artifact_dir is not None and artifact_dir.exists() and not artifact_dir.is_dir():
-        _fail(f"--artifact-dir {artifact_dir} is a file: pass a folder")
+        fail(f"--artifact-dir {artifact_dir} is a file: pass a folder")
     _quiet_optuna()
     from headsearch.search.artifacts import default_artifact_dir
     from headsearch.search.report import open_existing_storage, study_names
@@ -244,13 +238,13 @@ def dashboard(
         if study is not None and study not in names:
             raise HeadsearchError(f"unknown study {study} in {storage}: studies there are {', '.join(names) or 'none'}")
     except HeadsearchError as e:
-        _fail(str(e))
+        fail(str(e))
     from optuna.artifacts import FileSystemArtifactStore
     from optuna_dashboard import run_server
 
     port_problem = unavailable_port(host, port)
     if port_problem:
-        _fail(f"cannot serve on {host}:{port}: {port_problem}")
+        fail(f"cannot serve on {host}:{port}: {port_problem}")
     adir = artifact_dir if artifact_dir is not None else default_artifact_dir(storage)
     shown = "localhost" if host in ("0.0.0.0", "::") else host
     base = f"http://{shown}:{port}/dashboard"
@@ -262,7 +256,7 @@ def dashboard(
     try:
         run_server(store, host=host, port=port, artifact_store=FileSystemArtifactStore(str(adir)))
     except OSError as e:
-        _fail(f"cannot serve on {host}:{port}: {e.strerror or e}")
+        fail(f"cannot serve on {host}:{port}: {e.strerror or e}")
     except KeyboardInterrupt:
         pass
 

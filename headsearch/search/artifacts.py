@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 from headsearch.io import write_atomic
 from headsearch.search.storage import journal_path, sqlite_path
+from headsearch.search.study import StudyStorage
 
 TRIAL_LINK = "study.json"  # in a trial's run directory: {"storage", "study", "trial"}
 
@@ -27,21 +28,39 @@ def default_artifact_dir(storage_url: str) -> Path:
     return Path("headsearch-artifacts")
 
 
-def _existing_artifacts(study) -> list[dict[str, Any]]:
-    """The study's artifact metas; tolerates the null entries optuna-dashboard leaves for deleted ones."""
-    from optuna.artifacts._upload import ARTIFACTS_ATTR_PREFIX
+# Optuna's key prefix for an artifact's record among a study's system attributes: its storage format (the value of
+# the private optuna.artifacts._upload.ARTIFACTS_ATTR_PREFIX, which optuna-dashboard writes as well).
+_ARTIFACT_RECORD_PREFIX = "artifacts:"
 
+
+def _existing_artifacts(study, stored: StudyStorage) -> list[dict[str, Any]]:
+    """The study's artifact metas (artifact_id, filename, mimetype, encoding), as Optuna's public
+    `optuna.artifacts.get_all_artifact_meta` lists them.
+
+    The one shim: optuna-dashboard marks an artifact deleted there with a JSON null record, on which
+    `get_all_artifact_meta` raises (Optuna 4.0 to 5.0). Then the records are read here instead, through the
+    storage's public `get_study_system_attrs` (`stored`: the storage the study was opened on), skipping the nulls.
+    """
+    import dataclasses
+
+    from optuna.artifacts import get_all_artifact_meta
+
+    try:
+        return [dataclasses.asdict(m) for m in get_all_artifact_meta(study)]
+    except (TypeError, KeyError, ValueError):  # a deleted artifact's null record
+        pass
     out = []
-    for key, value in study._storage.get_study_system_attrs(study._study_id).items():
-        if key.startswith(ARTIFACTS_ATTR_PREFIX):
+    for key, value in stored.system_attrs().items():
+        if key.startswith(_ARTIFACT_RECORD_PREFIX):
             meta = json.loads(value) if isinstance(value, str) else value
             if meta:
                 out.append(meta)
     return out
 
 
-def upload_plots(study, paths: Sequence[Path], artifact_dir: Path) -> list[str]:
-    """Upload each file as an artifact of the study; return the artifact ids.
+def upload_plots(study, paths: Sequence[Path], artifact_dir: Path, stored: StudyStorage) -> list[str]:
+    """Upload each file as an artifact of the study (`stored`: the storage it was opened on); return the
+    artifact ids.
 
     A file identical to an artifact of the same name already in the store is not uploaded again
     (its id is returned), so running `report --plots` twice on an unchanged study adds nothing.
@@ -51,7 +70,7 @@ def upload_plots(study, paths: Sequence[Path], artifact_dir: Path) -> list[str]:
     artifact_dir = Path(artifact_dir)
     artifact_dir.mkdir(parents=True, exist_ok=True)
     store = FileSystemArtifactStore(str(artifact_dir))
-    existing = _existing_artifacts(study)
+    existing = _existing_artifacts(study, stored)
     ids = []
     for path in paths:
         path = Path(path)

@@ -24,6 +24,8 @@ from typing import Any, Sequence
 from headsearch.analysis.stats import bootstrap_ci, mean_std, paired_difference
 from headsearch.config import RunConfig
 from headsearch.errors import ConfigError
+from headsearch.tasks.registry import parse_sets  # noqa: F401  (re-exported: compare's --set)
+from headsearch.tasks.registry import task_reference
 
 STUDY_PREFIX = "study:"
 
@@ -35,34 +37,6 @@ class Candidate:
     name: str
     config: RunConfig
     source: str  # the CONFIG argument it came from
-
-
-def parse_sets(items: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """`--set SECTION.KEY=VALUE` items (values read as YAML: 0, 1e-3, [flip], null) as config overrides."""
-    import yaml
-
-    out: dict[str, dict[str, Any]] = {}
-    for item in items:
-        key, eq, value = item.partition("=")
-        section, dot, name = key.strip().partition(".")
-        if not eq or not dot or section not in ("arch", "train", "data") or not name:
-            raise ConfigError(f"--set {item}: write SECTION.KEY=VALUE with SECTION arch, train or data, e.g. data.val_size=0")
-        try:
-            parsed = yaml.safe_load(value)
-        except yaml.YAMLError:
-            raise ConfigError(f"--set {item}: {value!r} is not a value (numbers, true/false, null, [lists])") from None
-        out.setdefault(section, {})[name] = _number(parsed)
-    return out
-
-
-def _number(v: Any) -> Any:
-    """YAML 1.1 reads 1e-2 (no dot) as a string; a researcher means the number."""
-    if isinstance(v, str):
-        try:
-            return float(v)
-        except ValueError:
-            return v
-    return v
 
 
 def resolve_candidates(specs: Sequence[str], task, *, preset: str | None = None, epochs: int | None = None,
@@ -125,7 +99,7 @@ def _study_candidates(spec: str, task, storage: str | None, flags: dict) -> list
         cfg = t.user_attrs.get("config")
         if not isinstance(cfg, dict):
             raise ConfigError(f"config {spec}: trial {t.number} of study {name} has no recorded config")
-        if cfg.get("task") not in (None, task.name):
+        if cfg.get("task") not in (None, task.name, task_reference(task)):
             raise ConfigError(f"config {spec}: study {name} searched task {cfg.get('task')}, not {task.name}")
         key = json.dumps(cfg, sort_keys=True)
         if key in seen:  # a duplicate on the front: one config is enough
@@ -276,7 +250,7 @@ def comparison(study, grid: ConfigGrid, task, objectives) -> dict[str, Any]:
                                     "distinguishable": d.distinguishable})
     missing = [{"config": grid.candidates[i].name, "seed": s} for s in range(grid.seeds)
                for i in range(len(grid.candidates)) if (i, s) not in by_point]
-    return {"study": study.study_name, "task": task.name, "seeds": grid.seeds, "curve_metric": f"val_{task.primary.name}",
+    return {"study": study.study_name, "task": task_reference(task), "seeds": grid.seeds, "curve_metric": f"val_{task.primary.name}",
             "objectives": [{"name": _metric_of(o), "direction": o.direction} for o in objectives],
             "front_on_means": front_on_means(configs, objectives), "configs": configs,
             "differences": differences, "best": best_config(configs, differences, task), "missing": missing}
@@ -380,5 +354,25 @@ def check_seeds(seeds: int, flag: str = "--seeds") -> None:
         raise ConfigError(f"{flag} {seeds}: a comparison needs at least 2 seeds per config (differences need a spread)")
 
 
-__all__ = ["Candidate", "ConfigGrid", "best_config", "front_on_means", "parse_sets", "robust_search", "write_comparison", "check_seeds", "comparison",
+__all__ = ["Candidate", "ConfigGrid", "comparison_search", "best_config", "front_on_means", "parse_sets", "robust_search", "write_comparison", "check_seeds", "comparison",
            "default_study_name", "resolve_candidates", "run_metrics"]
+
+
+def comparison_search(configs: Sequence[str], task: str, *, seeds: int, storage: str, run_root: str,
+                      preset: str | None = None, epochs: int | None = None,
+                      sets: dict[str, dict[str, Any]] | None = None, study: str | None = None,
+                      data_dir: str | None = None, data_file: str | None = None, workers: int | None = None,
+                      cohort: int | None = None, device: str = "auto"):
+    """The comparison's search (every config x seeds 0..N-1 as a grid, no pruning; its settings checked, its
+    data loadable) and its grid: (Search, ConfigGrid). Nothing is written yet."""
+    from headsearch.search.runner import Search, SearchSettings
+    from headsearch.tasks import get_task
+
+    check_seeds(seeds)
+    cands = resolve_candidates(list(configs), get_task(task), preset=preset, epochs=epochs, storage=storage, sets=sets)
+    grid = ConfigGrid(tuple(cands), seeds)
+    settings = SearchSettings(
+        task=task, space=grid, trials=grid.points, sampler="random", pruner="none", storage=storage,
+        study=study or default_study_name(task, cands), preset=preset, data_dir=data_dir, data_file=data_file,
+        workers=workers, cohort=cohort, run_root=run_root, device=device)
+    return Search(settings), grid

@@ -1,30 +1,35 @@
-"""Plots of a study for `headsearch report --plots`: PNG (matplotlib, Agg) and HTML (plotly).
+"""Plots of a study for `headsearch report --plots`: PNG files (matplotlib, Agg) for papers, and plotly
+figures that optuna-dashboard shows in the study's page.
 
-- the Pareto front on the first two objectives (front highlighted, dominated complete trials grey,
-  points labelled with trial numbers); a single-objective study gets its objective per trial instead;
-- learning curves: each trial's intermediate values (the primary validation metric per epoch),
-  pruned trials dashed and ending with an x at the pruning epoch;
-- parameter importances: one bar chart per objective.
+- the Pareto front on the objectives (Optuna's `plot_pareto_front`; front highlighted, dominated complete
+  trials grey); a single-objective study gets its history instead (Optuna's `plot_optimization_history`);
+- learning curves: each trial's intermediate values (the primary validation metric per epoch), pruned
+  trials dashed and ending with an x at the pruning epoch (drawn here: optuna-dashboard 0.21 charts
+  intermediate values of single-objective studies only, and no Optuna plot marks where a trial was pruned);
+- parameter importances, one chart per objective (Optuna's `plot_param_importances`, with the same
+  evaluator and target as `report`'s numbers).
 
-`headsearch.search.artifacts.upload_plots` stores the files as Optuna artifacts of the study, so
-optuna-dashboard shows them (it charts intermediate values of single-objective studies only; this
-learning-curve plot covers multi-objective ones). Axis labels come from the objectives table
-(`headsearch.search.objectives.axis_label`).
+`publish_plots` writes the PNGs and a self-contained HTML file per figure into a folder, uploads the PNGs
+as artifacts of the study (`headsearch.search.artifacts.upload_plots`: a few hundred KB, not again while
+unchanged) and saves each plotly figure in the study with `optuna_dashboard.save_plotly_graph_object`
+under a fixed id (a few KB of JSON, replaced on the next report). Axis labels come from the objectives
+table (`headsearch.search.objectives.axis_label`).
 """
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from headsearch.errors import HeadsearchError
 from headsearch.search.objectives import axis_label
-from headsearch.search.report import StudyReport
+from headsearch.search.report import StudyReport, importance_evaluator
 
 GREY = "#b0b0b0"
 FRONT = "#d62728"
-STATE_STYLE = {"complete": "-", "pruned": "--", "failed": ":", "running": "-", "waiting": "-"}
-PLOTLY_DASH = {"complete": "solid", "pruned": "dash", "failed": "dot", "running": "solid", "waiting": "solid"}
+STATE_STYLE = {"complete": "-", "pruned": "--", "failed": ":", "running": "-", "waiting": "-", "duplicate": ":"}
+PLOTLY_DASH = {"complete": "solid", "pruned": "dash", "failed": "dot", "running": "solid", "waiting": "solid", "duplicate": "dot"}
 
 
 def check_plot_libraries() -> None:
@@ -43,8 +48,19 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "study"
 
 
-def write_plots(study, report: StudyReport, out_dir: Path) -> list[Path]:
-    """Write PNG and HTML plots of `study` into `out_dir`; return the paths written."""
+@dataclass
+class PublishedPlots:
+    """What `publish_plots` did: the files written, the PNGs' artifact ids, the figures saved in the study."""
+
+    files: list[Path]
+    artifacts: dict[Path, str] = field(default_factory=dict)  # PNG -> artifact id
+    dashboard: list[str] = field(default_factory=list)  # graph-object ids saved in the study
+    dashboard_note: str | None = None  # why no figure was saved in the study
+
+
+def write_plots(study, report: StudyReport, out_dir: Path) -> tuple[list[Path], dict[str, Any]]:
+    """Write the PNGs and one HTML file per plotly figure into `out_dir`; return the paths and the figures
+    (graph-object id -> plotly figure)."""
     check_plot_libraries()
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
@@ -53,12 +69,70 @@ def write_plots(study, report: StudyReport, out_dir: Path) -> list[Path]:
     prefix = out_dir / _safe(report.study)
     paths: list[Path] = []
     if len(report.objectives) >= 2:
-        paths += _pareto(study, report, prefix)
+        paths.append(_pareto(study, report, prefix))
     else:
-        paths += _history(study, report, prefix)
-    paths += _curves(study, report, prefix)
-    paths += _importances(report, prefix)
-    return paths
+        paths.append(_history(study, report, prefix))
+    curves = _curve_rows(study, report)  # read once, drawn twice
+    paths.append(_curves(curves, prefix))
+    paths.append(_importances(report, prefix))
+    figures = plotly_figures(study, report, curves)
+    for graph_id, fig in figures.items():
+        paths.append(_save_html(fig, prefix.with_name(f"{prefix.name}-{graph_id.removeprefix('headsearch-')}.html"), graph_id))
+    return paths, figures
+
+
+def publish_plots(study, report: StudyReport, out_dir: Path, artifact_dir: Path, stored) -> PublishedPlots:
+    """`report --plots`: write the files, upload the PNGs as artifacts, save the figures in the study
+    (`stored`: the `StudyStorage` the study was opened on)."""
+    from headsearch.search.artifacts import upload_plots
+
+    paths, figures = write_plots(study, report, out_dir)
+    pngs = [p for p in paths if p.suffix == ".png"]
+    done = PublishedPlots(files=paths, artifacts=dict(zip(pngs, upload_plots(study, pngs, artifact_dir, stored))))
+    try:
+        from optuna_dashboard import save_plotly_graph_object
+    except ImportError:
+        done.dashboard_note = "optuna-dashboard is not installed: no figure saved in the study (pip install 'headsearch[dashboard]')"
+        return done
+    for graph_id, fig in figures.items():
+        done.dashboard.append(save_plotly_graph_object(study, fig, graph_object_id=graph_id))
+    return done
+
+
+def plotly_figures(study, report: StudyReport, curves=None) -> dict[str, Any]:
+    """The interactive figures, by graph-object id (a valid HTML id: the dashboard keys them by it);
+    `curves`: `_curve_rows` of the study, when the caller has them already."""
+    import warnings
+
+    import optuna.visualization as ov
+
+    objectives = report.objectives
+    figures: dict[str, Any] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # experimental-feature and few-trials warnings of Optuna's plots
+        if len(objectives) >= 2:
+            names = [axis_label(o.name, o.direction) for o in objectives]
+            if len(objectives) <= 3:
+                fig = ov.plot_pareto_front(study, target_names=names)
+            else:  # Optuna draws up to 3 axes: the first two, the front still on all objectives
+                fig = ov.plot_pareto_front(study, targets=lambda t: (t.values[0], t.values[1]), target_names=names[:2])
+            fig.update_layout(title=f"{report.study}: Pareto front on {', '.join(o.name for o in objectives)}")
+            figures["headsearch-pareto-front"] = fig
+        else:
+            o = objectives[0]
+            fig = ov.plot_optimization_history(study, target_name=axis_label(o.name, o.direction))
+            fig.update_layout(title=f"{report.study}: {o.name} per trial")
+            figures["headsearch-objective"] = fig
+        figures["headsearch-learning-curves"] = _curves_figure(curves or _curve_rows(study, report))
+        for i, (o, imp) in enumerate(zip(objectives, report.importances)):
+            if imp.error or not imp.importances:
+                continue
+            sign = -1.0 if o.direction == "maximize" else 1.0  # as `report` computes them (lower is better)
+            fig = ov.plot_param_importances(study, evaluator=importance_evaluator(),
+                                            target=lambda t, i=i, sign=sign: sign * t.values[i], target_name=o.name)
+            fig.update_layout(title=f"{report.study}: parameter importances for {o.name}")
+            figures[f"headsearch-param-importances-{_safe(o.name)}"] = fig
+    return figures
 
 
 # -- data -----------------------------------------------------------------------------------
@@ -76,11 +150,6 @@ def _complete_points(study, report: StudyReport) -> list[dict[str, Any]]:
         pts.append({"number": t.number, "values": list(t.values), "arch": t.user_attrs.get("arch", ""),
                     "front": t.number in front, "label": str(t.number) + "".join(f"={d}" for d in dups)})
     return pts
-
-
-def _hover(p: dict[str, Any], report: StudyReport) -> str:
-    vals = "<br>".join(f"{o.name}: {v:.4g}" for o, v in zip(report.objectives, p["values"]))
-    return f"trial {p['number']}<br>{p['arch']}<br>{vals}"
 
 
 def _figure(size=(7.5, 5.0)):
@@ -104,9 +173,7 @@ def _save_html(fig, path: Path, div_id: str) -> Path:
 
 # -- the Pareto front -----------------------------------------------------------------------
 
-def _pareto(study, report: StudyReport, prefix: Path) -> list[Path]:
-    import plotly.graph_objects as go
-
+def _pareto(study, report: StudyReport, prefix: Path) -> Path:
     ox, oy = report.objectives[0], report.objectives[1]
     pts = _complete_points(study, report)
     title = f"{report.study}: Pareto front ({ox.name} vs {oy.name}, {len(pts)} complete trials, duplicates merged)"
@@ -135,29 +202,11 @@ def _pareto(study, report: StudyReport, prefix: Path) -> list[Path]:
         ax.legend(loc="best", fontsize=8)
     else:
         ax.text(0.5, 0.5, "no complete trials yet", ha="center", va="center", transform=ax.transAxes)
-    png = _save_png(fig, prefix.with_name(prefix.name + "-pareto-front.png"))
-
-    g = go.Figure()
-    for group, color, name, size in ((rest, GREY, "dominated", 8), (front, FRONT, "Pareto front", 12)):
-        g.add_trace(go.Scatter(
-            x=[p["values"][0] for p in group], y=[p["values"][1] for p in group],
-            mode="markers+text" if group else "markers", text=[p["label"] for p in group],
-            textposition="top right", marker=dict(color=color, size=size), name=name,
-            hovertext=[_hover(p, report) for p in group], hoverinfo="text",
-            line=dict(color=color) if group is front else None,
-        ))
-    if front and not more:
-        g.data[-1].mode = "markers+text+lines"
-    g.update_layout(title=title, xaxis_title=axis_label(ox.name, ox.direction),
-                    yaxis_title=axis_label(oy.name, oy.direction), template="plotly_white")
-    html = _save_html(g, prefix.with_name(prefix.name + "-pareto-front.html"), "headsearch-pareto-front")
-    return [png, html]
+    return _save_png(fig, prefix.with_name(prefix.name + "-pareto-front.png"))
 
 
-def _history(study, report: StudyReport, prefix: Path) -> list[Path]:
+def _history(study, report: StudyReport, prefix: Path) -> Path:
     """One objective: its value per trial, the best highlighted."""
-    import plotly.graph_objects as go
-
     o = report.objectives[0]
     pts = _complete_points(study, report)
     title = f"{report.study}: {o.name} per complete trial (best highlighted)"
@@ -171,30 +220,17 @@ def _history(study, report: StudyReport, prefix: Path) -> list[Path]:
     ax.set_xlabel("trial number")
     ax.set_ylabel(axis_label(o.name, o.direction))
     ax.set_title(title, fontsize=10)
-    png = _save_png(fig, prefix.with_name(prefix.name + "-objective.png"))
-    g = go.Figure(go.Scatter(
-        x=[p["number"] for p in pts], y=[p["values"][0] for p in pts], mode="markers+text",
-        text=[p["label"] for p in pts], textposition="top right",
-        marker=dict(color=[FRONT if p["front"] else GREY for p in pts], size=[12 if p["front"] else 8 for p in pts]),
-        hovertext=[_hover(p, report) for p in pts], hoverinfo="text", name=o.name))
-    g.update_layout(title=title, xaxis_title="trial number", yaxis_title=axis_label(o.name, o.direction),
-                    template="plotly_white")
-    html = _save_html(g, prefix.with_name(prefix.name + "-objective.html"), "headsearch-objective")
-    return [png, html]
+    return _save_png(fig, prefix.with_name(prefix.name + "-objective.png"))
 
 
 # -- learning curves ------------------------------------------------------------------------
 
-def _curves(study, report: StudyReport, prefix: Path) -> list[Path]:
-    import plotly.graph_objects as go
-
+def _curve_rows(study, report: StudyReport) -> tuple[list[dict[str, Any]], str, str]:
+    """Each trial's intermediate values (duplicates left out), the title and the y label."""
     from headsearch.search.report import trial_state
 
     metric = report.primary_metric or "intermediate value"
-    direction = None
-    for o in report.objectives:
-        if o.name == report.primary_metric:
-            direction = o.direction
+    direction = next((o.direction for o in report.objectives if o.name == report.primary_metric), None)
     curves = []
     for t in study.get_trials(deepcopy=False):
         if not t.intermediate_values or t.user_attrs.get("duplicate_of") is not None:
@@ -205,7 +241,11 @@ def _curves(study, report: StudyReport, prefix: Path) -> list[Path]:
                        "pruned": t.user_attrs.get("pruned")})
     title = f"{report.study}: learning curves\nvalidation {metric} per epoch; pruned trials dashed, x = where pruned"
     ylabel = axis_label(metric, direction) if report.primary_metric else "intermediate value"
+    return curves, title, ylabel
 
+
+def _curves(rows: tuple[list[dict[str, Any]], str, str], prefix: Path) -> Path:
+    curves, title, ylabel = rows
     fig = _figure((8.5, 5.0))
     ax = fig.add_subplot()
     colors = [f"C{i % 10}" for i in range(len(curves))]
@@ -227,10 +267,15 @@ def _curves(study, report: StudyReport, prefix: Path) -> list[Path]:
     epochs = sorted({x for c in curves for x in c["x"]})
     if epochs and len(epochs) <= 30:
         ax.set_xticks(epochs)
-    png = _save_png(fig, prefix.with_name(prefix.name + "-learning-curves.png"))
+    return _save_png(fig, prefix.with_name(prefix.name + "-learning-curves.png"))
 
+
+def _curves_figure(rows: tuple[list[dict[str, Any]], str, str]):
+    """The learning curves as a plotly figure (for the dashboard and the HTML file)."""
+    import plotly.graph_objects as go
     from plotly.colors import qualitative
 
+    curves, title, ylabel = rows
     palette = qualitative.Plotly
     g = go.Figure()
     for i, c in enumerate(curves):
@@ -245,16 +290,12 @@ def _curves(study, report: StudyReport, prefix: Path) -> list[Path]:
                                    legendgroup=str(c["number"]), hoverinfo="text",
                                    hovertext=[f"trial {c['number']} pruned at epoch {c['x'][-1]}"]))
     g.update_layout(title=title.replace("\n", "<br>"), xaxis_title="epoch", yaxis_title=ylabel, template="plotly_white")
-    html = _save_html(g, prefix.with_name(prefix.name + "-learning-curves.html"), "headsearch-learning-curves")
-    return [png, html]
+    return g
 
 
 # -- parameter importances ------------------------------------------------------------------
 
-def _importances(report: StudyReport, prefix: Path) -> list[Path]:
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
-
+def _importances(report: StudyReport, prefix: Path) -> Path:
     imps = report.importances
     n = max(1, len(imps))
     title = f"{report.study}: parameter importances per objective (PED-ANOVA, normalised)"
@@ -273,21 +314,7 @@ def _importances(report: StudyReport, prefix: Path) -> list[Path]:
         ax.set_xlabel(f"importance for {imp.objective} (fraction of total)")
         ax.set_xlim(0, max(1e-9, max(v for _, v in items)) * 1.1)
     fig.suptitle(title, fontsize=10)
-    png = _save_png(fig, prefix.with_name(prefix.name + "-param-importances.png"))
-
-    g = make_subplots(rows=n, cols=1, subplot_titles=[i.objective for i in imps] or ["-"])
-    for row, imp in enumerate(imps, start=1):
-        if imp.error or not imp.importances:
-            g.add_annotation(text=f"not computed: {imp.error}", showarrow=False, row=row, col=1,
-                             xref=f"x{row if row > 1 else ''} domain", yref=f"y{row if row > 1 else ''} domain", x=0.5, y=0.5)
-            continue
-        items = sorted(imp.importances.items(), key=lambda kv: kv[1])
-        g.add_trace(go.Bar(x=[v for _, v in items], y=[k for k, _ in items], orientation="h", name=imp.objective,
-                           showlegend=False), row=row, col=1)
-        g.update_xaxes(title_text=f"importance for {imp.objective} (fraction of total)", row=row, col=1)
-    g.update_layout(title=title, template="plotly_white", height=250 + 220 * n)
-    html = _save_html(g, prefix.with_name(prefix.name + "-param-importances.html"), "headsearch-param-importances")
-    return [png, html]
+    return _save_png(fig, prefix.with_name(prefix.name + "-param-importances.png"))
 
 
 def write_compare_curves(result: dict[str, Any], path: Path) -> Path:

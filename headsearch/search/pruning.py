@@ -5,7 +5,8 @@ judges a trial itself: after every epoch the search calls `CurvePruner.decide` w
 curve of its primary metric (`{epoch: value}`, epochs numbered from 1) and the curves that
 `comparison_curves` selects from the study, and raises `optuna.TrialPruned` when the decision says
 prune, storing `decision.reason()` in the trial's user_attrs. Single-objective studies use Optuna's
-own pruners, built with matching parameters by `make_optuna_pruner`.
+own pruners, built with matching parameters by `make_optuna_pruner`, or (``"asha"``) the same
+`RungRule` wrapped as an Optuna pruner (`RulePruner`): one rule, one code path, for one objective or several.
 
 Which trials a trial is compared with (`comparison_curves`, `COMPARED_STATES`):
 
@@ -13,7 +14,7 @@ Which trials a trial is compared with (`comparison_curves`, `COMPARED_STATES`):
   (which read ``study.get_trials(states=(COMPLETE,))``). A pruned trial's curve takes no part:
   however bad it was, it does not lower the bar for the trials after it. So single- and
   multi-objective studies prune alike.
-- hyperband (rung rule): the COMPLETE and the PRUNED trials, every trial that reached the rung, as
+- asha (rung rule): the COMPLETE and the PRUNED trials, every trial that reached the rung, as
   in ASHA (a trial pruned at a later rung did reach the earlier ones, and its value there counts).
 
 Rejected trials (an invalid architecture, stored PRUNED with user_attr "rejected") and the trial
@@ -26,10 +27,17 @@ Rules (`PRUNERS`):
   `PercentilePruner` (optuna/pruners/_percentile.py), decision for decision: a trial is pruned
   when its best value so far is strictly worse than the given percentile of the complete trials'
   values at the same epoch.
-- ``"hyperband"`` (`RungRule`): asynchronous successive halving (ASHA; Li et al. 2020, "A System for
+- ``"asha"`` (`RungRule`): asynchronous successive halving (ASHA; Li et al. 2020, "A System for
   Massively Parallel Hyperparameter Tuning", MLSys; successive halving: Jamieson & Talwalkar 2016,
   "Non-stochastic Best Arm Identification and Hyperparameter Optimization", AISTATS), one bracket:
   at the rung epochs ``min_epochs * reduction_factor**k`` only the top ``1/reduction_factor`` go on.
+  The same decisions with one objective (`RulePruner`) and several. Optuna's counterpart is
+  `SuccessiveHalvingPruner` (one bracket too; it differs in the cut and the startup, see `RungRule`).
+- ``"hyperband"``: Optuna's `HyperbandPruner` (Li et al. 2018, "Hyperband: A Novel Bandit-Based Approach
+  to Hyperparameter Optimization", JMLR): several brackets of successive halving, each with its own first
+  rung, trials assigned to brackets by a hash. Single-objective studies only: with several objectives it
+  is refused (`make_curve_pruner`), as ``"pareto"`` is with one. Before, ``hyperband`` meant this with
+  one objective and `RungRule` with several: that rule is now called ``"asha"``.
 - ``"none"``: no pruning (`make_curve_pruner` returns None, `make_optuna_pruner` a `NopPruner`).
 
 Steps and epochs: the search reports epoch ``e`` to Optuna as ``step=e``. Optuna's warm-up is
@@ -48,7 +56,9 @@ import optuna
 
 from headsearch.errors import ConfigError
 
-PRUNERS = ("median", "percentile", "hyperband", "none")
+PRUNERS = ("pareto", "median", "percentile", "asha", "hyperband", "none")
+# The quantities a multi-objective trial's objectives are known by before it ends (`ParetoRule`'s kinds).
+PROGRESS_KINDS = ("quality", "time", "params", "epochs")
 DIRECTIONS = ("maximize", "minimize")
 
 
@@ -57,7 +67,7 @@ class PruneDecision:
     """What a `CurvePruner` decided for one trial at one epoch.
 
     - `prune`: stop the trial now.
-    - `rule`: the pruner's rule ("median", "percentile", "hyperband"; "none" for a caller's own
+    - `rule`: the pruner's rule ("median", "percentile", "asha", "pareto"; "none" for a caller's own
       no-pruning record), also when no judgement was made.
     - `epoch`: the epoch judged.
     - `value`: the value judged: the trial's best value so far for the percentile rules, its value
@@ -263,7 +273,7 @@ class MedianRule(PercentileRule):
 
 
 class RungRule:
-    """Asynchronous successive halving (ASHA) on learning curves, one bracket: rule "hyperband".
+    """Asynchronous successive halving (ASHA) on learning curves, one bracket: rule "asha".
 
     Successive halving (Jamieson & Talwalkar 2016) trains many configurations for a few epochs and
     keeps the best ``1/reduction_factor`` of them at each rung; ASHA (Li et al. 2020, "A System for
@@ -288,14 +298,16 @@ class RungRule:
        at least k others are strictly better, i.e. iff its value is strictly worse than the
        threshold.
 
-    Differences from Optuna's HyperbandPruner (used for single-objective studies): Optuna runs
-    several brackets (each with its own first rung) and keeps the top ``floor(N / r)`` (at least 1)
-    of the N trials, itself included, that reached a rung; here there is one bracket starting at
-    `min_epochs`, the cut is ``ceil(N / r)`` with ties kept, and nothing is judged before `s`
-    others reached the rung.
+    Single-objective studies use this rule too, as an Optuna pruner (`RulePruner`), so ``--pruner asha``
+    decides alike with one objective and several. Differences from Optuna's own pruners:
+    `SuccessiveHalvingPruner` (one bracket too) keeps the top ``floor(N / r)`` (at least 1) of the N
+    trials, itself included, that reached a rung, and prunes while few trials have reached it (its
+    `bootstrap_count` aside); here the cut is ``ceil(N / r)`` with ties kept, and nothing is judged
+    before `s` others reached the rung. `HyperbandPruner` (``--pruner hyperband``, one objective only)
+    runs several such brackets, each with its own first rung.
     """
 
-    rule = "hyperband"
+    rule = "asha"
 
     def __init__(
         self,
@@ -360,22 +372,196 @@ class RungRule:
 
 
 # ---------------------------------------------------------------------------------------------
+# Pareto-aware successive halving (multi-objective studies)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What is known of a trial after some epochs: its curve of the primary metric ``{epoch: value}``,
+    its parameter count, and one epoch's training seconds with the device to itself (None: not yet known)."""
+
+    curve: Mapping[int, float]
+    params: float | None = None
+    epoch_seconds: float | None = None
+
+
+def progress_of(trial: Any) -> Progress:
+    """A stored trial's `Progress` (its intermediate values; user_attrs params and epoch_seconds_alone)."""
+    a = trial.user_attrs
+    return Progress(dict(trial.intermediate_values), a.get("params"), a.get("epoch_seconds_alone"))
+
+
+def non_dominated_ranks(points: Sequence[Sequence[float]]) -> list[int]:
+    """Each point's front in a non-dominated sort (all coordinates minimised): 0 for the points no other
+    dominates, 1 for those only front 0 dominates, ... (Deb et al. 2002, NSGA-II's sorting, by peeling)."""
+    def dominates(a: Sequence[float], b: Sequence[float]) -> bool:
+        return all(x <= y for x, y in zip(a, b)) and any(x < y for x, y in zip(a, b))
+
+    ranks = [-1] * len(points)
+    left = set(range(len(points)))
+    front = 0
+    while left:
+        current = {i for i in left if not any(dominates(points[j], points[i]) for j in left if j != i)}
+        for i in current:
+            ranks[i] = front
+        left -= current
+        front += 1
+    return ranks
+
+
+class ParetoRule:
+    """Multi-objective asynchronous successive halving: at each rung a trial goes on when it is among the
+    top ``1/reduction_factor`` of the trials that reached the rung by non-dominated sorting, on every
+    objective's value known there (Schmucker et al. 2021, "Multi-objective Asynchronous Successive
+    Halving", arXiv 2106.12639: MO-ASHA, here with the trial's own front as its rank). Rule "pareto".
+
+    A trial's point at epoch ``e``, per objective kind (`kinds`, one per study objective; None for an
+    objective not known before a trial ends, left out):
+
+    - "quality": the primary metric's best value so far (max when maximizing, min when minimizing);
+    - "time": ``e * epoch_seconds`` (its training seconds so far with the device to itself);
+    - "params": the parameter count, exactly;
+    - "epochs": ``e`` (the same for every trial at a rung: it orders nothing, and is there for the record).
+
+    With ``m = min_epochs``, ``r = reduction_factor``, ``s = n_startup_trials``, ``W = n_warmup_epochs``:
+
+    1. ``epoch <= W``, or ``epoch`` not a rung ``m * r**k`` (m = 2, r = 2: 2, 4, 8, ...) -> no judgement.
+    2. the others with a value at ``epoch`` and every known quantity (an other whose epoch seconds are
+       not recorded is left out); ``n`` of them. ``n < s`` -> no judgement. A trial whose own point is
+       incomplete (its epoch seconds not known) is not judged.
+    3. quality NaN -> prune.
+    4. sort the ``n + 1`` points into fronts; ``better`` = the points in fronts before the trial's. The
+       top ``k = ceil((n + 1) / r)`` go on, ties with the trial going to the trial: prune iff
+       ``better >= k``. A trial on the first front is never pruned: a trial is pruned only when it is
+       dominated, and only when at least ``k`` trials rank ahead of it.
+
+    The search judges a trial against the COMPLETE and PRUNED trials (every trial that reached the rung,
+    as `RungRule`), and never at its last epoch.
+    """
+
+    rule = "pareto"
+
+    # Defaults: what benchmarks/search_quality.py found best on the deep-head table (rungs 2, 4, 8, ...: the
+    # first epoch's accuracy there ranks the architectures' final ones poorly, so epoch 1 is never judged).
+    def __init__(self, direction: str, kinds: Sequence[str | None] = ("quality", "time"), min_epochs: int = 2,
+                 reduction_factor: int = 2, n_startup_trials: int = 3, n_warmup_epochs: int = 0) -> None:
+        self.direction = _direction(direction)
+        bad = [k for k in kinds if k is not None and k not in PROGRESS_KINDS]
+        if bad or not any(k is not None for k in kinds):
+            raise ConfigError(f"pareto pruning: objective kinds {list(kinds)} must be among {', '.join(PROGRESS_KINDS)}")
+        self.kinds = tuple(kinds)
+        self._rungs = RungRule(direction, min_epochs, reduction_factor, n_startup_trials)
+        self.min_epochs, self.reduction_factor = self._rungs.min_epochs, self._rungs.reduction_factor
+        self.n_startup_trials = self._rungs.n_startup_trials
+        self.n_warmup_epochs = _int("n_warmup_epochs", n_warmup_epochs, 0)
+
+    def __repr__(self) -> str:
+        return (f"ParetoRule(direction={self.direction!r}, kinds={list(self.kinds)}, min_epochs={self.min_epochs},"
+                f" reduction_factor={self.reduction_factor}, n_startup_trials={self.n_startup_trials},"
+                f" n_warmup_epochs={self.n_warmup_epochs})")
+
+    def point(self, epoch: int, p: Progress) -> list[float] | None:
+        """The trial's point at `epoch`, every coordinate minimised; None when a quantity is not known."""
+        out = []
+        for kind in self.kinds:
+            if kind == "quality":
+                vals = [float(v) for e, v in p.curve.items() if e <= epoch and not math.isnan(float(v))]
+                if not vals:
+                    out.append(math.inf)
+                    continue
+                out.append(-max(vals) if self.direction == "maximize" else min(vals))
+            elif kind == "time":
+                if p.epoch_seconds is None:
+                    return None
+                out.append(epoch * float(p.epoch_seconds))
+            elif kind == "params":
+                if p.params is None:
+                    return None
+                out.append(float(p.params))
+            elif kind == "epochs":
+                out.append(float(epoch))
+        return out
+
+    def decide(self, epoch: int, mine: Progress, others: Sequence[Progress]) -> PruneDecision:
+        _check_call(epoch, mine.curve)
+        value = float(mine.curve[epoch])
+        theirs = [q for q in (self.point(epoch, o) for o in others if epoch in o.curve) if q is not None]
+        n = len(theirs)
+
+        def keep(note: str) -> PruneDecision:
+            return PruneDecision(False, self.rule, epoch, value, None, n, note)
+
+        if epoch <= self.n_warmup_epochs:
+            return keep(f"warm-up (epoch {epoch} <= n_warmup_epochs {self.n_warmup_epochs})")
+        if not self._rungs.is_rung(epoch):
+            return keep("not a rung")
+        if n < self.n_startup_trials:
+            return keep(f"too few trials ({n} < {self.n_startup_trials})")
+        own = self.point(epoch, mine)
+        if own is None:
+            return keep("its epoch seconds are not known yet")
+        if math.isinf(own[self.kinds.index("quality")] if "quality" in self.kinds else 0.0):
+            return PruneDecision(True, self.rule, epoch, value, None, n, "value is NaN")
+        ranks = non_dominated_ranks([own, *theirs])
+        better = sum(1 for r in ranks[1:] if r < ranks[0])
+        k = -(-(n + 1) // self.reduction_factor)  # ceil((n + 1) / r)
+        note = f"front {ranks[0] + 1}: {better} trials in fronts ahead of it, the top {k} of {n + 1} go on"
+        return PruneDecision(better >= k, self.rule, epoch, value, None, n, note)
+
+
+# ---------------------------------------------------------------------------------------------
 # which trials a trial is judged against
 
 _COMPLETE, _PRUNED = optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED
-COMPARED_STATES = {"median": (_COMPLETE,), "percentile": (_COMPLETE,), "hyperband": (_COMPLETE, _PRUNED)}
+COMPARED_STATES = {"median": (_COMPLETE,), "percentile": (_COMPLETE,), "asha": (_COMPLETE, _PRUNED),
+                   "pareto": (_COMPLETE, _PRUNED)}
 
 
 def comparison_curves(trials: Iterable[Any], rule: str, number: int) -> list[dict[int, float]]:
     """The curves the trial numbered `number` is judged against under `rule` (see the module
     docstring): the intermediate values of `trials` (Optuna FrozenTrials) whose state is in
     ``COMPARED_STATES[rule]`` (COMPLETE for median and percentile, COMPLETE and PRUNED for
-    hyperband), leaving out rejected trials and trial `number` itself. Unknown rule -> ConfigError."""
+    asha and pareto), leaving out rejected trials and trial `number` itself. Unknown rule -> ConfigError."""
+    if rule not in COMPARED_STATES:
+        raise _unknown(rule)
+    return [dict(t.intermediate_values) for t in comparison_trials(trials, rule, number)]
+
+
+def comparison_trials(trials: Iterable[Any], rule: str, number: int) -> list[Any]:
+    """The trials behind `comparison_curves` (for `ParetoRule`, which reads more of them than their curves)."""
     if rule not in COMPARED_STATES:
         raise _unknown(rule)
     states = COMPARED_STATES[rule]
-    return [dict(t.intermediate_values) for t in trials
-            if t.state in states and "rejected" not in t.user_attrs and t.number != number]
+    return [t for t in trials if t.state in states and "rejected" not in t.user_attrs and t.number != number]
+
+
+# ---------------------------------------------------------------------------------------------
+# a curve rule as an Optuna pruner (single-objective studies)
+
+
+class RulePruner(optuna.pruners.BasePruner):
+    """`RungRule` as an Optuna pruner: `Trial.should_prune` in a single-objective study decides as the
+    rule decides for a multi-objective one, on the same trials (`comparison_curves`). The rule is judged
+    for the study's direction (the rule's own direction is ignored). `last` holds the latest decision,
+    so the search can record its threshold and count in ``user_attrs["pruned"]``."""
+
+    def __init__(self, rule: RungRule) -> None:
+        self.rule = rule
+        self.last: PruneDecision | None = None
+
+    def __repr__(self) -> str:
+        return f"RulePruner({self.rule!r})"
+
+    def prune(self, study: "optuna.study.Study", trial: "optuna.trial.FrozenTrial") -> bool:
+        epoch = trial.last_step
+        if epoch is None:
+            return False
+        direction = "maximize" if study.direction == optuna.study.StudyDirection.MAXIMIZE else "minimize"
+        rule = self.rule if direction == self.rule.direction else RungRule(
+            direction, self.rule.min_epochs, self.rule.reduction_factor, self.rule.n_startup_trials)
+        others = comparison_curves(study.get_trials(deepcopy=False), rule.rule, trial.number)
+        self.last = rule.decide(epoch, dict(trial.intermediate_values), others)
+        return self.last.prune
 
 
 # ---------------------------------------------------------------------------------------------
@@ -395,15 +581,21 @@ def make_curve_pruner(
     percentile: float | None = None,
     min_epochs: int | None = None,
     reduction_factor: int | None = None,
-) -> CurvePruner | None:
+    kinds: Sequence[str | None] | None = None,
+) -> "CurvePruner | ParetoRule | None":
     """The curve pruner `name` (one of `PRUNERS`) for a study whose primary metric goes `direction`.
 
     "none" -> None. None arguments take each rule's default; arguments a rule has no use for are
     ignored (`percentile` for "median"; `min_epochs` and `reduction_factor` for the percentile
-    rules; `n_warmup_epochs` and `percentile` for "hyperband"). Unknown name -> ConfigError.
+    rules; `n_warmup_epochs` and `percentile` for "asha"; `kinds` for all but "pareto", whose
+    `ParetoRule` judges the study's objectives as `kinds` names them). Unknown name -> ConfigError;
+    "hyperband" (Optuna's, one objective only) -> ConfigError naming "asha".
     """
     if name not in PRUNERS:
         raise _unknown(name)
+    if name == "hyperband":
+        raise ConfigError("--pruner hyperband is Optuna's multi-bracket HyperbandPruner, for one objective: with several"
+                          " use asha (one bracket of successive halving, what hyperband meant there before) or pareto")
     _direction(direction)
     if name == "none":
         return None
@@ -424,6 +616,9 @@ def make_curve_pruner(
                 n_warmup_epochs=n_warmup_epochs,
             ),
         )
+    if name == "pareto":
+        return ParetoRule(direction, **given(kinds=kinds, min_epochs=min_epochs, reduction_factor=reduction_factor,
+                                             n_startup_trials=n_startup_trials, n_warmup_epochs=n_warmup_epochs))
     return RungRule(
         direction,
         **given(
@@ -452,9 +647,11 @@ def make_optuna_pruner(
       (see `PercentileRule`): ``+ 1`` because Optuna's warm-up is ``step < n_warmup_steps`` and
       our epochs start at 1; ``n_min_trials`` because our startup count is of trials with a value
       at the epoch judged.
+    - "asha" -> ``RulePruner(RungRule(...))``: the very rule of multi-objective studies, as an Optuna
+      pruner (Optuna's `SuccessiveHalvingPruner` decides otherwise, see `RungRule`).
     - "hyperband" -> ``HyperbandPruner(min_resource=min_epochs, max_resource=epochs,
-      reduction_factor)``: Optuna's multi-bracket Hyperband, not the same decisions as `RungRule`
-      (see there). `n_startup_trials` has no counterpart there and is ignored (Optuna's
+      reduction_factor)``: Optuna's multi-bracket Hyperband, with `RungRule`'s defaults (m = 1,
+      r = 3). `n_startup_trials` has no counterpart there and is ignored (Optuna's
       `bootstrap_count` prunes, rather than spares, trials while few have reached a rung).
     - "none" -> ``NopPruner()``.
 
@@ -462,6 +659,9 @@ def make_optuna_pruner(
     """
     if name not in PRUNERS:
         raise _unknown(name)
+    if name == "pareto":
+        raise ConfigError("--pruner pareto judges several objectives at once: a single-objective study uses median,"
+                          " percentile, asha, hyperband or none")
     epochs = _int("epochs", epochs, 1)
     if name == "none":
         return optuna.pruners.NopPruner()
@@ -483,10 +683,11 @@ def make_optuna_pruner(
         if name == "median":
             return optuna.pruners.MedianPruner(**common)
         return optuna.pruners.PercentilePruner(rule.percentile, **common)
-    rung = make_curve_pruner(
-        name, "maximize", min_epochs=min_epochs, reduction_factor=reduction_factor
-    )
-    assert isinstance(rung, RungRule)
+    given = {k: v for k, v in dict(min_epochs=min_epochs, reduction_factor=reduction_factor).items() if v is not None}
+    if name == "asha":
+        return RulePruner(RungRule("maximize", **given, **({} if n_startup_trials is None else
+                                                             {"n_startup_trials": n_startup_trials})))
+    rung = RungRule("maximize", **given)  # hyperband: the rung rule's defaults and checks
     if epochs < rung.min_epochs:
         raise ConfigError(
             f"hyperband pruning needs epochs >= min_epochs, got epochs={epochs}, "

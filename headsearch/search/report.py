@@ -17,8 +17,6 @@ import sqlite3
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-import numpy as np
-
 from headsearch.errors import HeadsearchError
 from headsearch.jsonsafe import json_safe
 from headsearch.search.objectives import Objective, directions_of, objectives_of
@@ -60,7 +58,14 @@ def study_names(storage) -> list[str]:
 
 def load_study(storage_url: str, study_name: str | None):
     """Load `study_name` (or the only study) from an existing storage, with one-line errors."""
+    return load_study_stored(storage_url, study_name)[0]
+
+
+def load_study_stored(storage_url: str, study_name: str | None):
+    """`load_study`, and the study's `StudyStorage` (the storage object it was loaded from)."""
     import optuna
+
+    from headsearch.search.study import StudyStorage
 
     storage = open_existing_storage(storage_url)
     try:
@@ -75,9 +80,10 @@ def load_study(storage_url: str, study_name: str | None):
             raise HeadsearchError(f"storage {storage_url} holds several studies: pass --study, one of {', '.join(names)}")
         study_name = names[0]
     try:
-        return optuna.load_study(study_name=study_name, storage=storage)
+        study = optuna.load_study(study_name=study_name, storage=storage)
     except KeyError:
         raise HeadsearchError(f"unknown study {study_name} in {storage_url}: studies there are {', '.join(names)}") from None
+    return study, StudyStorage(storage, study_name)
 
 
 # -- the report -------------------------------------------------------------------------------
@@ -186,7 +192,9 @@ def _note(t, state: str, primary_direction: str | None) -> str:
         return str(a["rejected"])
     if state == "failed":
         return str(a.get("fail_reason", "failed (no reason recorded)"))
-    if a.get("duplicate_of") is not None:
+    if state == "duplicate":
+        return f"proposed trial {a['duplicate_of']}'s architecture again: not trained, not counted"
+    if a.get("duplicate_of") is not None:  # studies before headsearch 0.x reused a twin's results
         return f"duplicate of trial {a['duplicate_of']} (results reused)"
     return ""
 
@@ -241,7 +249,7 @@ def _front_rows(front, objectives: list[Objective]) -> list[FrontRow]:
 def param_importances(study, objectives: list[Objective]) -> list[Importance]:
     """Importances per objective, or the reason they cannot be computed.
 
-    Optuna 5's default evaluator (PED-ANOVA, no scikit-learn needed) ranks parameters by how much
+    PED-ANOVA (`importance_evaluator`, Optuna 5's default; no scikit-learn needed) ranks parameters by how much
     they matter for reaching the best values of `target`, which it takes as lower-is-better: a
     maximised objective is negated here.
     """
@@ -266,7 +274,7 @@ def param_importances(study, objectives: list[Objective]) -> list[Importance]:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # PED-ANOVA warns about the target's direction and few trials
                     raw = optuna.importance.get_param_importances(
-                        study, target=lambda t, i=i, sign=sign: sign * t.values[i])
+                        study, evaluator=importance_evaluator(), target=lambda t, i=i, sign=sign: sign * t.values[i])
                 imp.importances = {k: float(v) for k, v in raw.items()}
                 if not imp.importances:
                     imp.error = "no parameter is shared by all complete trials"
@@ -277,6 +285,14 @@ def param_importances(study, objectives: list[Objective]) -> list[Importance]:
                 imp.error = f"{type(e).__name__}: {e}"
         out.append(imp)
     return out
+
+
+def importance_evaluator():
+    """PED-ANOVA (Watanabe et al. 2023), named rather than left to Optuna's default: that is PED-ANOVA from
+    Optuna 5 but fANOVA, which needs scikit-learn, before it (Optuna 3.6 to 4.x have PED-ANOVA too)."""
+    from optuna.importance import PedAnovaImportanceEvaluator
+
+    return PedAnovaImportanceEvaluator()
 
 
 def json_key(x: Any) -> str:
@@ -341,29 +357,13 @@ def summarize(storage_url: str, study_name: str | None = None, *, study=None) ->
     )
 
 
-def _ranks(values: list[float]) -> np.ndarray:
-    """Ranks with ties averaged (for Spearman's rho)."""
-    order = np.argsort(values, kind="stable")
-    ranks = np.empty(len(values))
-    sorted_vals = np.asarray(values)[order]
-    i = 0
-    while i < len(values):
-        j = i
-        while j + 1 < len(values) and sorted_vals[j + 1] == sorted_vals[i]:
-            j += 1
-        ranks[order[i : j + 1]] = (i + j) / 2
-        i = j + 1
-    return ranks
-
-
 def spearman(x: list[float], y: list[float]) -> float | None:
-    """Spearman's rank correlation; None with fewer than 3 pairs or a constant side."""
-    if len(x) < 3:
+    """Spearman's rank correlation (SciPy's, ties averaged); None with fewer than 3 pairs or a constant side."""
+    from scipy import stats
+
+    if len(x) < 3 or len(set(x)) == 1 or len(set(y)) == 1:
         return None
-    rx, ry = _ranks(x), _ranks(y)
-    if rx.std() == 0 or ry.std() == 0:
-        return None
-    return float(np.corrcoef(rx, ry)[0, 1])
+    return float(stats.spearmanr(x, y)[0])
 
 
 def diversity_correlations(trials, objectives) -> dict[str, dict[str, float | None]]:

@@ -35,12 +35,13 @@ from headsearch.search.artifacts import write_trial_link
 from headsearch.search.fairtime import alone_key, device_share, known_epoch_seconds
 from headsearch.search.objectives import CONVERGENCE, Objective, resolve_objectives
 from headsearch.search.plan import Plan, plan_search
-from headsearch.search.pruning import comparison_curves, make_curve_pruner, make_optuna_pruner
-from headsearch.search.settings import SearchSettings, check_settings
+from headsearch.search.pruning import (ParetoRule, Progress, RulePruner, comparison_trials, make_curve_pruner,
+                                      make_optuna_pruner, progress_of)
+from headsearch.search.settings import SearchSettings, check_settings, load_callback
 from headsearch.search.space import SearchSpace, load_space
 from headsearch.search.storage import Heartbeat, budget_lock
-from headsearch.search.study import check_sampler, default_sampler, make_sampler, open_study
-from headsearch.tasks import DataSource, Task, apply_overrides, flag_overrides, get_task, resolve_config
+from headsearch.search.study import StudyStorage, check_sampler, default_sampler, make_sampler, open_study
+from headsearch.tasks import DataSource, Task, apply_overrides, flag_overrides, get_task, resolve_config, task_reference
 from headsearch.training import check_fits, preflight
 from headsearch.training.trainer import AloneClock, Callback, EpochRecord, resolve_device
 
@@ -48,17 +49,28 @@ __all__ = ["Search", "SearchCallback", "SearchSettings", "TrialPruning", "arch_s
 
 FEASIBILITY_SAMPLES = 200  # random architectures tried before a space is declared to have no valid one
 WAIT = object()  # _next_trial: the budget is held by running trials; ask again later
+# Proposals of an architecture some trial holds that the sampler may make in a row before the search takes
+# an architecture no trial holds itself (at random, seeded): each is a FAIL trial marked duplicate_of.
+DUPLICATE_ASKS = 5
 
 
 @dataclass
 class TrialRun:
-    """A trial being trained: its config, run directory, pruning callback and fair clock."""
+    """A trial being trained: its config, run directory, pruning callback and fair clock, and its TensorBoard
+    writer (--tensorboard) if any."""
 
     trial: Any
     cfg: RunConfig
     run_dir: Path
     pruning: "TrialPruning"
     clock: AloneClock
+    tensorboard: Callback | None = None
+
+    def trainer_callbacks(self, callbacks: Sequence[Callback] = ()) -> list[Callback]:
+        """What its trainer (or cohort slot) is given: the TensorBoard writer first (so that it records the epoch
+        a pruner stops at), the pruner, the diversity tracker, then `callbacks`."""
+        return [*([self.tensorboard] if self.tensorboard else []), self.pruning, *diversity_callbacks(self.cfg),
+                *callbacks]
 
 
 class SearchCallback(Callback):
@@ -88,10 +100,12 @@ class Search:
         if self.space.tasks and self.task.name not in self.space.tasks:
             raise ConfigError(f"space {self.space.name} is for {', '.join(self.space.tasks)}, not {self.task.name}")
         self.objectives = resolve_objectives(self.task, s.objectives)
+        self.optuna_callbacks = [load_callback(spec) for spec in s.callbacks]  # a bad one fails before any study
         check_settings(s)
         check_sampler(self.sampler_name(), len(self.objectives))
-        # The preset's search budget < the flags < the space's fixed values.
-        flags = flag_overrides(seed=s.seed, epochs=s.epochs, compile=s.compile, diversity_samples=s.diversity_samples or None)
+        # The preset's search budget < --set < the flags < the space's fixed values.
+        flags = flag_overrides(seed=s.seed, epochs=s.epochs, compile=s.compile, diversity_samples=s.diversity_samples or None,
+                               sets=s.sets)
         cfg = resolve_config(self.task, preset=s.preset, search=True, overrides=flags)
         self.base = self.space.base_config(cfg, lambda c, o: apply_overrides(self.task, c, o))
         self.study_name = s.study or "-".join([self.task.name, self.space.name] + ([s.preset] if s.preset else []))
@@ -106,7 +120,10 @@ class Search:
         self._cpu_bound = None
         self._share = None
         self._plan = None
+        self._listed, self._architectures = False, None  # architectures(), listed once
+        self._sampled: dict[int, RunConfig] = {}  # configs sampled under the budget lock, by trial number
         self.current_trial: int | None = None  # the number of the trial this worker is running, if any
+        self.store: StudyStorage | None = None  # the storage of the study `open` (or `adopt`) gave this search
         # Threads a process alone on this machine uses: what the fair time measures with on a CPU
         # (a worker among several runs with fewer; `headsearch.search.workers` sets it from the parent's).
         self.alone_threads: int | None = None
@@ -131,6 +148,17 @@ class Search:
         """Seeded by the index of the trial about to start (see `headsearch.search.study.make_sampler`)."""
         return make_sampler(self.sampler_name(), seed=self.settings.seed, trials=self.settings.trials, trial_index=trial_index)
 
+    def pruner_name(self) -> str:
+        """The pruning rule: the one asked for, else pareto for several objectives (the simulator's choice:
+        benchmarks/search_quality.py) and Optuna's median for one."""
+        return self.settings.pruner or ("pareto" if self.multi_objective else "median")
+
+    def progress_kinds(self) -> list[str | None]:
+        """What each objective is known by while a trial runs (`ParetoRule`): the primary metric's curve, time,
+        params, epochs; None for another task metric (known only at the end)."""
+        kinds = {"time": "time", "params": "params", "epochs": "epochs", self.task.primary.name: "quality"}
+        return [kinds.get(o.name) for o in self.objectives]
+
     def make_pruner(self):
         """(Optuna's pruner, None) for one objective; (None, the curve pruner or None) for several."""
         s = self.settings
@@ -138,66 +166,134 @@ class Search:
         startup = s.pruner_startup_trials if s.pruner_startup_trials is not None else max(2, min(5, s.trials // 4))
         opts = dict(n_startup_trials=startup, n_warmup_epochs=s.pruner_warmup_epochs)
         if self.multi_objective:
-            return None, make_curve_pruner(s.pruner, self.task.primary.direction, **opts)
-        return make_optuna_pruner(s.pruner, epochs=self.base.train.epochs, **opts), None
+            return None, make_curve_pruner(self.pruner_name(), self.task.primary.direction, kinds=self.progress_kinds(), **opts)
+        return make_optuna_pruner(self.pruner_name(), epochs=self.base.train.epochs, **opts), None
 
     def study_attrs(self) -> dict[str, Any]:
         described = self.source.describe()
         return {
-            "headsearch": {"task": self.task.name, "space": self.space.summary(),
+            "headsearch": {"task": task_reference(self.task), "space": self.space.summary(),
                            "objectives": [o.stored() for o in self.objectives],
                            "primary_metric": self.task.primary.name, "base_config": self.base.to_dict(),
-                           "sampler": self.sampler_name(), "pruner": self.settings.pruner, "seed": self.settings.seed,
+                           "sampler": self.sampler_name(), "pruner": self.pruner_name(), "seed": self.settings.seed,
                            "trials": self.settings.trials, "epochs": self.base.train.epochs,
                            "run_root": str(Path(self.settings.run_root).resolve() / self.study_name),
                            "data": str(Path(described).resolve()) if described != "download" else "download"},
         }
 
     def open(self):
-        """Create the study, or load it and check it is the same search."""
+        """Create the study, or load it and check it is the same search. The storage it was opened on is
+        kept (`store`) for what Optuna's `Trial` has no public method for (`StudyStorage`)."""
         optuna_pruner, _ = self.make_pruner()
-        return open_study(self.settings.storage, self.settings.heartbeat, self.study_name,
-                          metric_names=[o.name for o in self.objectives], directions=self.directions,
-                          attrs=self.study_attrs()["headsearch"], sampler=self.make_sampler(0), pruner=optuna_pruner)
+        study, self.store = open_study(
+            self.settings.storage, self.settings.heartbeat, self.study_name,
+            metric_names=[o.name for o in self.objectives], directions=self.directions,
+            attrs=self.study_attrs()["headsearch"], sampler=self.make_sampler(0), pruner=optuna_pruner)
+        return study
+
+    def adopt(self, study, storage) -> None:
+        """Run this search's trials in `study`, which the caller created on `storage` (an Optuna storage
+        object: the simulator's in-memory study), instead of the one `open` would open."""
+        self.store = StudyStorage(storage, study.study_name)
+
+    def _store(self, study) -> StudyStorage:
+        if self.store is None or self.store.study_name != study.study_name:
+            raise RuntimeError(f"study {study.study_name} was not opened by this search: use Search.open(),"
+                               " or Search.adopt(study, storage) for a study made elsewhere")
+        return self.store
 
     # -- the worker loop --------------------------------------------------------------------
     def _next_trial(self, study):
-        from optuna.storages import fail_stale_trials
-        from optuna.trial import TrialState
-
+        """The next trial to run under the budget lock, or None (the budget is spent, the space exhausted),
+        or WAIT (running trials hold the rest)."""
         with budget_lock(self.settings.storage, self.study_name):
             with warnings.catch_warnings():
                 # Optuna warns that heartbeats go with Study.optimize; ask/tell workers beat themselves (Heartbeat).
                 warnings.filterwarnings("ignore", message="Heartbeat of storage")
                 warnings.filterwarnings("ignore", message=".*fail_stale_trials is experimental")
-                if hasattr(study._storage, "record_heartbeat"):
-                    fail_stale_trials(study)  # a dead worker's trial -> FAIL, re-enqueued as WAITING
-                trials = study.get_trials(deepcopy=False)
-                states = [t.state for t in trials]
-                waiting = states.count(TrialState.WAITING)
-                # Failed trials do not count toward the budget; stop if they pile up (every config diverging).
-                failed = sum(1 for t in trials if t.state == TrialState.FAIL and "fail_reason" in t.user_attrs
-                             and not t.user_attrs["fail_reason"].startswith("interrupted"))
-                if failed >= max(5, 2 * self.settings.trials):
-                    raise HeadsearchError(
-                        f"{failed} trials failed in study {self.study_name} (see their fail_reason with `headsearch report`):"
-                        " fix the cause (e.g. a lower lr) before running more"
-                    )
-                running = states.count(TrialState.RUNNING)
-                counted = sum(states.count(s) for s in (TrialState.COMPLETE, TrialState.PRUNED)) + running + waiting
-                # Nothing left to ask: running trials hold the rest. With heartbeats, wait for them: one may
-                # belong to a dead worker and come back as a retry (or fail and free its place).
-                done = WAIT if running and hasattr(study._storage, "record_heartbeat") else None
-                if waiting == 0 and counted >= self.settings.trials:
+                return self._next_trial_locked(study)
+
+    def _next_trial_locked(self, study):
+        from optuna.storages import fail_stale_trials
+        from optuna.trial import TrialState
+
+        while True:
+            if self._store(study).heartbeats:
+                fail_stale_trials(study)  # a dead worker's trial -> FAIL, re-enqueued as WAITING
+            trials = study.get_trials(deepcopy=False)
+            states = [t.state for t in trials]
+            waiting = states.count(TrialState.WAITING)
+            # Failed trials do not count toward the budget; stop if they pile up (every config diverging).
+            failed = sum(1 for t in trials if t.state == TrialState.FAIL and "fail_reason" in t.user_attrs
+                         and not t.user_attrs["fail_reason"].startswith("interrupted"))
+            if failed >= max(5, 2 * self.settings.trials):
+                raise HeadsearchError(
+                    f"{failed} trials failed in study {self.study_name} (see their fail_reason with `headsearch report`):"
+                    " fix the cause (e.g. a lower lr) before running more"
+                )
+            running = states.count(TrialState.RUNNING)
+            counted = sum(states.count(s) for s in (TrialState.COMPLETE, TrialState.PRUNED)) + running + waiting
+            # Nothing left to ask: running trials hold the rest. With heartbeats, wait for them: one may
+            # belong to a dead worker and come back as a retry (or fail and free its place).
+            done = WAIT if running and self._store(study).heartbeats else None
+            if waiting == 0 and counted >= self.settings.trials:
+                return done
+            next_point = getattr(self.space, "next_point", None)  # a grid that says which point comes next
+            if next_point is not None and waiting == 0:
+                point = next_point(trials)
+                if point is None:  # every point is held, by finished runs or running ones
                     return done
+                study.enqueue_trial(point)
+            if next_point is not None or waiting:  # a grid's point, or an enqueued one (a retry, a warm start)
                 study.sampler = self.make_sampler(len(trials))
-                next_point = getattr(self.space, "next_point", None)  # a grid that says which point comes next
-                if next_point is not None and waiting == 0:
-                    point = next_point(trials)
-                    if point is None:  # every point is held, by finished runs or running ones
-                        return done
-                    study.enqueue_trial(point)
-                return study.ask()
+                trial = study.ask()
+                if next_point is not None or self._unless_held(study, trial, trials) is not None:
+                    return trial
+                continue  # an enqueued architecture that a trial holds already: told FAIL, not trained
+            return self._ask_unheld(study, trials, done)
+
+    def _ask_unheld(self, study, trials: list, done):
+        """A new trial whose architecture no trial holds (`holds_architecture`), its config sampled and kept
+        (under the budget lock, so two workers never start the same one). A proposal of a held architecture
+        is told FAIL with user_attr duplicate_of (neither trained nor counted) and the sampler is asked again,
+        reseeded; after DUPLICATE_ASKS such proposals in a row the search takes an architecture no trial holds.
+        `done` (None, or WAIT while trials run) when every architecture of the space is held."""
+        archs = self.architectures()
+        trials = list(trials)
+        if archs is not None and len({config_key(t.user_attrs.get("config")) for t in trials if holds_architecture(t)}) >= len(archs):
+            return done  # the space is exhausted
+        for attempt in range(DUPLICATE_ASKS + 1):
+            if attempt == DUPLICATE_ASKS:
+                point = self._untried_point(trials, len(trials))
+                if point is None:  # a space too big to list kept giving held points: stop this worker
+                    return done
+                study.enqueue_trial(point)
+            study.sampler = self.make_sampler(len(trials))
+            trial = study.ask()
+            if self._unless_held(study, trial, trials) is not None:
+                return trial
+            trials.append(self._store(study).frozen_trial(trial.number))
+        return done  # not reached: the last attempt takes an unheld point or returns
+
+    def _unless_held(self, study, trial, trials: list):
+        """`trial`, its config sampled and kept for `_begin_trial`; or None when a trial in `trials` holds its
+        architecture already: then it is told FAIL with user_attr duplicate_of (neither trained nor counted).
+        A config that cannot be built is returned as is (`_begin_trial` rejects it and says why)."""
+        from optuna.trial import TrialState
+
+        try:
+            cfg = self.sample_config(trial, resolve_device(self.settings.device))
+        except ConfigError:
+            return trial
+        trial.set_user_attr("config", cfg.to_dict())
+        holder = self._holder(trials, config_key(cfg.to_dict()), trial.number)
+        if holder is None:
+            self._sampled[trial.number] = cfg
+            return trial
+        trial.set_user_attr("duplicate_of", holder.number)
+        trial.set_user_attr("arch", arch_summary(cfg))
+        study.tell(trial, state=TrialState.FAIL)
+        return None
 
     def run_worker(self, worker_index: int = 0, callbacks: Sequence[SearchCallback] = (), argv: list[str] | None = None) -> None:
         """Run trials until the study holds `trials` finished ones or `timeout` passes."""
@@ -266,10 +362,10 @@ class Search:
 
         result, error = None, None
         try:
-            with Heartbeat(study._storage, run.trial._trial_id, self.settings.heartbeat):
+            with self._heartbeat(study, run.trial.number):
                 bound = self._bound_for(run.cfg, device)
                 result = train_bound(run.cfg, bound, run.run_dir, device=device, argv=argv, clock=run.clock,
-                                     callbacks=[run.pruning, *diversity_callbacks(run.cfg), *callbacks])
+                                     callbacks=run.trainer_callbacks(callbacks))
         except BaseException as e:
             error = e
         try:
@@ -280,14 +376,18 @@ class Search:
             # or failed trial's GPU memory is free before the next trial starts.
             error = None
 
+    def _heartbeat(self, study, number: int) -> Heartbeat:
+        store = self._store(study)
+        return Heartbeat(store.storage, store.trial_id(number), self.settings.heartbeat)
+
     def _begin_trial(self, study, trial, device, callbacks: Sequence[SearchCallback]) -> "TrialRun | str":
         """A trial's config, run directory, pruning and fair clock, or the name of the state it ended in
-        already ("REJECTED": an invalid config; "COMPLETE": a finished twin's results reused)."""
+        already ("REJECTED": an invalid config)."""
         from optuna.trial import TrialState
 
         trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
         try:
-            cfg = self.sample_config(trial, device)
+            cfg = self._sampled.pop(trial.number, None) or self.sample_config(trial, device)
         except ConfigError as e:
             # An invalid combination (e.g. a head count that does not divide a searched d_model, or a
             # model too big for the device): recorded as such, and never trained.
@@ -296,16 +396,19 @@ class Search:
             return "REJECTED"
         trial.set_user_attr("config", cfg.to_dict())
         trial.set_user_attr("arch", arch_summary(cfg))
-        if (same := self._completed_twin(study, cfg)) is not None:
-            return self._reuse(study, trial, same, callbacks)
         run_dir = Path(self.settings.run_root) / self.study_name / f"trial-{trial.number:05d}"
         trial.set_user_attr("run_dir", str(run_dir.resolve()))
         for cb in callbacks:
             cb.on_trial_start(trial.number, cfg)
         _, curve_pruner = self.make_pruner()
-        pruning = TrialPruning(study, trial, self.task.primary.name, curve_pruner, self.settings.pruner, not self.multi_objective,
-                               epochs=cfg.train.epochs)
-        return TrialRun(trial, cfg, run_dir, pruning, self.alone_clock(study, trial, cfg, device))
+        pruning = TrialPruning(study, trial, self.task.primary.name, curve_pruner, self.pruner_name(), not self.multi_objective,
+                               epochs=cfg.train.epochs, store=self._store(study))
+        writer = None
+        if self.settings.tensorboard is not None:
+            from headsearch.training.tensorboard import TensorBoardWriter, trial_dir
+
+            writer = TensorBoardWriter(trial_dir(self.settings.tensorboard, trial.number), hparams=trial.params)
+        return TrialRun(trial, cfg, run_dir, pruning, self.alone_clock(study, trial, cfg, device), writer)
 
     def _end_trial(self, study, run: "TrialRun", result, error: BaseException | None,
                    callbacks: Sequence[SearchCallback], reraise: bool = True) -> str:
@@ -317,6 +420,8 @@ class Search:
         from optuna.trial import TrialState
 
         trial, pruning = run.trial, run.pruning
+        if run.tensorboard is not None:
+            run.tensorboard.close()
         state, values = TrialState.FAIL, None
         if error is None:
             values = [o.value(result) for o in self.objectives]
@@ -349,7 +454,17 @@ class Search:
             study.tell(trial, state=state)
         for cb in callbacks:
             cb.on_trial_end(trial.number, state.name)
+        self._call_optuna_callbacks(study, trial.number)
         return state.name
+
+    def _call_optuna_callbacks(self, study, number: int) -> None:
+        """The user's Optuna callbacks on the trial just told, as `study.optimize` calls them (an exception
+        in one stops this worker, as it stops `optimize`)."""
+        if not self.optuna_callbacks:
+            return
+        frozen = next(t for t in study.get_trials(deepcopy=True) if t.number == number)
+        for callback in self.optuna_callbacks:
+            callback(study, frozen)
 
     # -- cohorts ------------------------------------------------------------------------------
     def run_cohort_worker(self, size: int, worker_index: int = 0, callbacks: Sequence[SearchCallback] = (),
@@ -366,6 +481,13 @@ class Search:
         study = self.open()
         device = resolve_device(self.settings.device)
         cohort = Cohort(self.task, size, device, soft_columns=self.soft_columns(), share=self._device_share(device))
+        self.run_interleaved(study, cohort, device, callbacks, argv)
+
+    def run_interleaved(self, study, cohort, device, callbacks: Sequence[SearchCallback] = (), argv: list[str] | None = None) -> None:
+        """The loop of `run_cohort_worker` over any `cohort`: an object with free slots that trains its
+        trials an epoch at a time and hands back the ones that ended (headsearch.training.cohort.Cohort;
+        headsearch.search.simulate's table, which looks each epoch up instead). The trials are asked,
+        sampled, deduplicated, judged by the pruner and told by this search's own code either way."""
         start, exhausted = time.monotonic(), False
         beats: dict[int, Heartbeat] = {}
         try:
@@ -407,11 +529,11 @@ class Search:
             trial.set_user_attr("cohort", {"size": 1, "why": why})
             self._train_alone(study, run, device, callbacks, argv)
             return
-        beat = Heartbeat(study._storage, trial._trial_id, self.settings.heartbeat).__enter__()
+        beat = self._heartbeat(study, trial.number).__enter__()
         try:
-            bound = self._bound_for(run.cfg, device)
+            bound = self._bound_for(run.cfg, device) if getattr(cohort, "needs_data", True) else None
             slot = cohort.add(run.cfg, bound, run.run_dir, argv=argv, clock=run.clock, tag=run,
-                              callbacks=[run.pruning, *diversity_callbacks(run.cfg), *callbacks])
+                              callbacks=run.trainer_callbacks(callbacks))
         except BaseException as e:
             beat.__exit__(None, None, None)
             self._end_trial(study, run, None, e, callbacks)
@@ -491,6 +613,80 @@ class Search:
         raise ConfigError(f"no architecture of space {self.space.name} is valid for {self.task.name}"
                           f" ({samples} random samples, all rejected), e.g. {commonest}")
 
+    def architectures(self) -> "dict[str, dict[str, Any]] | None":
+        """Every distinct valid config of the space, as {config key: the first parameters that give it}
+        (`config_key`; e.g. halving from 1 head and uniform 1 head are one architecture). None when the
+        space cannot be listed (a continuous range) or is a grid (a comparison's: each point is its own)."""
+        from optuna.trial import FixedTrial
+
+        from headsearch.search.space import enumerate_params
+
+        if self._listed:
+            return self._architectures
+        self._listed = True
+        if getattr(self.space, "next_point", None) is None:
+            params = enumerate_params(lambda t: self.space.sample(t, self.base))
+            if params is not None:
+                device = resolve_device(self.settings.device)
+                found: dict[str, dict[str, Any]] = {}
+                for p in params:
+                    try:
+                        cfg = self.sample_config(FixedTrial(p), device)
+                    except ConfigError:
+                        continue
+                    found.setdefault(config_key(cfg.to_dict()), p)
+                self._architectures = found
+        return self._architectures
+
+    def params_of(self, config: "Path | dict[str, Any]") -> dict[str, Any]:
+        """The space's parameters that give `config` (a YAML path or mapping: architecture fields, or a run
+        config whose `arch` is taken) on this search's base config: what `enqueue` puts first. ConfigError,
+        naming the config, when the space cannot be listed or does not hold that architecture."""
+        from headsearch.config import is_run_config, load_yaml
+
+        name = str(config) if isinstance(config, (str, Path)) else "the config"
+        d = load_yaml(Path(config)) if isinstance(config, (str, Path)) else config
+        if not isinstance(d, dict):
+            raise ConfigError(f"{name}: give architecture fields (as in examples/) or a run config")
+        cfg = apply_overrides(self.task, self.base, {"arch": d["arch"] if is_run_config(d) else d})
+        archs = self.architectures()
+        if archs is None:
+            raise ConfigError(f"{name}: space {self.space.name} cannot be listed (a continuous range), so an architecture"
+                              " cannot be put first; search without --enqueue")
+        params = archs.get(config_key(cfg.to_dict()))
+        if params is None:
+            base, mine = self.base.arch, cfg.arch
+            raise ConfigError(f"{name}: {arch_summary(cfg)} (d_model {mine.d_model}, {mine.enc_layers} layers) is not an"
+                              f" architecture of space {self.space.name} on this search's base (d_model {base.d_model},"
+                              f" {base.enc_layers} layers); `headsearch spaces` lists what the space holds")
+        return params
+
+    def enqueue(self, study, params: Sequence[dict[str, Any]]) -> list[int]:
+        """Put architectures first (Optuna's `enqueue_trial`: a warm start from known ones, e.g. the papers'),
+        each unless a trial of the study already has its parameters (a resumed search enqueues nothing twice).
+        Returns the indices in `params` that were enqueued."""
+        have = [t.params for t in study.get_trials(deepcopy=False)]
+        out = []
+        for i, p in enumerate(params):
+            if p not in have:
+                study.enqueue_trial(p)
+                have.append(p)
+                out.append(i)
+        return out
+
+    def trial_target(self) -> int:
+        """The trials the search will train: --trials, or fewer when the space holds fewer architectures."""
+        archs = self.architectures()
+        return min(self.settings.trials, len(archs)) if archs else self.settings.trials
+
+    def space_line(self) -> str | None:
+        """Said with the plan when the space is smaller than --trials; None otherwise."""
+        archs = self.architectures()
+        if archs is None or len(archs) >= self.settings.trials:
+            return None
+        return (f"space {self.space.name} holds {len(archs)} distinct architectures, fewer than --trials"
+                f" {self.settings.trials}: each is trained once and the search ends")
+
     def sample_config(self, trial, device) -> RunConfig:
         """The trial's config: the space's sample on the base config, checked as `headsearch train` checks
         one (the task's own checks and the size guard). Raises ConfigError for an invalid one."""
@@ -499,28 +695,45 @@ class Search:
         check_fits(self.task, cfg, device)
         return cfg
 
-    def _completed_twin(self, study, cfg: RunConfig):
-        """A complete trial with exactly this config (seed included): training it again would repeat it."""
-        from optuna.trial import TrialState
-
-        mine = json.dumps(cfg.to_dict(), sort_keys=True)
-        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-            if json.dumps(t.user_attrs.get("config"), sort_keys=True) == mine:
+    def _holder(self, trials, key: str, number: int):
+        """A trial other than `number` that holds the architecture `key`: finished (complete, pruned, failed
+        for good) or running. Training it again would repeat it."""
+        for t in trials:
+            if t.number != number and holds_architecture(t) and config_key(t.user_attrs.get("config")) == key:
                 return t
         return None
 
-    def _reuse(self, study, trial, twin, callbacks: Sequence[SearchCallback]) -> str:
-        """Small categorical spaces make samplers propose a finished point again: reuse its results."""
-        for k, v in twin.user_attrs.items():
-            if k not in ("worker",):
-                trial.set_user_attr(k, v)
-        trial.set_user_attr("duplicate_of", twin.number)
-        for epoch, value in twin.intermediate_values.items():
-            study._storage.set_trial_intermediate_value(trial._trial_id, epoch, value)
-        study.tell(trial, values=twin.values)
-        for cb in callbacks:
-            cb.on_trial_end(trial.number, "COMPLETE")
-        return "COMPLETE"
+    def _untried_point(self, trials, seed_index: int) -> dict[str, Any] | None:
+        """The parameters of an architecture of the space that no trial holds, drawn at random (seeded by the
+        trial index); None when every one is held, or the space cannot be listed."""
+        import random
+
+        archs = self.architectures()
+        if archs is None:
+            return None
+        held = {config_key(t.user_attrs.get("config")) for t in trials if holds_architecture(t)}
+        free = [p for k, p in archs.items() if k not in held]
+        if not free:
+            return None
+        return random.Random(self.settings.seed * 100_003 + seed_index).choice(free)
+
+
+def config_key(config: Any) -> str:
+    """A config dict as one string: two trials with equal keys train the same thing (seed included)."""
+    return json.dumps(config, sort_keys=True, default=str)
+
+
+def holds_architecture(t) -> bool:
+    """Whether trial `t` holds its architecture: it ran or runs it (complete, pruned, running) or failed for
+    good (diverged, out of memory). Not: a rejected config, a duplicate proposal, an interrupted run (retried)."""
+    from optuna.trial import TrialState
+
+    a = t.user_attrs
+    if "config" not in a or "rejected" in a or "duplicate_of" in a:
+        return False
+    if t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING):
+        return True
+    return t.state == TrialState.FAIL and "fail_reason" in a and not str(a["fail_reason"]).startswith("interrupted")
 
 
 def with_storage_retries(write, attempts: int = 5, wait: float = 0.2):
@@ -562,14 +775,17 @@ class TrialPruning(Callback):
     """Trainer callback: record each epoch's primary metric as an intermediate value and prune.
 
     One objective: `Trial.report` and Optuna's pruner. Several: the value goes to the storage directly
-    and `curve_pruner` judges the curve against `comparison_curves` (see headsearch.search.pruning).
+    (`store`, the study's `StudyStorage`: needed then) and `curve_pruner` judges the curve against
+    `comparison_curves` (see headsearch.search.pruning).
     A trial's last epoch is recorded but not judged: it is trained already, so pruning it saves nothing
     and would only throw its objectives away.
     """
 
     def __init__(self, study, trial, metric: str, curve_pruner, pruner_name: str, single_objective: bool,
-                 epochs: int | None = None):
-        self.study, self.trial, self.metric = study, trial, metric
+                 epochs: int | None = None, store: StudyStorage | None = None):
+        if not single_objective and store is None:
+            raise ValueError("a multi-objective trial's pruning writes through the study's storage: pass store")
+        self.study, self.trial, self.metric, self.store = study, trial, metric, store
         self.curve_pruner, self.pruner_name, self.single = curve_pruner, pruner_name, single_objective
         self.epochs = epochs  # the trial's last epoch: nothing is left to save there, so it is never pruned
         self.curve: dict[int, float] = {}
@@ -579,19 +795,29 @@ class TrialPruning(Callback):
         self.curve[epoch] = value
         if epoch == 1 and record.epoch_seconds_alone is not None:  # a pruned trial's measurement serves later ones too
             self.trial.set_user_attr("epoch_seconds_alone", record.epoch_seconds_alone)
+        if epoch == 1 and record.params is not None:  # the Pareto rule compares a pruned trial's params too
+            self.trial.set_user_attr("params", record.params)
         last = self.epochs is not None and epoch >= self.epochs
         if self.single:
             self.trial.report(value, epoch)
             if not last and self.trial.should_prune():
-                self._prune({"prune": True, "rule": self.pruner_name, "epoch": epoch, "value": value, "threshold": None,
-                             "n_compared": None, "note": "Optuna's pruner (single objective): it does not expose its threshold"})
+                pruner = self.study.pruner
+                if isinstance(pruner, RulePruner) and pruner.last is not None:  # our rule: its decision, threshold and all
+                    self._prune(pruner.last.reason())
+                else:
+                    self._prune({"prune": True, "rule": self.pruner_name, "epoch": epoch, "value": value, "threshold": None,
+                                 "n_compared": None, "note": "Optuna's pruner (single objective): it does not expose its threshold"})
             return
         # Multi-objective: Trial.report refuses, the storage API does not (docs/design.md §7).
-        self.study._storage.set_trial_intermediate_value(self.trial._trial_id, epoch, value)
+        self.store.set_intermediate_value(self.trial.number, epoch, value)
         if self.curve_pruner is None or last:
             return
-        others = comparison_curves(self.study.get_trials(deepcopy=False), self.curve_pruner.rule, self.trial.number)
-        decision = self.curve_pruner.decide(epoch, self.curve, others)
+        others = comparison_trials(self.study.get_trials(deepcopy=False), self.curve_pruner.rule, self.trial.number)
+        if isinstance(self.curve_pruner, ParetoRule):
+            mine = Progress(self.curve, record.params, record.epoch_seconds_alone)
+            decision = self.curve_pruner.decide(epoch, mine, [progress_of(t) for t in others])
+        else:
+            decision = self.curve_pruner.decide(epoch, self.curve, [dict(t.intermediate_values) for t in others])
         if decision.prune:
             self._prune(decision.reason())
 

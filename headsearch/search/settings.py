@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ class SearchSettings:
     timeout: float | None = None
     objectives: tuple[str, ...] | None = None
     sampler: str | None = None  # default: nsga2 for several objectives, tpe for one
-    pruner: str = "median"
+    pruner: str | None = None  # default: pareto for several objectives, median for one
     pruner_startup_trials: int | None = None
     pruner_warmup_epochs: int | None = None
     storage: str = DEFAULT_STORAGE
@@ -41,13 +40,16 @@ class SearchSettings:
     device: str = "auto"
     heartbeat: int = 30
     diversity_samples: int = 0  # track the head-diversity scalars each epoch on this many validation samples
+    sets: Any = None  # {section: {key: value}} from --set SECTION.KEY=VALUE (tasks.parse_sets), for every trial
+    callbacks: tuple[str, ...] = ()  # "module:attr" Optuna callbacks (study, FrozenTrial), called after each trained trial
+    tensorboard: str | None = None  # a folder for per-epoch TensorBoard records, one run per trial (DIR/trial-NNNNN)
 
 
 def check_settings(s: SearchSettings) -> None:
     """The sampler and pruner names, and the process counts."""
     if s.sampler is not None and s.sampler not in SAMPLERS:
         raise ConfigError(f"unknown sampler {s.sampler!r}: use one of {', '.join(SAMPLERS)}")
-    if s.pruner not in PRUNERS:
+    if s.pruner is not None and s.pruner not in PRUNERS:
         raise ConfigError(f"unknown pruner {s.pruner!r}: use one of {', '.join(PRUNERS)}")
     check_process_counts(s)
     if s.timeout is not None and not (s.timeout > 0 and math.isfinite(s.timeout)):
@@ -57,18 +59,18 @@ def check_settings(s: SearchSettings) -> None:
     if s.heartbeat < 0:
         raise ConfigError(f"--heartbeat {s.heartbeat}: give seconds between heartbeats (0 turns them off)")
     check_run_root(Path(s.run_root))
+    if s.tensorboard is not None:
+        from headsearch.training.tensorboard import check_tensorboard
+
+        check_tensorboard(s.tensorboard)
 
 
 def check_run_root(root: Path) -> None:
     """The trials' run directories go under `root`: it must be (or become) a writable folder."""
-    existing = root
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if existing.exists() and not existing.is_dir():
-        what = "is a file" if existing == root else f"is inside {existing}, which is a file"
-        raise ConfigError(f"--run-root {root} {what}: give a folder for the trials' run directories")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"--run-root {root}: {existing} is not writable, give another folder")
+    from headsearch.io import folder_problem
+
+    if problem := folder_problem(root, "the trials' run directories"):
+        raise ConfigError(f"--run-root {root}{problem}")
 
 
 def check_process_counts(s: SearchSettings) -> None:
@@ -81,3 +83,25 @@ def check_process_counts(s: SearchSettings) -> None:
         raise ConfigError(f"--trials-per-gpu {s.trials_per_gpu}: run at least 1 trial per GPU")
     if s.cohort is not None and not 1 <= s.cohort <= MAX_COHORT:
         raise ConfigError(f"--cohort {s.cohort}: give the number of trials a worker trains together, 1 (off) to {MAX_COHORT}")
+
+
+def load_callback(spec: str):
+    """`module:attr` (attr may be dotted) imported: an Optuna callback `(study, FrozenTrial) -> None`, as
+    `study.optimize(callbacks=...)` takes (optuna-integration's W&B and MLflow callbacks are such objects).
+    A spec, so that spawned workers import it too. One-line ConfigError when it cannot be loaded."""
+    import importlib
+
+    module_name, colon, attr = spec.partition(":")
+    if not colon or not module_name or not attr:
+        raise ConfigError(f"--callback {spec}: write module:attr, e.g. my_trackers:wandb_callback")
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"--callback {spec}: cannot import {module_name} ({e}); is it on PYTHONPATH?") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"--callback {spec}: {module_name} has no {attr}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ConfigError(f"--callback {spec}: {attr} is not callable; give a callback(study, trial) object")
+    return obj

@@ -16,16 +16,19 @@ class Snapshot:
         return self.counts["complete"] + self.counts["pruned"] + self.counts["rejected"]
 
 
-TRIAL_STATES = ("complete", "pruned", "rejected", "failed", "running", "waiting")
+TRIAL_STATES = ("complete", "pruned", "rejected", "failed", "running", "waiting", "duplicate")
 
 
 def trial_state(t) -> str:
     """A trial's state as headsearch names it (one of TRIAL_STATES): a rejected architecture is stored
-    PRUNED with user_attr "rejected"."""
+    PRUNED with user_attr "rejected"; a proposal of an architecture another trial holds, FAIL with
+    user_attr "duplicate_of" (never trained, not counted toward --trials)."""
     from optuna.trial import TrialState
 
     if t.state == TrialState.PRUNED:
         return "rejected" if "rejected" in t.user_attrs else "pruned"
+    if t.state == TrialState.FAIL and t.user_attrs.get("duplicate_of") is not None:
+        return "duplicate"
     return {TrialState.COMPLETE: "complete", TrialState.FAIL: "failed", TrialState.RUNNING: "running",
             TrialState.WAITING: "waiting"}[t.state]
 

@@ -244,3 +244,60 @@ def load_space(name_or_path: str) -> SearchSpace:
 
 def all_spaces() -> list[SearchSpace]:
     return [load_space(n) for n in builtin_spaces()]
+
+
+# -- enumeration ----------------------------------------------------------------------------
+
+class NotEnumerable(Exception):
+    """The space has a numeric range: its points cannot be listed."""
+
+
+class _BranchingTrial:
+    """Stands in for an Optuna trial and answers each categorical question with the choice `path` names
+    (the first choice past its end), so that `enumerate_params` can walk every branch of a sampling."""
+
+    def __init__(self, path: list[int]):
+        self.path, self.asked, self.params = path, [], {}
+
+    def suggest_categorical(self, name: str, choices):
+        depth = len(self.asked)
+        index = self.path[depth] if depth < len(self.path) else 0
+        self.asked.append(len(choices))
+        self.params[name] = choices[index]
+        return choices[index]
+
+    def suggest_int(self, name: str, low: int, high: int, step: int = 1, log: bool = False):
+        values = range(low, high + 1, step)
+        if log or len(values) > 1000:
+            raise NotEnumerable(f"{name} has too many values to list")
+        return self.suggest_categorical(name, list(values))
+
+    def suggest_float(self, name: str, *args, **kwargs):
+        raise NotEnumerable(f"{name} is a continuous range")
+
+
+def enumerate_params(sample, limit: int = 100_000) -> list[dict[str, Any]] | None:
+    """Every parameter set that `sample(trial)` can ask for, when it asks only categorical (or integer)
+    questions: a depth-first walk over the choices, each question's answers in order. None when a
+    question is continuous, or the space has more than `limit` points (then it is not worth listing)."""
+    out: list[dict[str, Any]] = []
+    path: list[int] = []
+    while True:
+        trial = _BranchingTrial(path)
+        try:
+            sample(trial)
+        except NotEnumerable:
+            return None
+        except ConfigError:
+            pass  # a branch the space itself refuses: no point there
+        else:
+            out.append(dict(trial.params))
+        if len(out) > limit:
+            return None
+        # The next branch: advance the deepest question that has choices left, and drop those below it.
+        path = [trial.path[i] if i < len(trial.path) else 0 for i in range(len(trial.asked))]
+        while path and path[-1] + 1 >= trial.asked[len(path) - 1]:
+            path.pop()
+        if not path:
+            return out
+        path[-1] += 1

@@ -72,9 +72,49 @@ def make_sampler(name: str, *, seed: int, trials: int, trial_index: int = 0):
     return optuna.samplers.RandomSampler(seed=seed)
 
 
+class StudyStorage:
+    """The storage a study lives in and the study's id there, held by whoever opened the storage.
+
+    Optuna's public API gives neither back (`Study._storage`, `Study._study_id` and `Trial._trial_id`
+    are private), so headsearch keeps the storage object it opened (`open_study`; the simulator's
+    in-memory one) and finds ids through the storage's public methods (`BaseStorage.get_study_id_from_name`,
+    `get_trial_id_from_study_id_trial_number`: Optuna 4.0 on). Used where `Trial` has no method:
+    heartbeats, intermediate values of a multi-objective trial (`Trial.report` refuses them), a trial's
+    frozen record right after it was told.
+    """
+
+    def __init__(self, storage, study_name: str) -> None:
+        self.storage, self.study_name = storage, study_name
+        self.study_id = storage.get_study_id_from_name(study_name)
+        self._ids: dict[int, int] = {}  # trial number -> trial id (fixed once the trial exists)
+
+    @property
+    def heartbeats(self) -> bool:
+        """Whether the storage records heartbeats (Optuna's RDB storage; journal and in-memory ones do not)."""
+        return hasattr(self.storage, "record_heartbeat")
+
+    def trial_id(self, number: int) -> int:
+        if number not in self._ids:
+            self._ids[number] = self.storage.get_trial_id_from_study_id_trial_number(self.study_id, number)
+        return self._ids[number]
+
+    def frozen_trial(self, number: int):
+        """The trial numbered `number` as the storage holds it now (a `FrozenTrial`)."""
+        return self.storage.get_trial(self.trial_id(number))
+
+    def set_intermediate_value(self, number: int, step: int, value: float) -> None:
+        """What `Trial.report` writes, for a multi-objective trial (where `Trial.report` refuses)."""
+        self.storage.set_trial_intermediate_value(self.trial_id(number), step, value)
+
+    def system_attrs(self) -> dict[str, Any]:
+        return self.storage.get_study_system_attrs(self.study_id)
+
+
 def open_study(storage_url: str, heartbeat: int | None, study_name: str, *, metric_names: Sequence[str],
                directions: Sequence[str], attrs: Mapping[str, Any], sampler, pruner):
-    """Create the study, or load it and check it is the same search (`attrs`: its `headsearch` attributes)."""
+    """Create the study, or load it and check it is the same search (`attrs`: its `headsearch` attributes).
+    Returns (the study, its `StudyStorage`). For an RDB storage the study reads through Optuna's cache of
+    finished trials around the same `RDBStorage`; writes go straight to the database either way."""
     import optuna
 
     storage = open_storage(storage_url, heartbeat)
@@ -88,7 +128,7 @@ def open_study(storage_url: str, heartbeat: int | None, study_name: str, *, metr
             study.set_metric_names(list(metric_names))
     else:
         check_same_search(stored, attrs, study_name, storage_url)
-    return study
+    return study, StudyStorage(storage, study_name)
 
 
 def check_same_search(stored: Mapping[str, Any], mine: Mapping[str, Any], study_name: str, storage_url: str) -> None:

@@ -51,6 +51,12 @@ def open_search(search):
     return search.open()
 
 
+def with_space_line(line: str, search) -> str:
+    """The plan's line, and what it does when the space holds fewer architectures than --trials."""
+    note = search.space_line()
+    return f"{line}; {note}" if note else line
+
+
 def run_search(search, callbacks: Sequence = (), argv: list[str] | None = None,
                poll: Callable[[], None] | None = None, every: float = 2.0,
                announce: Callable[[str], None] | None = None) -> list[WorkerFailure]:
@@ -64,12 +70,12 @@ def run_search(search, callbacks: Sequence = (), argv: list[str] | None = None,
     plan = search.machine_plan()
     if len(plan.devices) == 1:
         if announce is not None:
-            announce(plan.describe())
+            announce(with_space_line(plan.describe(), search))
         search.run_worker(0, callbacks=callbacks, argv=argv)
         return []
     with managed_mps(plan.mps) as mps:
         if announce is not None:
-            announce(plan.describe(mps if plan.mps else None))
+            announce(with_space_line(plan.describe(mps if plan.mps else None), search))
         procs = run_workers(search, argv)
         try:
             while any(p.is_alive() for p in procs):
@@ -81,6 +87,18 @@ def run_search(search, callbacks: Sequence = (), argv: list[str] | None = None,
             raise
     logs = worker_log_dir(search)
     return [worker_failure(i, p.exitcode, logs) for i, p in enumerate(procs) if p.exitcode]
+
+
+def failure_line(failures: Sequence[WorkerFailure]) -> str:
+    """One line for failed worker processes: the first failure's reason (bad input: as one process says
+    it), where its log is, and how many others failed."""
+    first = failures[0]
+    if first.bad_input:
+        line = first.message
+    else:
+        line = f"worker {first.index} failed {first.message} (traceback in {first.log})"
+    others = len(failures) - 1
+    return line + (f"; {others} other worker(s) failed too, logs beside it" if others else "")
 
 
 def stop_workers(procs, grace: float = 5.0, patience: float = 60.0) -> None:

@@ -31,7 +31,6 @@ import torch.nn.functional as F
 
 from headsearch.config import path_problem
 from headsearch.errors import ConfigError, DataError
-from headsearch.tasks.vit_cifar10 import AUGMENTATIONS  # the task names what it accepts
 
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 # The figures of the augmentation table of Martínez-Marín et al. (HAM), widely copied across CIFAR code.
@@ -55,6 +54,7 @@ _EXPECTED = f"expected {_NPZ_FILES} (x, y, label_names), or a {_PY_DIR} folder w
 _CROP_ATTEMPTS = 10
 # U[0, 1) numbers each augmentation reads per image: a coin; an (area, ratio) pair per attempt and a corner; a corner.
 _UNIFORMS = {"flip": 1, "resized_crop": 2 * _CROP_ATTEMPTS + 2, "pad_crop": 2}
+AUGMENTATIONS = tuple(_UNIFORMS)  # the ops GpuAugment implements
 
 
 @dataclass(frozen=True)

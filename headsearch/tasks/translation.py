@@ -9,11 +9,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from headsearch.config import ArchConfig, DataOptions, RunConfig, TrainConfig, _coerce, _whole, path_problem
+from headsearch.config import ArchConfig, DataOptions, RunConfig, TrainConfig, coerce_fields, whole_number, path_problem
 from headsearch.errors import ConfigError, DataError
 from headsearch.io import cache_root, write_atomic
 from headsearch.tasks.base import DataSource, Metric, Task, TokenAttention, limited, rebound, seeded_subset
-from headsearch.tasks.registry import register
 
 SPECIAL_TOKENS = 4  # [UNK] [PAD] [SOS] [EOS]
 
@@ -51,7 +50,7 @@ class TranslationData(DataOptions):
     def __post_init__(self) -> None:
         object.__setattr__(self, "val_size", _split_size("val_size", self.val_size))
         object.__setattr__(self, "test_size", _split_size("test_size", self.test_size))
-        _coerce(self, ints=("train_limit", "max_len", "vocab_size", "min_frequency", "eval_batch_size"), optional=("train_limit",))
+        coerce_fields(self, ints=("train_limit", "max_len", "vocab_size", "min_frequency", "eval_batch_size"), optional=("train_limit",))
         if self.train_limit is not None and self.train_limit < 1:
             raise ConfigError(f"data.train_limit = {self.train_limit} must be at least 1, or null for every pair")
         if self.max_len < 4:
@@ -71,7 +70,7 @@ class TranslationData(DataOptions):
         value, example = self.buckets, list(bucket_ladder(self.max_len))
         if not isinstance(value, (list, tuple)) or not value:
             raise ConfigError(f"data.buckets = {value!r} must be a list of padded lengths, e.g. {example}, or null")
-        lengths = tuple(_whole(n) for n in value)
+        lengths = tuple(whole_number(n) for n in value)
         if None in lengths:
             raise ConfigError(f"data.buckets = {list(value)} must hold whole numbers of tokens, e.g. {example}")
         if any(a >= b for a, b in zip(lengths, lengths[1:])):
@@ -213,6 +212,8 @@ class BoundTranslation:
         self.split = {"seed": cfg.seed, "source": corpus.source, "pairs": len(corpus.src),
                       "train": len(train_idx), "train_used": self.n_train, "train_dropped_too_long": len(train_idx) - self.n_train,
                       "val_indices": split["val"].tolist(), "test_indices": split["test"].tolist()}
+        if corpus.provenance is not None:  # a downloaded corpus: its dataset id, revision and commit
+            self.split["data"] = dict(corpus.provenance)
         self.last_outputs: dict[str, list[str]] = {}
 
     def _eval_set(self, corpus, idx) -> dict:
@@ -367,26 +368,24 @@ def setup(cfg: RunConfig, source: DataSource, device, run_dir: Path | None = Non
     return BoundTranslation(cfg, source, device, run_dir)
 
 
-TASK = register(
-    Task(
-        name="translation-en-es",
-        description="English->Spanish encoder-decoder (Deep Head, Cruz et al.): sacrebleu BLEU, CER, WER",
-        metrics=(
-            Metric("bleu", "maximize", "corpus BLEU (sacrebleu)"),
-            Metric("cer", "minimize", "character error rate"),
-            Metric("wer", "minimize", "word error rate"),
-            Metric("loss", "minimize", "teacher-forced cross-entropy per token"),
-        ),
-        default_config=default_config,
-        presets=PRESETS,
-        data_options=TranslationData,
-        check_source=check_source,
-        setup=setup,
-        # On CUDA, batches are padded to a few fixed lengths (data.buckets), all shown by warmup_batches.
-        static_shapes=True,
-        shape_note="translation batches are padded to a few fixed lengths (data.buckets) on CUDA",
-        check_config=check_config,
-        footprint=footprint,
-        data_footprint=data_footprint,
-    )
+TASK = Task(
+    name="translation-en-es",
+    description="English->Spanish encoder-decoder (Deep Head, Cruz et al.): sacrebleu BLEU, CER, WER",
+    metrics=(
+        Metric("bleu", "maximize", "corpus BLEU (sacrebleu)"),
+        Metric("cer", "minimize", "character error rate"),
+        Metric("wer", "minimize", "word error rate"),
+        Metric("loss", "minimize", "teacher-forced cross-entropy per token"),
+    ),
+    default_config=default_config,
+    presets=PRESETS,
+    data_options=TranslationData,
+    check_source=check_source,
+    setup=setup,
+    # On CUDA, batches are padded to a few fixed lengths (data.buckets), all shown by warmup_batches.
+    static_shapes=True,
+    shape_note="translation batches are padded to a few fixed lengths (data.buckets) on CUDA",
+    check_config=check_config,
+    footprint=footprint,
+    data_footprint=data_footprint,
 )

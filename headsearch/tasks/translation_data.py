@@ -2,8 +2,8 @@
 
 Two sources of sentence pairs:
 
-* `load_opus_books` — opus_books en-es from the Hugging Face hub, the corpus of the Deep Head
-  repository (Cruz et al.). Needs the network.
+* `load_opus_books` — opus_books en-es from the Hugging Face hub (`Helsinki-NLP/opus_books` at a pinned
+  or recorded commit), the corpus of the Deep Head repository (Cruz et al.). Needs the network.
 * `read_parallel_tsv` — any local tab-separated parallel file, one pair per line. The copy used for
   tests and examples is the Tatoeba English–Spanish file `spa.txt` from manythings.org/anki
   (sentences from tatoeba.org), released under CC-BY 2.0 (France): credit tatoeba.org and
@@ -21,9 +21,9 @@ import math
 import numbers
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -54,6 +54,8 @@ class ParallelCorpus:
     src: tuple[str, ...]
     tgt: tuple[str, ...]
     source: str  # human-readable origin
+    # Where a downloaded corpus came from exactly (dataset id, config, revision asked, commit loaded); None for a file.
+    provenance: Mapping[str, Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.src) != len(self.tgt):
@@ -110,8 +112,38 @@ def _decode_line(raw: bytes, lineno: int, path: Path) -> str:
         raise DataError(f"{path}, line {lineno}: not valid UTF-8 — re-save the file as UTF-8") from None
 
 
+OPUS_BOOKS_ID = "Helsinki-NLP/opus_books"  # the canonical id ("opus_books" is the legacy alias)
+# The commit of OPUS_BOOKS_ID to load. None: not pinned yet. It was written where no machine reaches the
+# hub, so no commit could be looked up; until someone who can pins it here (a 40-hex commit of the
+# dataset repository), the hub's default branch is resolved to its commit at load time and that commit
+# is recorded with every run (split.json: "data"). OPUS_BOOKS_REVISION_ENV overrides it for one run.
+OPUS_BOOKS_REVISION: str | None = None
+OPUS_BOOKS_REVISION_ENV = "HEADSEARCH_OPUS_BOOKS_REVISION"
+
+
+def opus_books_revision() -> str | None:
+    """The revision of opus_books to load: $HEADSEARCH_OPUS_BOOKS_REVISION, else `OPUS_BOOKS_REVISION`."""
+    return os.environ.get(OPUS_BOOKS_REVISION_ENV, "").strip() or OPUS_BOOKS_REVISION
+
+
+def resolve_hub_commit(dataset_id: str, revision: str | None) -> str | None:
+    """The commit the hub resolves `revision` (None: the default branch) of dataset `dataset_id` to, through
+    huggingface_hub's public `HfApi.dataset_info(...).sha`; None when the hub cannot be asked (offline, no
+    huggingface_hub): then the load itself says what went wrong."""
+    try:
+        from huggingface_hub import HfApi
+
+        return HfApi().dataset_info(dataset_id, revision=revision).sha
+    except Exception:
+        return None
+
+
 def load_opus_books(pair: str = "en-es") -> ParallelCorpus:
-    """opus_books (Tiedemann, OPUS) from the Hugging Face hub: the Deep Head repository's corpus. Needs the network."""
+    """opus_books (Tiedemann, OPUS) from the Hugging Face hub: the Deep Head repository's corpus. Needs the network.
+
+    Loaded by its canonical id at `opus_books_revision()`, resolved to a commit first (`resolve_hub_commit`) so
+    that the commit loaded is the one recorded: `ParallelCorpus.provenance` holds the id, the config, the
+    revision asked for (None: the default branch) and that commit (None when it could not be resolved)."""
     langs = pair.split("-")
     if len(langs) != 2 or not all(langs):
         raise ConfigError(f"bad language pair {pair!r}: write it as source-target, e.g. 'en-es'")
@@ -120,20 +152,26 @@ def load_opus_books(pair: str = "en-es") -> ParallelCorpus:
         from datasets import load_dataset
     except ImportError:
         raise DataError("opus_books needs the 'datasets' package — pip install datasets, or pass --data-file") from None
+    revision = opus_books_revision()
+    commit = resolve_hub_commit(OPUS_BOOKS_ID, revision)
     try:
-        rows = load_dataset("opus_books", pair, split="train")["translation"]
+        rows = load_dataset(OPUS_BOOKS_ID, pair, split="train", revision=commit or revision)["translation"]
     except Exception as e:  # the hub raises many unrelated types (connection, HTTP, not-found, offline mode)
         reason = str(e).splitlines()[0] if str(e) else ""
+        at = f" at revision {revision}" if revision else ""
         raise DataError(
-            f"could not load opus_books {pair} from the Hugging Face hub ({type(e).__name__}: {reason}) — "
+            f"could not load {OPUS_BOOKS_ID} {pair}{at} from the Hugging Face hub ({type(e).__name__}: {reason}) — "
             "check the network, or pass a local tab-separated file with --data-file"
         ) from e
     pairs = [(r[src_lang].strip(), r[tgt_lang].strip()) for r in rows]
     pairs = [(s, t) for s, t in pairs if s and t]
     if not pairs:
-        raise DataError(f"opus_books {pair} came back empty — pass a local tab-separated file with --data-file")
+        raise DataError(f"{OPUS_BOOKS_ID} {pair} came back empty — pass a local tab-separated file with --data-file")
     src, tgt = zip(*pairs)
-    return ParallelCorpus(tuple(src), tuple(tgt), source=f"opus_books {pair} (Hugging Face hub)")
+    provenance = {"dataset": OPUS_BOOKS_ID, "config": pair, "revision": revision, "commit": commit}
+    at = commit or revision or "the default branch, commit not resolved"
+    return ParallelCorpus(tuple(src), tuple(tgt), source=f"{OPUS_BOOKS_ID} {pair} @ {at} (Hugging Face hub)",
+                          provenance=provenance)
 
 
 # ---------------------------------------------------------------------------------------------------

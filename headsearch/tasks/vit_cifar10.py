@@ -7,12 +7,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from headsearch.config import ArchConfig, DataOptions, RunConfig, TrainConfig, _coerce, path_problem
+from headsearch.config import ArchConfig, DataOptions, RunConfig, TrainConfig, coerce_fields, path_problem
 from headsearch.errors import ConfigError, DataError
 from headsearch.io import write_atomic
 from headsearch.tasks.base import DataSource, Metric, PatchAttention, Task, limited, rebound, seeded_subset
-from headsearch.tasks.registry import register
 
+# What data.augment accepts: the ops cifar_data.GpuAugment implements (a test keeps the two equal; cifar_data
+# imports torch, which registering a task must not).
 AUGMENTATIONS = ("flip", "resized_crop", "pad_crop")
 TRAIN_IMAGES, TEST_IMAGES = 50_000, 10_000  # the official CIFAR-10 split
 
@@ -28,7 +29,7 @@ class CifarData(DataOptions):
     eval_batch_size: int = 1024
 
     def __post_init__(self) -> None:
-        _coerce(self, ints=("val_size", "train_limit", "test_limit", "eval_batch_size"), optional=("train_limit", "test_limit"))
+        coerce_fields(self, ints=("val_size", "train_limit", "test_limit", "eval_batch_size"), optional=("train_limit", "test_limit"))
         if not 0 <= self.val_size < TRAIN_IMAGES:
             raise ConfigError(f"data.val_size = {self.val_size} must be in [0, {TRAIN_IMAGES}) (0: validate on the test set)")
         if self.train_limit is not None and not 1 <= self.train_limit <= TRAIN_IMAGES - self.val_size:
@@ -274,20 +275,18 @@ def setup(cfg: RunConfig, source: DataSource, device, run_dir: Path | None = Non
     return BoundCifar(cfg, source, device)
 
 
-TASK = register(
-    Task(
-        name="vit-cifar10",
-        description="ViT on CIFAR-10 (HAM, Martínez-Marín et al.): accuracy; data and augmentation on the device",
-        metrics=(Metric("accuracy", "maximize", "top-1 accuracy"), Metric("loss", "minimize", "cross-entropy")),
-        default_config=default_config,
-        presets=PRESETS,
-        data_options=CifarData,
-        check_source=check_source,
-        setup=setup,
-        # Batches are (batch_size, 3, 32, 32) but an epoch's last, which warmup_batches covers.
-        static_shapes=True,
-        check_config=check_config,
-        footprint=footprint,
-        stack_refusal=stack_refusal,
-    )
+TASK = Task(
+    name="vit-cifar10",
+    description="ViT on CIFAR-10 (HAM, Martínez-Marín et al.): accuracy; data and augmentation on the device",
+    metrics=(Metric("accuracy", "maximize", "top-1 accuracy"), Metric("loss", "minimize", "cross-entropy")),
+    default_config=default_config,
+    presets=PRESETS,
+    data_options=CifarData,
+    check_source=check_source,
+    setup=setup,
+    # Batches are (batch_size, 3, 32, 32) but an epoch's last, which warmup_batches covers.
+    static_shapes=True,
+    check_config=check_config,
+    footprint=footprint,
+    stack_refusal=stack_refusal,
 )

@@ -65,9 +65,11 @@ def train_run(
     argv: list[str] | None = None,
     callbacks: Sequence = (),
     clock=None,
+    tensorboard: Path | str | None = None,
 ):
     """Check inputs, load data, create the run directory, train, and return (run_dir, TrainResult).
     `clock`: a `trainer.AloneClock`, to measure the architecture's epoch seconds with the device to itself.
+    `tensorboard`: a folder for the run's per-epoch TensorBoard records (`training.tensorboard`, an extra).
 
     Everything that can be wrong with the input is found before the run directory is created, so a
     bad input leaves nothing behind.
@@ -76,13 +78,26 @@ def train_run(
     from headsearch.training.trainer import resolve_device
 
     task = get_task(cfg.task)
+    if tensorboard is not None:
+        from headsearch.training.tensorboard import check_tensorboard
+
+        check_tensorboard(tensorboard)
     preflight(task, cfg, source)
     dev = resolve_device(device)
     check_fits(task, cfg, dev)
     run_dir = Path(out) if out is not None else default_run_dir(task.name)
     check_run_dir(run_dir)
     bound = task.setup(cfg, source, dev)
-    return run_dir, train_bound(cfg, bound, run_dir, device=dev, argv=argv, callbacks=callbacks, clock=clock)
+    if tensorboard is None:
+        return run_dir, train_bound(cfg, bound, run_dir, device=dev, argv=argv, callbacks=callbacks, clock=clock)
+    from headsearch.training.tensorboard import TensorBoardWriter
+
+    writer = TensorBoardWriter(tensorboard, hparams=cfg.arch.to_dict())
+    try:
+        return run_dir, train_bound(cfg, bound, run_dir, device=dev, argv=argv, callbacks=[writer, *callbacks],
+                                    clock=clock)
+    finally:
+        writer.close()
 
 
 def train_bound(cfg: RunConfig, bound, run_dir: Path, *, device, argv: list[str] | None = None, callbacks: Sequence = (),

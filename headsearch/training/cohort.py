@@ -240,7 +240,7 @@ class Cohort:
             lr = t.lr * lr_multiplier(slot.steps, spe * t.epochs, round(t.warmup_epochs * spe), t.schedule, t.min_lr_ratio)
             record = EpochRecord(slot.epoch, slot.steps, epoch_loss, lr, result.train_seconds,
                                  time.perf_counter() - slot.started, seen / seconds, metrics,
-                                 epoch_seconds_alone=result.epoch_seconds_alone)
+                                 epoch_seconds_alone=result.epoch_seconds_alone, params=result.params)
             for cb in slot.callbacks:
                 cb.on_evaluate(model, slot.bound, record)
             slot.best_state = keep_epoch(self.task, t, result, record, model, slot.run_dir, slot.best_state)

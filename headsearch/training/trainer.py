@@ -60,6 +60,7 @@ class EpochRecord:
     metrics: dict[str, float]  # validation metrics
     diversity: dict[str, float] = field(default_factory=dict)  # mean over layers of each diversity scalar (when tracked)
     epoch_seconds_alone: float | None = None  # the run's epoch seconds with the device to itself (AloneClock), if known
+    params: int | None = None  # the model's parameter count
 
 
 @dataclass
@@ -301,7 +302,7 @@ def fit(
                 result.uncaptured_steps = steps.uncaptured
                 record = EpochRecord(epoch, steps.steps_taken, float(steps.state.loss_sum) / max(seen, 1), steps.lr(),
                                      result.train_seconds, time.perf_counter() - start, seen / epoch_seconds, metrics,
-                                     epoch_seconds_alone=result.epoch_seconds_alone)
+                                     epoch_seconds_alone=result.epoch_seconds_alone, params=result.params)
                 for cb in callbacks:
                     cb.on_evaluate(model, bound, record)
                 best_state = keep_epoch(task, t, result, record, model, run_dir, best_state)
@@ -521,17 +522,18 @@ def _finish(result: TrainResult, run_dir: Path | None, start: float) -> None:
         write_atomic(run_dir / "final.json", json.dumps(result.to_dict(), indent=2) + "\n")
 
 
-def measure_alone(task: Task, cfg: RunConfig, bound: BoundTask, device: torch.device, clock: AloneClock,
-                  steps: int = ALONE_STEPS) -> float:
+def measure_alone(task: Task, cfg: RunConfig, bound: BoundTask, device: torch.device, clock: AloneClock) -> float:
     """An architecture's epoch seconds with the device to itself, measured apart from its run: a solo copy of
-    the model, warmed up in the step mode a solo run would use, times `steps` training steps under the
-    clock's exclusive hold (a process alone's threads on a CPU); the median step x the epoch's batches, as
-    `AloneClock` measures a solo run's epoch 1. A cohort's trials get their `time` this way, so it is the
+    the model, warmed up in the step mode a solo run would use, times the steps a solo run's epoch 1 times
+    (the first ALONE_STEPS, or every step of a shorter epoch) under the clock's exclusive hold (a process
+    alone's threads on a CPU); the median step x the epoch's batches, as `AloneClock` measures a solo run's
+    epoch 1. A cohort's trials get their `time` this way, so it is the
     same figure whatever cohort they trained in. `bound` is used under a fresh data order (its own is
     untouched), and the global RNG is put back as it was."""
     t = cfg.train
     use_device(device)
     spe = steps_per_epoch(bound, t)
+    steps = min(ALONE_STEPS, spe)
     scratch = bound.rebind(cfg)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         seed_everything(cfg.seed)

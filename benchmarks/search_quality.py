@@ -1,0 +1,146 @@
+"""How close a search's reported front comes to the true one: replayed searches against a table.
+
+Each row replays the search `headsearch run` would make (its sampler, duplicate skipping, pruner and budget;
+headsearch.search.simulate) over many seeds against a table built by `headsearch table`, and reports the
+median hypervolume of the reported front (its architectures at their true points) over the true front's,
+the median front recall, and the epochs trained relative to no pruning in the same run.
+
+    python benchmarks/search_quality.py                       # the deep-head table in benchmarks/tables/
+    python benchmarks/search_quality.py --table my.json --space my-space.yaml --budgets 20,40
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+from common import ROOT, markdown_table, parser, report
+
+DEFAULT_TABLE = ROOT / "benchmarks" / "tables" / "vit-cifar10-deep-head-tiny.json"
+PRUNERS = ("pareto", "median", "percentile", "asha", "none")
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--table", type=Path, default=DEFAULT_TABLE, help="a table written by `headsearch table`")
+    p.add_argument("--space", default=None, help="the space the table lists (default: the table's own space by name)")
+    p.add_argument("--seeds", type=int, default=100, help="replays per row (sampler seeds 0..N-1)")
+    p.add_argument("--budgets", default=None, help="comma list of --trials (default: the space's size and 12)")
+    p.add_argument("--workers", default="1,4", help="comma list of workers replayed")
+    p.add_argument("--pruners", default=",".join(PRUNERS))
+    args = p.parse_args()
+    if args.quick:
+        args.seeds = min(args.seeds, 20)
+
+    import torch
+
+    from headsearch.search.simulate import replay, simulation_search, true_points
+    from headsearch.search.table import load_table, seconds_of
+
+    table = load_table(args.table)
+    space = args.space or table["space"]["name"]
+    size = len(table["architectures"])
+    if size < table.get("architectures_in_space", size):
+        return _list_sample(table, args)
+    budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else [size, 12]
+    pruners = args.pruners.split(",")
+    rows, notes = [], []
+    t0 = time.perf_counter()
+    truth = None
+    for workers in [int(w) for w in args.workers.split(",")]:
+        for budget in budgets:
+            base_epochs = None
+            for pruner in ["none", *[q for q in pruners if q != "none"]]:
+                hv, recall, epochs, front = [], [], [], []
+                for seed in range(args.seeds):
+                    search = simulation_search(table, space=space, trials=budget, pruner=pruner, seed=seed)
+                    truth = truth or true_points(table, [o.name for o in search.objectives], search.directions)
+                    r = replay(search, table, workers=workers, truth=truth)
+                    hv.append(r.hypervolume)
+                    recall.append(r.recall)
+                    epochs.append(r.epochs)
+                    front.append(len(r.front))
+                mean_epochs = statistics.fmean(epochs)
+                base_epochs = base_epochs or mean_epochs
+                if pruner in pruners:
+                    rows.append([workers, budget, pruner, f"{statistics.median(hv):.3f}", f"{_quantile(hv, 0.1):.3f}",
+                                 f"{statistics.median(recall):.2f}", f"{mean_epochs:.0f}", f"{base_epochs / mean_epochs:.2f}x",
+                                 f"{statistics.fmean(front):.1f}"])
+    seconds = time.perf_counter() - t0
+    headers = ["workers", "trials", "pruner", "hypervolume (median)", "hypervolume (10th pct)", "front recall (median)",
+               "epochs (mean)", "fewer epochs than none", "front size (mean)"]
+    notes += [
+        f"table: {args.table.relative_to(ROOT) if args.table.is_relative_to(ROOT) else args.table} ({size} architectures,"
+        f" {table['seeds']} seeds each, {table['epochs']} epochs, built on {table['device']} with torch"
+        f" {table['versions'].get('torch')}, {seconds_of(table) / 60:.1f} min of training alone); space {space};"
+        f" built by `{table['command']}`",
+        f"true front: {len(truth.front)} architectures; objectives {table['primary_metric']} x time (the search's defaults);"
+        " hypervolume of the reported front's architectures at their true points (means over seeds, scaled to [0, 1]"
+        " over the table, reference 1.1) over the true front's, with Optuna's hypervolume",
+        f"{args.seeds} replays per row (sampler seeds 0..{args.seeds - 1}; each trial draws one of its architecture's"
+        f" seeds from the table); the defaults otherwise (nsga2, startup max(2, min(5, trials // 4))); {seconds:.0f} s in all",
+    ]
+    notes += _bounds(table, truth)
+    report("Search quality against a table: replayed searches", markdown_table(headers, rows), torch.device("cpu"), args, notes)
+
+
+def _list_sample(table, args) -> None:
+    """A table of a sample of its space cannot be replayed (a search may sample any architecture): list it,
+    with the front among the sample, so that RESULTS.md holds its figures and command."""
+    import torch
+
+    from headsearch.search.simulate import true_points
+    from headsearch.search.table import arch_key, seconds_of, summary_rows
+
+    metric = table["primary_metric"]
+    truth = true_points(table, [metric, "time"], [table["direction"], "minimize"])
+    on_front = {arch_key(a["overrides"]) for a in table["architectures"]} & set(truth.front)
+    keys = [arch_key(a["overrides"]) for a in table["architectures"]]
+    rows = sorted(zip(summary_rows(table), keys), key=lambda rk: rk[0]["epoch_seconds"])
+    body = [[r["arch"], f"{r['params']:,}", r["seeds"], f"{r['final']:.4f}", f"{r['epoch_seconds']:.2f}",
+             "yes" if k in on_front else ""] for r, k in rows]
+    headers = ["architecture", "params", "seeds", f"final val {metric} (mean)", "epoch seconds alone (mean)",
+               f"on the sample's {metric} x time front"]
+    notes = [f"table: {args.table.relative_to(ROOT) if args.table.is_relative_to(ROOT) else args.table}: a seeded sample of"
+             f" {len(table['architectures'])} of the space's {table['architectures_in_space']} architectures, {table['seeds']}"
+             f" seeds each, {table['epochs']} epochs, built on {table['device']} with torch {table['versions'].get('torch')},"
+             f" {seconds_of(table) / 60:.1f} min of training alone; built by `{table['command']}`",
+             "not replayed: a search may sample any architecture of the space; build the whole space (no --sample) to replay it"]
+    report(f"Table {table['task']} x {table['space']['name']} (a sample, listed)", markdown_table(headers, body),
+           torch.device("cpu"), args, notes)
+
+
+def _bounds(table, truth) -> list[str]:
+    """What any pruning rule can save on this table, and what the first epoch says about the true front."""
+    import statistics
+
+    from headsearch.search.table import arch_key
+
+    size, front, epochs = len(table["architectures"]), len(truth.front), table["epochs"]
+    maximize = table["direction"] == "maximize"
+    lines = []
+    for first in range(1, epochs):  # every architecture off the true front stopped at `first`, the front trained in full
+        spent = front * epochs + (size - front) * first
+        lines.append(f"at most {size * epochs / spent:.2f}x fewer epochs for a rule that first judges at epoch {first}")
+    # Where the true front's architectures stand at epoch e: how many others dominate them (mean accuracy, e x epoch seconds).
+    ranks = []
+    for e in range(1, epochs):
+        pts = {}
+        for a in table["architectures"]:
+            best = [max(r["curve"][:e]) if maximize else min(r["curve"][:e]) for r in a["runs"]]
+            q = statistics.fmean(best)
+            pts[arch_key(a["overrides"])] = (-q if maximize else q, e * statistics.fmean(r["epoch_seconds"] for r in a["runs"]))
+        dominated = [sum(all(x <= y for x, y in zip(o, pts[k])) and o != pts[k] for o in pts.values()) for k in truth.front]
+        ranks.append(f"epoch {e}: up to {max(dominated)} of {size - 1} (median {statistics.median(dominated):g})")
+    return ["bounds: an oracle that knows the true front (no rule can do better): " + "; ".join(lines),
+            "the true front's architectures dominated by others (mean quality so far x time so far) at "
+            + "; ".join(ranks)]
+
+
+def _quantile(values, q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+if __name__ == "__main__":
+    main()

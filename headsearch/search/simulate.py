@@ -1,0 +1,282 @@
+"""Whole searches replayed against a table (headsearch.search.table) in a fraction of a second each.
+
+In the spirit of Syne Tune's simulator (Salinas et al. 2022, "Syne Tune: A Library for Large Scale
+Hyperparameter Tuning and Reproducible Research"): the scheduler cannot tell a real trial from one looked
+up in a table. `simulate` builds the same `Search` as `headsearch run` and drives its own loop
+(`Search.run_interleaved`: asking, sampling, skipping duplicates, ending an exhausted space, the pruner's
+decision after every epoch, telling) over `TableCohort`, which instead of training reads each epoch's
+validation value from the table and advances a simulated clock by the architecture's epoch seconds. With
+``workers`` slots, trials start and end out of order as they would on that many workers; a trial asked at
+simulated time t sees exactly the results that had arrived by t. Each trial takes one of its
+architecture's seeds from the table at random (seeded), so the noise between seeds is part of a replay.
+
+`score` measures the answer: the hypervolume of the reported front (its architectures placed at their true
+points, the means over the table's seeds) relative to the true front's, front recall, and epochs spent.
+"""
+from __future__ import annotations
+
+import heapq
+import json
+import math
+import random
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from headsearch.config import RunConfig
+from headsearch.errors import ConfigError
+from headsearch.search.table import arch_key, overrides_of
+from headsearch.training.trainer import EpochRecord, TrainResult
+
+SIMULATED_STORAGE = "memory:"  # no URL: the simulator hands `run_interleaved` an in-memory study itself
+
+
+@dataclass
+class _Slot:
+    tag: Any
+    cfg: RunConfig
+    row: dict[str, Any]
+    run: dict[str, Any]
+    callbacks: list
+    epoch: int = 0
+
+
+@dataclass
+class TableEnd:
+    """A trial that ended: as `headsearch.training.cohort.Cohort.train_epoch` hands them back."""
+
+    slot: int
+    tag: Any
+    result: TrainResult | None
+    error: BaseException | None
+
+
+class TableCohort:
+    """`workers` slots that look their trials' epochs up in a table: what `Search.run_interleaved` drives.
+
+    `train_epoch` moves the simulated clock to the next epoch that ends on any slot, gives that trial its
+    epoch record (the table's validation value, the architecture's epoch seconds and parameter count)
+    through the trial's callbacks (the search's pruner among them), and hands it back if it ended."""
+
+    needs_data = False
+
+    def __init__(self, table: dict[str, Any], workers: int, rng: random.Random):
+        self.table, self.size, self.rng = table, workers, rng
+        self.rows = {arch_key(a["overrides"]): a for a in table["architectures"]}
+        self.slots: dict[int, _Slot] = {}
+        self.events: list[tuple[float, int, int]] = []  # (time, order, slot)
+        self.now, self._order = 0.0, 0
+        self.epochs_trained = 0
+
+    @property
+    def free(self) -> bool:
+        return len(self.slots) < self.size
+
+    @property
+    def occupied(self) -> bool:
+        return bool(self.slots)
+
+    def refusal(self, cfg: RunConfig) -> str | None:
+        return None
+
+    def row_of(self, cfg: RunConfig) -> dict[str, Any]:
+        key = arch_key(overrides_of(cfg.to_dict(), self.table["base_config"]))
+        if key not in self.rows:
+            raise ConfigError(f"the search sampled an architecture the table does not hold ({key}): build the table"
+                              " for this space, task and preset with `headsearch table`")
+        return self.rows[key]
+
+    def add(self, cfg: RunConfig, bound, run_dir, *, argv=None, clock=None, tag=None, callbacks=()) -> int:
+        slot = min(set(range(self.size)) - set(self.slots))
+        row = self.row_of(cfg)
+        self.slots[slot] = _Slot(tag, cfg, row, self.rng.choice(row["runs"]), list(callbacks))
+        self._schedule(slot)
+        return slot
+
+    def _schedule(self, slot: int) -> None:
+        self._order += 1
+        heapq.heappush(self.events, (self.now + self.slots[slot].run["epoch_seconds"], self._order, slot))
+
+    def train_epoch(self) -> list[TableEnd]:
+        import optuna
+
+        self.now, _, slot = heapq.heappop(self.events)
+        s = self.slots[slot]
+        s.epoch += 1
+        self.epochs_trained += 1
+        seconds, metric = s.run["epoch_seconds"], self.table["primary_metric"]
+        record = EpochRecord(s.epoch, 0, math.nan, 0.0, s.epoch * seconds, s.epoch * seconds, 0.0,
+                             {metric: s.run["curve"][s.epoch - 1]}, epoch_seconds_alone=seconds, params=s.row["params"])
+        try:
+            for cb in s.callbacks:
+                cb.on_epoch_end(record)
+        except optuna.TrialPruned as e:
+            del self.slots[slot]
+            return [TableEnd(slot, s.tag, None, e)]
+        if s.epoch < len(s.run["curve"]):
+            self._schedule(slot)
+            return []
+        del self.slots[slot]
+        return [TableEnd(slot, s.tag, self._result(s), None)]
+
+    def _result(self, s: _Slot) -> TrainResult:
+        curve, seconds = s.run["curve"], s.run["epoch_seconds"]
+        maximize = self.table["direction"] == "maximize"
+        best = max(range(len(curve)), key=lambda i: (curve[i] if maximize else -curve[i], -i)) + 1
+        metric = self.table["primary_metric"]
+        return TrainResult(status="completed", primary_metric=metric, params=s.row["params"], epochs_run=len(curve),
+                           best_epoch=best, best_value=curve[best - 1], best_train_seconds=best * seconds,
+                           epoch_seconds_alone=seconds, best_seconds_alone=best * seconds,
+                           train_seconds=len(curve) * seconds, best_metrics={metric: curve[best - 1]},
+                           test_metrics=dict(s.run.get("test") or {}))
+
+    def interrupt(self) -> list[TableEnd]:
+        ends = [TableEnd(i, s.tag, TrainResult(status="interrupted", primary_metric="", params=0), None)
+                for i, s in self.slots.items()]
+        self.slots.clear()
+        return ends
+
+
+# -- one replay ---------------------------------------------------------------------------------
+
+@dataclass
+class Replay:
+    """One simulated search: what it trained, what it reported, and how that compares with the truth."""
+
+    seed: int
+    trained: int  # trials trained (complete or pruned)
+    duplicates: int  # proposals of held architectures, skipped
+    epochs: int  # epochs trained in all
+    seconds: float  # simulated wall-clock seconds until the last trial ended
+    front: list[str]  # the reported front's architectures (table keys)
+    hypervolume: float  # of the reported front at its architectures' true points, over the true front's
+    recall: float  # the share of the true front's architectures the reported front holds
+    trials: list[dict[str, Any]] = field(default_factory=list)  # number, arch, state, epochs, values (for tests)
+
+
+def simulation_search(table: dict[str, Any], *, space: str, trials: int, sampler: str | None = None,
+                      pruner: str | None = None, seed: int = 0, objectives: Sequence[str] | None = None,
+                      pruner_startup_trials: int | None = None, pruner_warmup_epochs: int | None = None,
+                      sets: dict[str, dict[str, Any]] | None = None):
+    """The `Search` that `headsearch run` would build for the table's task, preset and epochs, on the CPU
+    (with `sets`, the `--set` overrides the table's runs were trained with)."""
+    from headsearch.search.runner import Search, SearchSettings
+
+    settings = SearchSettings(task=table["task"], space=space, trials=trials, sampler=sampler, pruner=pruner, seed=seed,
+                              objectives=tuple(objectives) if objectives else None, preset=table.get("preset"),
+                              epochs=table["epochs"], storage=SIMULATED_STORAGE, device="cpu", heartbeat=0,
+                              pruner_startup_trials=pruner_startup_trials, pruner_warmup_epochs=pruner_warmup_epochs,
+                              sets=sets)
+    held, in_space = len(table["architectures"]), table.get("architectures_in_space")
+    if in_space is not None and held < in_space:
+        raise ConfigError(f"the table holds {held} of the space's {in_space} architectures (a sample, or a build not"
+                          " finished): a replayed search may sample any of them; build it without --sample, to the end")
+    search = Search(settings)
+    for o in search.objectives:
+        if o.convergence is None and o.name != table["primary_metric"]:
+            raise ConfigError(f"objective {o.name}: a table records the curve of {table['primary_metric']} only;"
+                              f" simulate with {table['primary_metric']}, time, epochs or params")
+    return search
+
+
+def replay(search, table: dict[str, Any], *, workers: int = 1, table_seed: int | None = None, truth=None) -> Replay:
+    """Run `search` (from `simulation_search`) against `table` with `workers` slots; score its front."""
+    import optuna
+    import torch
+
+    from headsearch.search.snapshot import count_states
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    seed = search.settings.seed
+    storage = optuna.storages.InMemoryStorage()
+    # The search's own Optuna pruner (one objective: `--pruner` decides there through should_prune; several: None).
+    study = optuna.create_study(storage=storage, directions=search.directions, sampler=search.make_sampler(0),
+                                pruner=search.make_pruner()[0])
+    search.adopt(study, storage)
+    cohort = TableCohort(table, workers, random.Random(seed if table_seed is None else table_seed))
+    search.run_interleaved(study, cohort, device=torch.device("cpu"))
+    trials = study.get_trials(deepcopy=False)
+    counts = count_states(trials)
+    front_keys = []
+    for t in study.best_trials if len(search.objectives) > 1 else [study.best_trial]:
+        key = arch_key(overrides_of(t.user_attrs["config"], table["base_config"]))
+        if key not in front_keys:
+            front_keys.append(key)
+    truth = truth or true_points(table, [o.name for o in search.objectives], search.directions)
+    hv, recall = score(front_keys, truth)
+    rows = [{"number": t.number, "arch": t.user_attrs.get("arch"), "state": t.state.name, "epochs": len(t.intermediate_values),
+             "values": t.values, "duplicate_of": t.user_attrs.get("duplicate_of"), "pruned": t.user_attrs.get("pruned")}
+            for t in trials]
+    return Replay(seed=seed, trained=counts["complete"] + counts["pruned"], duplicates=counts["duplicate"],
+                  epochs=cohort.epochs_trained, seconds=cohort.now / 1.0, front=front_keys, hypervolume=hv,
+                  recall=recall, trials=rows)
+
+
+# -- the truth ------------------------------------------------------------------------------------
+
+@dataclass
+class Truth:
+    """Every architecture's true point (the mean over the table's seeds, every objective minimised and
+    scaled to [0, 1] over the table), the reference point, and the true front with its hypervolume."""
+
+    points: dict[str, list[float]]
+    reference: list[float]
+    front: list[str]
+    hypervolume: float
+
+
+def arch_values(arch: dict[str, Any], names: Sequence[str], table: dict[str, Any]) -> list[float]:
+    """An architecture's objective values, the mean over its seeds of what a search would record."""
+    maximize = table["direction"] == "maximize"
+    per_run = []
+    for r in arch["runs"]:
+        curve = r["curve"]
+        best = max(range(len(curve)), key=lambda i: (curve[i] if maximize else -curve[i], -i)) + 1
+        v = {table["primary_metric"]: curve[best - 1], "time": best * r["epoch_seconds"], "epochs": float(best),
+             "params": float(arch["params"])}
+        per_run.append([v[n] for n in names])
+    return [statistics.fmean(col) for col in zip(*per_run)]
+
+
+def true_points(table: dict[str, Any], names: Sequence[str], directions: Sequence[str]) -> Truth:
+    """The table's truth for objectives `names`: 10% beyond the worst architecture is the reference point."""
+    sign = [-1.0 if d == "maximize" else 1.0 for d in directions]
+    raw = {arch_key(a["overrides"]): [s * v for s, v in zip(sign, arch_values(a, names, table))] for a in table["architectures"]}
+    lo = [min(p[i] for p in raw.values()) for i in range(len(names))]
+    hi = [max(p[i] for p in raw.values()) for i in range(len(names))]
+    points = {k: [(v - a) / (b - a) if b > a else 0.0 for v, a, b in zip(p, lo, hi)] for k, p in raw.items()}
+    reference = [1.1] * len(names)
+    front = [k for k, p in points.items() if not any(_dominates(q, p) for q in points.values())]
+    return Truth(points, reference, front, hypervolume([points[k] for k in front], reference))
+
+
+def _dominates(a: Sequence[float], b: Sequence[float]) -> bool:
+    return all(x <= y for x, y in zip(a, b)) and any(x < y for x, y in zip(a, b))
+
+
+def hypervolume(points: Sequence[Sequence[float]], reference: Sequence[float]) -> float:
+    """Optuna's hypervolume of `points` (minimised) up to `reference`."""
+    import numpy as np
+
+    if not points:
+        return 0.0
+    try:
+        from optuna._hypervolume import compute_hypervolume
+    except ImportError:  # Optuna before 4.1: the WFG class
+        from optuna._hypervolume import WFG
+
+        return float(WFG().compute(np.asarray(points, dtype=float), np.asarray(reference, dtype=float)))
+    return float(compute_hypervolume(np.asarray(points, dtype=float), np.asarray(reference, dtype=float)))
+
+
+def score(front_keys: Sequence[str], truth: Truth) -> tuple[float, float]:
+    """(hypervolume of the reported front's architectures at their true points / the true front's, recall)."""
+    found = [truth.points[k] for k in front_keys]
+    hv = hypervolume(found, truth.reference) / truth.hypervolume if truth.hypervolume > 0 else 1.0
+    recall = len(set(front_keys) & set(truth.front)) / len(truth.front)
+    return hv, recall
+
+
+def describe_key(key: str) -> str:
+    """A table key as a short architecture name (its arch overrides)."""
+    return json.dumps(json.loads(key).get("arch", {}), sort_keys=True)

@@ -1,0 +1,375 @@
+"""Search quality: listing a space, duplicate proposals, exhausted spaces, the Pareto pruning rule, tables and
+the simulator that replays a search against a table with the search's own code.
+
+The real searches here train the tiny translation model of conftest.py (a fraction of a second a trial) on
+the real English-Spanish corpus; the simulator's check is that a replay makes exactly the decisions of a
+real run whose curves it is given.
+"""
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+from optuna.trial import TrialState
+
+from headsearch.errors import ConfigError
+from headsearch.search.pruning import ParetoRule, Progress, non_dominated_ranks
+from headsearch.search.runner import Search, SearchSettings, config_key
+from headsearch.search.simulate import hypervolume, replay, simulation_search, true_points
+from headsearch.search.space import enumerate_params, load_space
+from headsearch.search.table import arch_key, load_table, overrides_of, write_table
+
+TASK = "translation-en-es"
+
+
+def write_space(path: Path, tiny: dict, *, schedule, skip=("none",), fusion=("none",), epochs=3, ranges=None) -> Path:
+    fixed = json.loads(json.dumps(tiny))
+    fixed["train"] = {"epochs": epochs, "max_steps_per_epoch": 10}
+    d = {"schedule": schedule, "skip": list(skip), "fusion": list(fusion), "fixed": fixed}
+    if ranges:
+        d["ranges"] = ranges
+    path.write_text(yaml.safe_dump(d, sort_keys=False))
+    return path
+
+
+def settings(tmp_path: Path, spa_file: Path, space: Path, **kw) -> SearchSettings:
+    base = dict(task=TASK, space=str(space), storage=f"sqlite:///{tmp_path / 'h.db'}", study="s", data_file=str(spa_file),
+                run_root=str(tmp_path / "runs"), device="cpu", heartbeat=0)
+    return SearchSettings(**{**base, **kw})
+
+
+def load(url: str, name: str = "s") -> optuna.Study:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return optuna.load_study(study_name=name, storage=url)
+
+
+# ------------------------------------------------------------------------------ listing a space
+
+
+def test_enumerate_params_walks_every_branch_of_a_sampling():
+    def sample(trial):
+        family = trial.suggest_categorical("family", ["a", "b"])
+        if family == "a":
+            trial.suggest_categorical("x", [1, 2, 3])
+        else:
+            trial.suggest_int("y", 0, 4, step=2)
+        trial.suggest_categorical("z", [True, False])
+
+    got = enumerate_params(sample)
+    want = [{"family": "a", "x": x, "z": z} for x in (1, 2, 3) for z in (True, False)]
+    want += [{"family": "b", "y": y, "z": z} for y in (0, 2, 4) for z in (True, False)]
+    assert got == want
+    assert enumerate_params(lambda t: t.suggest_float("lr", 1e-4, 1e-2)) is None
+    assert enumerate_params(lambda t: t.suggest_int("n", 1, 10**6)) is None  # more points than worth listing
+
+
+def test_a_space_lists_its_distinct_architectures(tmp_path, spa_file, tiny_translation):
+    # uniform 1 = halving from 1 = doubling to 1: one architecture; d_model 32 takes every head count here.
+    space = write_space(tmp_path / "s.yaml", tiny_translation,
+                        schedule={"families": ["uniform", "halving", "doubling"], "heads": [1, 2]}, skip=("none", "output"))
+    search = Search(settings(tmp_path, spa_file, space, trials=50))
+    archs = search.architectures()
+    layers = search.base.arch.enc_layers
+    schedules = {tuple(json.loads(k)["arch"]["enc_heads"]) for k in archs}
+    assert schedules == {(1,) * layers, (2,) * layers, (2,) + (1,) * (layers - 1), (1,) * (layers - 1) + (2,)}
+    assert len(archs) == 4 * 2  # x two skips
+    assert search.trial_target() == 8
+    assert search.space_line() == ("space s holds 8 distinct architectures, fewer than --trials 50: each is trained once"
+                                   " and the search ends")
+    assert Search(settings(tmp_path, spa_file, space, trials=8)).space_line() is None
+    ranged = write_space(tmp_path / "r.yaml", tiny_translation, schedule={"heads": [1, 2]}, ranges={"lr": {"low": 1e-4, "high": 1e-2}})
+    assert Search(settings(tmp_path, spa_file, ranged)).architectures() is None
+
+
+def test_the_deep_head_space_on_the_tiny_vit_holds_39_architectures():
+    search = Search(SearchSettings(task="vit-cifar10", space="deep-head", preset="tiny", device="cpu"))
+    assert len(search.architectures()) == 39  # issue 23: 3 families x 5 head counts dividing 48 x 3 skips, less 6 repeats
+
+
+# ----------------------------------------------------------------- duplicates and an exhausted space
+
+
+@pytest.mark.slow
+def test_duplicates_are_neither_trained_nor_counted_and_an_exhausted_space_ends_the_study(tmp_path, spa_file, tiny_translation,
+                                                                                          cache_env, one_thread):
+    space = write_space(tmp_path / "s.yaml", tiny_translation, schedule={"families": ["uniform"], "heads": [1, 2, 4]},
+                        epochs=1)
+    s = settings(tmp_path, spa_file, space, trials=5, sampler="random", pruner="none")
+    search = Search(s)
+    assert len(search.architectures()) == 3
+    search.run_worker()
+    study = load(s.storage)
+    trials = study.get_trials(deepcopy=False)
+    trained = [t for t in trials if t.state == TrialState.COMPLETE]
+    dups = [t for t in trials if t.state == TrialState.FAIL]
+    # The space held 3: each trained once, and the study ended there although --trials asked for 5.
+    assert sorted(tuple(t.user_attrs["config"]["arch"]["enc_heads"][:1]) for t in trained) == [(1,), (2,), (4,)]
+    assert len(trained) + len(dups) == len(trials)
+    for d in dups:  # every other proposal named the trial holding its architecture, and was never trained
+        twin = next(t for t in trained if t.number == d.user_attrs["duplicate_of"])
+        assert config_key(d.user_attrs["config"]) == config_key(twin.user_attrs["config"])
+        assert not d.intermediate_values and "run_dir" not in d.user_attrs and "fail_reason" not in d.user_attrs
+    # At most DUPLICATE_ASKS proposals in a row before the search takes an untried architecture itself.
+    from headsearch.search.runner import DUPLICATE_ASKS
+
+    run = 0
+    for t in trials:
+        run = run + 1 if t.state == TrialState.FAIL else 0
+        assert run <= DUPLICATE_ASKS
+
+    # Resuming with a bigger budget trains nothing more: the space is exhausted.
+    before = len(trials)
+    Search(settings(tmp_path, spa_file, space, trials=9, sampler="random", pruner="none")).run_worker()
+    assert len(load(s.storage).get_trials(deepcopy=False)) == before
+
+    from headsearch.search.report import summarize
+
+    rep = summarize(s.storage, "s")
+    assert rep.counts["complete"] == 3 and rep.counts["duplicate"] == len(dups) and rep.counts["failed"] == 0
+
+
+@pytest.mark.slow
+def test_a_proposal_of_a_pruned_or_running_architecture_is_a_duplicate(tmp_path, spa_file, tiny_translation, cache_env, one_thread):
+    """Held = complete, pruned or running: the check runs under the budget lock, before training."""
+    space = write_space(tmp_path / "s.yaml", tiny_translation, schedule={"families": ["uniform"], "heads": [1, 2]}, epochs=1)
+    s = settings(tmp_path, spa_file, space, trials=4, sampler="random", pruner="none")
+    search = Search(s)
+    study = search.open()
+    first = search._next_trial(study)  # asked, sampled and kept: RUNNING now, and holding its architecture
+    second = search._next_trial(study)
+    assert first.number != second.number
+    cfgs = [search._sampled[first.number], search._sampled[second.number]]
+    assert cfgs[0].arch.enc_heads != cfgs[1].arch.enc_heads  # the second could not be the first's, running
+    from headsearch.search.runner import WAIT
+
+    assert search._next_trial(study) is WAIT  # both held (running): nothing to ask until one ends
+    states = [t.state for t in study.get_trials(deepcopy=False)]
+    assert states.count(TrialState.RUNNING) == 2
+
+
+# ------------------------------------------------------------------------ the Pareto rule
+
+
+def P(curve, params=None, seconds=None):
+    return Progress({e + 1: v for e, v in enumerate(curve)}, params, seconds)
+
+
+def test_non_dominated_ranks_by_hand():
+    pts = [[0, 3], [1, 1], [3, 0], [2, 2], [4, 4], [1, 3]]
+    # front 0: (0,3) (1,1) (3,0); (2,2) is dominated by (1,1) only; (1,3) by (0,3) and (1,1); (4,4) by all.
+    assert non_dominated_ranks(pts) == [0, 0, 0, 1, 2, 1]
+    assert non_dominated_ranks([[1, 1], [1, 1]]) == [0, 0]  # equal points do not dominate each other
+
+
+def test_the_pareto_rule_never_prunes_a_fast_trial_that_nothing_dominates():
+    rule = ParetoRule("maximize", kinds=("quality", "time"), min_epochs=1, reduction_factor=3, n_startup_trials=3)
+    others = [P([0.50], seconds=10.0), P([0.45], seconds=9.0), P([0.40], seconds=8.0), P([0.35], seconds=7.0)]
+    fast = rule.decide(1, P([0.10], seconds=1.0), others)  # the worst accuracy, but the fastest by far
+    assert not fast.prune and fast.note.startswith("front 1: 0 trials")
+    # The median rule would prune it: 0.10 is below every value at epoch 1.
+    from headsearch.search.pruning import MedianRule
+
+    assert MedianRule("maximize", n_startup_trials=3).decide(1, {1: 0.10}, [o.curve for o in others]).prune
+
+
+def test_the_pareto_rule_prunes_a_trial_with_at_least_k_trials_in_fronts_ahead():
+    rule = ParetoRule("maximize", kinds=("quality", "time"), min_epochs=1, reduction_factor=3, n_startup_trials=3)
+    others = [P([0.50], seconds=5.0), P([0.45], seconds=5.0), P([0.40], seconds=5.0), P([0.30], seconds=9.0),
+              P([0.20], seconds=9.0)]
+    # n = 5 others, k = ceil(6 / 3) = 2 go on. (0.42, 5 s): only (0.50, 5) and (0.45, 5) dominate it, and
+    # (0.40, 5) is in its front... fronts: {0.50}, {0.45}, {0.42}, ...: 2 ahead -> pruned.
+    d = rule.decide(1, P([0.42], seconds=5.0), others)
+    assert d.prune and d.n_compared == 5 and "2 trials in fronts ahead" in d.note
+    # (0.47, 5 s): one ahead (0.50) < k = 2 -> goes on.
+    assert not rule.decide(1, P([0.47], seconds=5.0), others).prune
+    # Quality is the best so far: a dip at epoch 3 after 0.6 at epoch 2 is judged on 0.6.
+    late = [P([0.1, 0.2, 0.5], seconds=5.0)] * 3
+    assert not rule.decide(3, P([0.3, 0.6, 0.2], seconds=5.0), late).prune
+
+
+def test_the_pareto_rule_judges_params_exactly_and_only_at_rungs_with_enough_trials():
+    rule = ParetoRule("maximize", kinds=("quality", "params"), min_epochs=1, reduction_factor=2, n_startup_trials=2)
+    others = [P([0.5, 0.6], params=100), P([0.5, 0.6], params=200)]
+    # (0.5, 150 params) is dominated by (0.5, 100) only: 1 ahead, k = ceil(3/2) = 2 -> kept.
+    assert not rule.decide(1, P([0.5], params=150), others).prune
+    # (0.4, 300): both ahead -> pruned.
+    assert rule.decide(1, P([0.4], params=300), others).prune
+    assert rule.decide(3, P([0.4, 0.4, 0.4], params=300), others).note == "not a rung"  # rungs 1, 2, 4, ...
+    assert rule.decide(1, P([0.4], params=300), others[:1]).note == "too few trials (1 < 2)"
+    time_rule = ParetoRule("maximize", kinds=("quality", "time"), n_startup_trials=1, min_epochs=1)
+    assert time_rule.decide(1, P([0.4]), [P([0.5], seconds=1.0)]).note == "its epoch seconds are not known yet"
+    assert ParetoRule("minimize", kinds=("quality", None), n_startup_trials=1, min_epochs=1).decide(1, P([math.nan]), [P([1.0])]).prune
+    with pytest.raises(ConfigError):
+        ParetoRule("maximize", kinds=(None,))
+
+
+def test_pareto_pruning_is_refused_for_one_objective(tmp_path, spa_file, tiny_translation):
+    space = write_space(tmp_path / "s.yaml", tiny_translation, schedule={"heads": [1, 2]})
+    with pytest.raises(ConfigError, match="pareto judges several objectives"):
+        Search(settings(tmp_path, spa_file, space, objectives=("bleu",), pruner="pareto"))
+    assert Search(settings(tmp_path, spa_file, space)).pruner_name() == "pareto"
+    # hyperband is Optuna's multi-bracket pruner, for one objective; with several: one line that names asha
+    with pytest.raises(ConfigError, match="hyperband is Optuna's multi-bracket HyperbandPruner, for one objective: with"
+                                          " several use asha"):
+        Search(settings(tmp_path, spa_file, space, pruner="hyperband"))
+    assert Search(settings(tmp_path, spa_file, space, pruner="asha")).make_pruner()[1].rule == "asha"
+    assert Search(settings(tmp_path, spa_file, space, objectives=("bleu",), pruner="asha")).make_pruner()[0].rule.rule == "asha"
+    assert Search(settings(tmp_path, spa_file, space, objectives=("bleu",))).pruner_name() == "median"
+
+
+# ------------------------------------------------------------------------ tables and the simulator
+
+
+def table_of_search(study, search) -> dict:
+    """A table of what a real search trained: one run per trial (its seed), its curve as far as it ran."""
+    base = search.base.to_dict()
+    archs = {}
+    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)):
+        a = t.user_attrs
+        over = overrides_of(a["config"], base)
+        row = archs.setdefault(arch_key(over), {"arch": a["arch"], "overrides": over, "params": a["params"], "runs": []})
+        row["runs"].append({"seed": a["config"]["seed"], "curve": [t.intermediate_values[e] for e in sorted(t.intermediate_values)],
+                            "epoch_seconds": a["epoch_seconds_alone"], "test": a.get("test_metrics") or {}})
+    return {"format": "headsearch-table/1", "task": search.task.name, "primary_metric": search.task.primary.name,
+            "direction": search.task.primary.direction, "preset": search.settings.preset, "epochs": search.base.train.epochs,
+            "base_config": base, "architectures": list(archs.values())}
+
+
+VIT_SETS = {"train": {"max_steps_per_epoch": 4, "batch_size": 32}, "data": {"train_limit": 256, "val_size": 64, "test_limit": 64}}
+
+
+def real_search(task: str, tmp_path, spa_file, cifar_dir, tiny_translation, **kw) -> tuple[Search, str]:
+    """A small real search, and the space a replay of it names. The median rule keeps ties, so it is
+    checked on the tiny ViT, whose accuracies differ between architectures; the tiny translation model's
+    BLEU after 30 steps is the same for most of them (nothing would be pruned)."""
+    if task == TASK:
+        space = write_space(tmp_path / "s.yaml", tiny_translation,
+                            schedule={"families": ["uniform", "halving"], "heads": [1, 2, 4, 8]}, skip=("none", "scores"))
+        return Search(settings(tmp_path, spa_file, space, **kw)), str(space)
+    s = SearchSettings(task=task, space="ham", preset="tiny", epochs=3, data_dir=str(cifar_dir), storage=f"sqlite:///{tmp_path / 'h.db'}",
+                       study="s", run_root=str(tmp_path / "runs"), device="cpu", heartbeat=0,
+                       sets=VIT_SETS, **kw)
+    return Search(s), "ham"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pruner, task", [("pareto", TASK), ("median", "vit-cifar10")])
+def test_a_replay_makes_exactly_the_decisions_of_the_real_run(request, tmp_path, spa_file, cifar_dir, tiny_translation, cache_env,
+                                                              one_thread, pruner, task):
+    if task != TASK:
+        request.getfixturevalue("cifar")  # the real arrays, read once per module
+    search, space = real_search(task, tmp_path, spa_file, cifar_dir, tiny_translation, trials=9, pruner=pruner,
+                                pruner_startup_trials=2, seed=3)
+    search.run_worker()
+    real = load(search.settings.storage)
+    real_trials = real.get_trials(deepcopy=False)
+    assert any(t.state == TrialState.PRUNED for t in real_trials), "the check needs a pruned trial"
+    table = table_of_search(real, search)
+    path = write_table(table, tmp_path / "table.json")
+
+    # The replay: the same settings on the table, with the one run each architecture has.
+    sim = simulation_search(load_table(path), space=space, trials=9, pruner=pruner, pruner_startup_trials=2, seed=3,
+                            sets=None if task == TASK else VIT_SETS)
+    result = replay(sim, load_table(path), workers=1)
+    assert [r["number"] for r in result.trials] == [t.number for t in real_trials]
+    assert decisions_of_rows(result.trials) == decisions_of_rows(rows_of(real_trials))
+    base = search.base.to_dict()
+    assert sorted(result.front) == sorted({arch_key(overrides_of(t.user_attrs["config"], base)) for t in real.best_trials})
+
+
+def rows_of(trials) -> list[dict]:
+    return [{"number": t.number, "arch": t.user_attrs.get("arch"), "state": t.state.name, "epochs": len(t.intermediate_values),
+             "values": t.values, "duplicate_of": t.user_attrs.get("duplicate_of"), "pruned": t.user_attrs.get("pruned")}
+            for t in trials]
+
+
+def decisions_of_rows(rows) -> list:
+    return [(r["number"], r["state"], r["arch"], r["epochs"], r["values"], r["pruned"], r["duplicate_of"]) for r in rows]
+
+
+def small_table(curves: dict[str, tuple[list[float], float]], epochs: int = 2) -> dict:
+    """A hand-made table over the 'uniform' heads of the tiny ViT, one seed per architecture."""
+    search = Search(SearchSettings(task="vit-cifar10", space="ham", preset="tiny", device="cpu", epochs=epochs))
+    base = search.base.to_dict()
+    archs = []
+    for key, (curve, seconds) in curves.items():
+        archs.append({"arch": key, "overrides": {"arch": json.loads(key)}, "params": 1000,
+                      "runs": [{"seed": 0, "curve": curve, "epoch_seconds": seconds, "test": {}}]})
+    return {"format": "headsearch-table/1", "task": "vit-cifar10", "primary_metric": "accuracy", "direction": "maximize",
+            "preset": "tiny", "epochs": epochs, "base_config": base, "architectures": archs}
+
+
+def test_true_points_hypervolume_and_scores_by_hand():
+    table = small_table({json.dumps({"skip": "output"}): ([0.2, 0.4], 1.0),
+                         json.dumps({"skip": "scores"}): ([0.3, 0.6], 3.0),
+                         json.dumps({"fusion": "add"}): ([0.1, 0.3], 2.0)})
+    truth = true_points(table, ["accuracy", "time"], ["maximize", "minimize"])
+    # (acc, time): output (0.4, 2 s), scores (0.6, 6 s), add (0.3, 4 s: dominated by output).
+    # Minimised and scaled over the table: acc -0.6..-0.3, time 2..6.
+    out, sc, add = (arch_key({"arch": {"skip": "output"}}), arch_key({"arch": {"skip": "scores"}}),
+                    arch_key({"arch": {"fusion": "add"}}))
+    assert truth.points[out] == pytest.approx([(-0.4 + 0.6) / 0.3, 0.0])
+    assert truth.points[sc] == pytest.approx([0.0, 1.0])
+    assert truth.points[add] == pytest.approx([1.0, 0.5])
+    assert sorted(truth.front) == sorted([out, sc])
+    # Hypervolume to (1.1, 1.1): the union of [2/3, 1.1] x [0, 1.1] and [0, 1.1] x [1, 1.1].
+    want = (1.1 - 2 / 3) * 1.1 + (2 / 3) * 0.1
+    assert truth.hypervolume == pytest.approx(want)
+    assert hypervolume([[2 / 3, 0.0], [0.0, 1.0]], [1.1, 1.1]) == pytest.approx(want)
+    from headsearch.search.simulate import score
+
+    hv, recall = score([out], truth)
+    assert hv == pytest.approx((1.1 - 2 / 3) * 1.1 / want) and recall == 0.5
+
+
+def test_a_replay_on_several_workers_ends_trials_out_of_order_and_sees_only_what_has_ended():
+    # 'ham' on the tiny ViT: skip x fusion, 9 architectures; here 3 with very different epoch seconds.
+    table = small_table({json.dumps({"skip": "output"}): ([0.2, 0.4], 1.0),
+                         json.dumps({"skip": "scores"}): ([0.3, 0.6], 10.0),
+                         json.dumps({"fusion": "add"}): ([0.1, 0.3], 2.0)})
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / "three.yaml"
+        p.write_text(yaml.safe_dump({"schedule": {"families": ["uniform"], "heads": [4]}, "skip": ["output", "scores"],
+                                     "fusion": ["none"]}))
+        # 'fusion: add' with skip none is not in this space: two architectures only, trained on two workers.
+        sim = simulation_search(table, space=str(p), trials=5, pruner="none", seed=0)
+        r = replay(sim, table, workers=2)
+    assert r.trained == 2 and r.epochs == 4
+    assert r.seconds == pytest.approx(20.0)  # the slow one: 2 epochs x 10 s, beside the fast one's 2 s
+    complete = [t for t in r.trials if t["state"] == "COMPLETE"]
+    assert len(complete) == 2
+
+
+def test_a_table_that_lacks_an_architecture_says_so(tmp_path):
+    table = small_table({json.dumps({"skip": "output"}): ([0.2, 0.4], 1.0)})
+    sim = simulation_search(table, space="ham", trials=3, pruner="none", seed=0)
+    with pytest.raises(ConfigError, match="the table does not hold"):
+        replay(sim, table, workers=1)
+    sampled = {**table, "architectures_in_space": 9}  # what `headsearch table --sample 1` would write
+    with pytest.raises(ConfigError, match="the table holds 1 of the space's 9 architectures"):
+        simulation_search(sampled, space="ham", trials=3, pruner="none", seed=0)
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ConfigError, match="is not a headsearch-table/1 file"):
+        load_table(tmp_path / "bad.json")
+    with pytest.raises(ConfigError, match="no such file"):
+        load_table(tmp_path / "missing.json")
+
+
+def test_the_ham_space_lists_nine_architectures():
+    space = load_space("ham")
+    assert len(space.skips) * len(space.fusions) == 9
+    assert len(Search(SearchSettings(task="vit-cifar10", space="ham", preset="tiny", device="cpu")).architectures()) == 9
+
+
+def test_the_default_pareto_rule_judges_at_epochs_2_4_8():
+    rule = ParetoRule("maximize")
+    assert [e for e in range(1, 17) if rule._rungs.is_rung(e)] == [2, 4, 8, 16]
+    assert rule.reduction_factor == 2
