@@ -1,6 +1,7 @@
 # Two commands: `make test` and `make run`. Each sets up .venv on first use (torch comes from the
 # package registry: several GB the first time, then cached by pip).
-# `make test-oldest` runs the same suite in .venv-oldest on the declared floor (constraints/oldest.txt).
+# `make test-oldest` runs the version-dependent tests (marker `floor`) in .venv-oldest on the declared floor
+# (constraints/oldest.txt).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -28,12 +29,19 @@ $(STAMP_OLDEST): pyproject.toml $(OLDEST)
 
 setup: $(STAMP)
 
+# The suite in two passes: everything else spread over two processes (pytest-xdist), then the tests marked
+# `serial` (they time something, so nothing else may run beside them) one at a time. Each pass prints its
+# 15 slowest tests. docs/testing.md says what a test may cost.
+PYTEST := -m pytest -q --durations=15
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python $(PYTEST) -n 2 -m "not serial"
+	$(BIN)/python $(PYTEST) -p no:xdist -m serial
 
 # HEADSEARCH_FLOOR makes tests/test_versions.py check that the floor's versions are the ones installed.
+# On the floor, only the tests marked `floor`: those whose outcome can depend on a dependency's version.
 test-oldest: $(STAMP_OLDEST)
-	HEADSEARCH_FLOOR=$(OLDEST) $(VENV_OLDEST)/bin/python -m pytest -q
+	HEADSEARCH_FLOOR=$(OLDEST) $(VENV_OLDEST)/bin/python $(PYTEST) -n 2 -m "floor and not serial"
+	HEADSEARCH_FLOOR=$(OLDEST) $(VENV_OLDEST)/bin/python $(PYTEST) -p no:xdist -m "floor and serial"
 
 run: $(STAMP)
 	$(BIN)/headsearch run --task vit-cifar10 $(CIFAR_ARG) $(RUN_ARGS)

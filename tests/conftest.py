@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
+import subprocess
 import uuid
 import warnings
 from pathlib import Path
@@ -26,6 +28,22 @@ TINY_TRANSLATION = {
     "train": {"epochs": 1, "max_steps_per_epoch": 5},
     "data": {"train_limit": 1000, "val_size": 40, "test_size": 40, "max_len": 16, "vocab_size": 1000},
 }
+
+
+def pytest_configure(config):
+    # A suite started in the background of a non-interactive shell (`bash .ci/run &`, a CI runner) inherits
+    # SIGINT ignored, and so would every process a test starts: a test's Ctrl-C would then stop nothing.
+    # Put back Python's own handler, so the suite behaves the same however it was launched.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    # Under pytest-xdist (`make test` runs two test processes on two cores) each process, and every process
+    # its tests start, computes on one thread: two processes of two threads each on two cores make the tiny
+    # models here several times slower.
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
 
 
 def in_ci() -> bool:
@@ -244,3 +262,62 @@ def tensorboard_package() -> None:
 
     if importlib.util.find_spec("tensorboard") is None:
         unavailable("tensorboard is not installed (pip install -e '.[dev]')")
+
+
+# ------------------------------------------------------------------------------------------ processes
+
+
+def own_group_with_ctrl_c() -> None:
+    """preexec_fn: the child leads a process group of its own (one signal reaches it and its workers) in
+    this session, and Ctrl-C stops it whatever SIGINT disposition the test run inherited."""
+    os.setpgrp()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class Processes:
+    """Processes a test starts, each leading its own process group. `stop(p)` sends the group Ctrl-C and
+    kills it if it has not ended within `grace` seconds; at the test's end every group still alive is
+    killed, whatever happened in the test, so no search is left running beside the rest of the suite."""
+
+    def __init__(self):
+        self.started: list[subprocess.Popen] = []
+
+    def start(self, cmd, **kwargs) -> subprocess.Popen:
+        proc = subprocess.Popen(cmd, preexec_fn=own_group_with_ctrl_c, **kwargs)
+        self.started.append(proc)
+        return proc
+
+    def stop(self, proc: subprocess.Popen, grace: float = 60.0) -> tuple:
+        """Ctrl-C to the process group, then SIGKILL after `grace` s: (stdout, stderr) as communicate gives them."""
+        try:
+            os.killpg(proc.pid, signal.SIGINT)
+        except ProcessLookupError:
+            pass
+        try:
+            return proc.communicate(timeout=grace)
+        except subprocess.TimeoutExpired:
+            kill_group(proc.pid)
+            return proc.communicate()
+
+    def end_all(self) -> None:
+        for proc in self.started:
+            kill_group(proc.pid)  # the leader may have ended and left members of its group behind
+            if proc.poll() is None:
+                proc.wait()
+
+
+@pytest.fixture
+def processes():
+    """`processes.start(cmd, **popen_kwargs)`, `processes.stop(proc)`: see Processes."""
+    procs = Processes()
+    try:
+        yield procs
+    finally:
+        procs.end_all()

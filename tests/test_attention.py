@@ -9,6 +9,9 @@ from headsearch.config import ArchConfig
 from headsearch.models import Attention, Seq2Seq, ViT, map_score_heads
 from headsearch.models.transformer import Encoder
 
+# make test-oldest runs this module on the floor: torch's attention kernels (SDPA).
+pytestmark = pytest.mark.floor
+
 torch.set_grad_enabled(True)
 
 

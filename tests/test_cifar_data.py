@@ -17,6 +17,9 @@ from headsearch.tasks.cifar_data import (
     split_train_val,
 )
 
+# make test-oldest runs this module on the floor: torchvision's CIFAR-10 reader and NumPy.
+pytestmark = pytest.mark.floor
+
 NAMES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 MEAN = torch.tensor(CIFAR_MEAN).view(3, 1, 1)
 STD = torch.tensor(CIFAR_STD).view(3, 1, 1)

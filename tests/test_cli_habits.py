@@ -14,6 +14,7 @@ from headsearch.search.space import all_spaces
 from headsearch.tasks import all_tasks
 
 
+@pytest.mark.floor
 def test_version_prints_the_package_version(cli):
     result = cli(["--version"])
     assert result.exit_code == 0 and result.stdout.strip() == f"headsearch {headsearch.__version__}"
@@ -35,6 +36,7 @@ def test_tasks_and_spaces_as_json(cli):
         cli.error_line(cli([command, "--format", "yaml"]), "--format 'yaml' is not known", "table or json")
 
 
+@pytest.mark.floor
 def test_the_storage_comes_from_optuna_storage_unless_the_flag_says(cli, tmp_path, monkeypatch):
     env_url = f"sqlite:///{tmp_path / 'from-env.db'}"
     flag_url = f"sqlite:///{tmp_path / 'from-flag.db'}"
@@ -144,6 +146,7 @@ record = Recorder()
 '''
 
 
+@pytest.mark.floor
 def test_run_calls_optuna_callbacks_after_each_trained_trial(cli, tmp_path, cifar_dir, one_thread, monkeypatch):
     (tmp_path / "my_trackers.py").write_text(TRACKER)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -198,6 +201,7 @@ def test_every_worker_process_calls_the_callbacks_for_its_own_trials(cli, tmp_pa
         assert t.user_attrs["worker"].endswith(f":{c['pid']}") and c["pid"] != os.getpid()
 
 
+@pytest.mark.floor
 def test_shell_completion_completes_commands_and_options():
     import subprocess
     import sys

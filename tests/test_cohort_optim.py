@@ -8,6 +8,9 @@ import torch
 from headsearch.training.cohort_optim import StackedAdam
 from headsearch.training.steps import lr_multiplier
 
+# make test-oldest runs this module on the floor: torch's optimizer arithmetic (foreach kernels).
+pytestmark = pytest.mark.floor
+
 K = 3
 SHAPES = [(5, 7), (7,), (2, 3, 4)]
 BASE_LRS = [1e-2, 3e-3, 5e-2]  # a different base lr per slot

@@ -8,6 +8,9 @@ from headsearch.config import ArchConfig, RunConfig, TrainConfig, load_yaml, par
 from headsearch.errors import ConfigError
 from headsearch.tasks import apply_overrides, get_task, flag_overrides, resolve_config
 
+# make test-oldest runs this module on the floor: PyYAML.
+pytestmark = pytest.mark.floor
+
 
 def test_defaults_are_the_ham_papers_vit():
     a = ArchConfig()

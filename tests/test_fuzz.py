@@ -81,6 +81,9 @@ import yaml
 from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis import strategies as st
 
+# make test-oldest runs this module on the floor: Typer and Click (how bad input is parsed and told), Hypothesis.
+pytestmark = pytest.mark.floor
+
 # ------------------------------------------------------------------------------------------------ settings
 
 # Derandomised, so that a run in CI checks the same examples every time (and a failure reproduces);

@@ -30,6 +30,9 @@ from headsearch.training.steps import (
 )
 from headsearch.training.trainer import StepClock, prepare_steps, steps_per_epoch
 
+# make test-oldest runs this module on the floor: torch's CUDA-graph and generator APIs.
+pytestmark = pytest.mark.floor
+
 VIT = get_task("vit-cifar10")
 GRAPHS = StepMode("graphs", None, True)
 

@@ -26,6 +26,9 @@ from headsearch.search.pruning import (
 )
 from headsearch.search.study import StudyStorage
 
+# make test-oldest runs this module on the floor: Optuna's pruners and their storage reads.
+pytestmark = pytest.mark.floor
+
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 FIVE = [0.1, 0.2, 0.3, 0.4, 0.5]

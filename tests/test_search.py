@@ -175,6 +175,7 @@ def running_after_a_complete_trial(poller: StoragePoller):
 # ------------------------------------------------------------------ a real multi-objective search
 
 
+@pytest.mark.floor
 @pytest.mark.slow
 def test_search_budget_curves_pruning_and_resume(tmp_path, spa_file, cache_env, one_thread, make_settings):
     settings = make_settings(trials=8, pruner="median", pruner_startup_trials=2)
@@ -262,6 +263,7 @@ def test_search_budget_curves_pruning_and_resume(tmp_path, spa_file, cache_env, 
 # ------------------------------------------------------------------------ single objective
 
 
+@pytest.mark.floor
 @pytest.mark.slow
 def test_single_objective_uses_optunas_pruner_and_tpe(tmp_path, spa_file, cache_env, one_thread, make_settings):
     settings = make_settings(trials=6, objectives=("bleu",), pruner_startup_trials=2)
@@ -351,6 +353,7 @@ def test_a_pruned_trials_model_is_freed_when_it_ends(cache_env, one_thread, make
     assert [t.state for t in load(settings.storage, "s").get_trials()] == [TrialState.PRUNED] * 2
 
 
+@pytest.mark.floor
 def test_a_storage_write_is_retried_when_the_storage_fails_for_a_moment(monkeypatch):
     """After Ctrl-C the interrupted trial is told FAIL; a storage briefly locked by another reader (SQLite)
     must not turn the interruption into a storage error that leaves the trial RUNNING."""
@@ -542,6 +545,7 @@ def invoke_bad_run(tmp_path, spa_file, cache_env, monkeypatch, cli, write_space)
     return invoke
 
 
+@pytest.mark.floor
 @pytest.mark.parametrize("name", list(BAD_RUN_INPUTS))
 def test_run_bad_input_exits_2_and_creates_no_study(name, invoke_bad_run, cli):
     result, expected, db, work, before = invoke_bad_run(name)
@@ -556,6 +560,7 @@ def test_run_bad_input_exits_2_and_creates_no_study(name, invoke_bad_run, cli):
     assert sorted(work.rglob("*")) == sorted(before)
 
 
+@pytest.mark.floor
 @pytest.mark.parametrize("name", LATE_CHECKS)
 def test_pruner_options_are_checked_before_the_storage_is_created(name, invoke_bad_run):
     result, _, db, _, _ = invoke_bad_run(name)
@@ -697,6 +702,7 @@ def test_two_worker_processes_do_not_train_the_same_configs(two_pg_workers, pg_u
     assert all(p != q for i, p in enumerate(alone) for q in alone[i + 1:]), alone
 
 
+@pytest.mark.floor
 @pytest.mark.slow
 def test_workers_option_on_postgresql_runs_exactly_the_budget(tmp_path, spa_file, tokenizer_cache, pg_study, pg_url, write_space):
     space = write_space(tmp_path / "space.yaml")
@@ -715,12 +721,14 @@ def test_workers_option_on_postgresql_runs_exactly_the_budget(tmp_path, spa_file
     assert 1 <= len(pids) <= 2 and proc.pid not in pids
 
 
+@pytest.mark.floor
 def test_plain_postgresql_url_opens_with_the_postgres_extra(pg_url):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         open_storage(pg_url.replace("postgresql+psycopg2://", "postgresql://"), heartbeat=None)
 
 
+@pytest.mark.floor
 @pytest.mark.parametrize("url, drivers, hint", [
     ("mysql://u@127.0.0.1:3306/x", ["MySQLdb"], "the mysql driver is not installed: pip install pymysql"),
     ("postgresql://u@127.0.0.1:5432/x", ["psycopg", "psycopg2"],
@@ -734,6 +742,7 @@ def test_missing_driver_message_names_the_driver(url, drivers, hint, monkeypatch
     assert hint in str(e.value) and "None" not in str(e.value)
 
 
+@pytest.mark.floor
 @pytest.mark.slow
 def test_workers_starting_together_on_a_fresh_postgresql_database(pg_url):
     import psycopg2
@@ -901,6 +910,7 @@ def test_live_display_ends_its_last_line_on_a_non_terminal():
 
 
 
+@pytest.mark.floor
 def test_a_study_resumes_with_compile_changed_but_not_with_the_seed_changed(tmp_path, spa_file, make_settings):
     from headsearch.errors import HeadsearchError
 
@@ -913,6 +923,7 @@ def test_a_study_resumes_with_compile_changed_but_not_with_the_seed_changed(tmp_
 # -- what the installed Optuna can run ---------------------------------------------------------------
 
 
+@pytest.mark.floor
 def test_gp_with_several_objectives_is_refused_on_an_optuna_without_it(monkeypatch):
     import optuna
 
@@ -928,6 +939,7 @@ def test_gp_with_several_objectives_is_refused_on_an_optuna_without_it(monkeypat
     check_sampler("gp", 2)
 
 
+@pytest.mark.floor
 def test_gp_without_scipy_is_refused_in_one_line(monkeypatch):
     import importlib.util
 
@@ -940,6 +952,7 @@ def test_gp_without_scipy_is_refused_in_one_line(monkeypatch):
     check_sampler("tpe", 1)
 
 
+@pytest.mark.floor
 def test_the_installed_optuna_runs_exactly_what_the_sampler_check_lets_through():
     """On the floor's Optuna the check refuses GP with two objectives and Optuna itself fails there; on a
     newer one the check lets it through and a two-objective GP search runs past its random start-up."""

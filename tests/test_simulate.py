@@ -95,6 +95,7 @@ def test_the_deep_head_space_on_the_tiny_vit_holds_39_architectures():
 # ----------------------------------------------------------------- duplicates and an exhausted space
 
 
+@pytest.mark.floor
 @pytest.mark.slow
 def test_duplicates_are_neither_trained_nor_counted_and_an_exhausted_space_ends_the_study(tmp_path, spa_file, tiny_translation,
                                                                                           cache_env, one_thread):
@@ -167,6 +168,7 @@ def test_non_dominated_ranks_by_hand():
     assert non_dominated_ranks([[1, 1], [1, 1]]) == [0, 0]  # equal points do not dominate each other
 
 
+@pytest.mark.floor
 def test_the_pareto_rule_never_prunes_a_fast_trial_that_nothing_dominates():
     rule = ParetoRule("maximize", kinds=("quality", "time"), min_epochs=1, reduction_factor=3, n_startup_trials=3)
     others = [P([0.50], seconds=10.0), P([0.45], seconds=9.0), P([0.40], seconds=8.0), P([0.35], seconds=7.0)]
@@ -209,6 +211,7 @@ def test_the_pareto_rule_judges_params_exactly_and_only_at_rungs_with_enough_tri
         ParetoRule("maximize", kinds=(None,))
 
 
+@pytest.mark.floor
 def test_pareto_pruning_is_refused_for_one_objective(tmp_path, spa_file, tiny_translation):
     space = write_space(tmp_path / "s.yaml", tiny_translation, schedule={"heads": [1, 2]})
     with pytest.raises(ConfigError, match="pareto judges several objectives"):
@@ -258,6 +261,7 @@ def real_search(task: str, tmp_path, spa_file, cifar_dir, tiny_translation, **kw
     return Search(s), "ham"
 
 
+@pytest.mark.floor
 @pytest.mark.slow
 @pytest.mark.parametrize("pruner, task", [("pareto", TASK), ("median", "vit-cifar10")])
 def test_a_replay_makes_exactly_the_decisions_of_the_real_run(request, tmp_path, spa_file, cifar_dir, tiny_translation, cache_env,
@@ -305,6 +309,7 @@ def small_table(curves: dict[str, tuple[list[float], float]], epochs: int = 2) -
             "preset": "tiny", "epochs": epochs, "base_config": base, "architectures": archs}
 
 
+@pytest.mark.floor
 def test_true_points_hypervolume_and_scores_by_hand():
     table = small_table({json.dumps({"skip": "output"}): ([0.2, 0.4], 1.0),
                          json.dumps({"skip": "scores"}): ([0.3, 0.6], 3.0),

@@ -20,6 +20,9 @@ from headsearch.models.size import (
     vit_step_flops,
 )
 
+# make test-oldest runs this module on the floor: torch's FLOP counter.
+pytestmark = pytest.mark.floor
+
 VIT_ARCHS = {
     "HAM's reference ViT": dict(),
     "halving heads, output skip": dict(enc_heads=[8, 4, 2, 1], skip="output"),

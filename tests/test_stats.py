@@ -11,6 +11,9 @@ from scipy import stats
 from headsearch.analysis.stats import bootstrap_ci, mean_std, paired_difference, paired_t_test
 from headsearch.search.report import spearman
 
+# make test-oldest runs this module on the floor: SciPy: the t-test and Spearman's rho.
+pytestmark = pytest.mark.floor
+
 
 def test_mean_and_sample_std():
     assert mean_std([1.0, 2.0, 3.0, 4.0]) == (2.5, pytest.approx(math.sqrt(5 / 3)))  # squares 2.25+0.25+0.25+2.25 = 5, / 3

@@ -12,6 +12,9 @@ from headsearch.errors import ConfigError, DataError
 from headsearch.tasks import translation_data as td
 from headsearch.tasks.text_metrics import cer, corpus_bleu, wer
 
+# make test-oldest runs this module on the floor: datasets and tokenizers.
+pytestmark = pytest.mark.floor
+
 N_PAIRS = 118_964
 
 

@@ -17,6 +17,9 @@ import pytest
 
 from headsearch.search.study import release as base  # '2.11.0+cu130' -> (2, 11, 0)
 
+# make test-oldest runs this module on the floor: the installed versions themselves.
+pytestmark = pytest.mark.floor
+
 REPO = Path(__file__).resolve().parents[1]
 CONSTRAINTS = REPO / "constraints" / "oldest.txt"
 
