@@ -146,6 +146,7 @@ def test_summarize_counts_front_and_savings(real):
     json.dumps(rep.to_dict())  # JSON-able as is
 
 
+@pytest.mark.floor
 @pytest.mark.slow
 def test_report_json_csv_and_table(real, cli):
     url = real["url"]
@@ -168,7 +169,17 @@ def test_report_json_csv_and_table(real, cli):
     for text in ("Pareto front", "parameter importances", "pruning:", "epochs saved", "all trials", "rejected"):
         assert text in result.stdout
 
+    # The anytime curve: one point per trained trial (complete or pruned), ending at the final front.
+    curve = d["anytime"]
+    trained = [t for t in d["trials"] if t["state"] in ("complete", "pruned")]
+    assert [p["trials"] for p in curve] == list(range(1, len(trained) + 1))
+    assert curve[-1]["hypervolume"] == pytest.approx(1.0)
+    assert all(a["hypervolume"] <= b["hypervolume"] + 1e-12 for a, b in zip(curve, curve[1:]))
+    assert all(0 < a["fair_seconds"] < b["fair_seconds"] for a, b in zip(curve, curve[1:]))
+    assert f"anytime: front hypervolume after" in result.stdout and f"of {len(trained)}" in result.stdout
 
+
+@pytest.mark.floor
 @pytest.mark.slow
 def test_report_plots_written_and_uploaded_as_artifacts(real, tmp_path, cli):
     url, study = real["url"], real["study"]
@@ -176,7 +187,7 @@ def test_report_plots_written_and_uploaded_as_artifacts(real, tmp_path, cli):
     result = cli(["report", "--storage", url, "--plots", out])
     assert result.exit_code == 0, result.output
     pngs, htmls = sorted(out.glob("*.png")), sorted(out.glob("*.html"))
-    for kind in ("pareto-front", "learning-curves", "param-importances"):
+    for kind in ("pareto-front", "learning-curves", "param-importances", "anytime"):
         assert (out / f"vit-test-{kind}.png").is_file()
     assert {p.name for p in htmls} == {"vit-test-pareto-front.html", "vit-test-learning-curves.html"} | {
         f"vit-test-param-importances-{i.objective}.html" for i in summarize(url, "vit-test").importances if not i.error}
@@ -282,6 +293,7 @@ def _get_json(url: str):
         return json.loads(r.read().decode())
 
 
+@pytest.mark.floor
 @pytest.mark.slow
 def test_dashboard_serves_the_study(real, optuna_dashboard, cli, tmp_path):
     result = cli(["report", "--storage", real["url"], "--study", "vit-test", "--plots", tmp_path / "plots"])
@@ -344,6 +356,7 @@ def test_unreadable_storage_exits_2_and_creates_nothing(command, tmp_path, monke
     assert not_a_db.read_text() == "hello\n"
 
 
+@pytest.mark.floor
 def test_empty_optuna_database_is_not_a_study(tmp_path, cli):
     url = f"sqlite:///{tmp_path / 'empty.db'}"
     optuna.storages.RDBStorage(url)  # Optuna's tables, no study
@@ -388,6 +401,7 @@ def _hand_made(url: str, name: str = "hand", directions=("maximize", "minimize")
     return study
 
 
+@pytest.mark.floor
 def test_summarize_hand_made_study_states_duplicates_and_savings(tmp_path):
     url = f"sqlite:///{tmp_path / 'hand.db'}"
     _hand_made(url)
@@ -534,3 +548,47 @@ def test_the_objectives_table_reads_results_and_stored_trials(tmp_path):
     assert objectives_of(study) == [Objective("accuracy", "maximize"), Objective("time", "minimize")]
     assert study.user_attrs["headsearch"]["objectives"] == [o.stored() for o in objectives_of(study)]
     assert objectives_of(study)[1].unit == "seconds" and objectives_of(study)[1].label.startswith("time to best")
+
+
+def _frozen(number, state, values=None, epochs=4, alone=None, minute=0, **attrs):
+    import datetime
+
+    when = datetime.datetime(2026, 11, 26, 12, minute)
+    attrs = {"epochs_run": epochs, **({"epoch_seconds_alone": alone} if alone is not None else {}), **attrs}
+    return optuna.trial.FrozenTrial(number=number, state=state, value=None, values=values, datetime_start=when,
+                                    datetime_complete=when, params={}, distributions={}, user_attrs=attrs,
+                                    system_attrs={}, intermediate_values={}, trial_id=number)
+
+
+@pytest.mark.floor
+def test_the_anytime_curve_by_hand():
+    """accuracy (max) x time (min), in the order the trials ended (minute), not their numbers. Scaled over
+    the complete trials: t0 (0.5, 10 s) -> (1.0, 0.2), t1 (0.7, 30 s) -> (0.0, 1.0), t3 (0.6, 5 s) -> (0.5, 0.0).
+    With the reference (1.1, 1.1): t0 alone 0.1 x 0.9 = 0.09; t0 and t1 0.09 + 0.11 - 0.01 = 0.19; the final
+    front (t1, t3; t3 dominates t0) 0.11 + 0.66 - 0.06 = 0.71."""
+    from headsearch.search.report import anytime_curve
+
+    C, P, F = TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL
+    trials = [_frozen(3, C, [0.6, 5.0], alone=1.0, minute=4),
+              _frozen(1, C, [0.7, 30.0], alone=3.0, minute=2),
+              _frozen(0, C, [0.5, 10.0], alone=2.5, minute=1),
+              _frozen(2, P, epochs=1, alone=2.0, minute=3),
+              _frozen(4, F, epochs=0, minute=5, duplicate_of=0),  # a duplicate: not trained
+              _frozen(5, P, epochs=0, minute=6, rejected="16 heads do not divide 24")]  # rejected: not trained
+    curve = anytime_curve(trials, ["maximize", "minimize"])
+    assert [p.trials for p in curve] == [1, 2, 3, 4]
+    assert [p.hypervolume for p in curve] == pytest.approx([0.09 / 0.71, 0.19 / 0.71, 0.19 / 0.71, 1.0])
+    assert [p.fair_seconds for p in curve] == pytest.approx([10.0, 22.0, 24.0, 28.0])  # epochs run x seconds alone
+    # A trial without a fair time leaves the curve on trials alone; no complete trial, no curve.
+    trials[0] = _frozen(3, C, [0.6, 5.0], minute=4)
+    assert [p.fair_seconds for p in anytime_curve(trials, ["maximize", "minimize"])] == [None] * 4
+    assert anytime_curve([_frozen(0, P, epochs=1, alone=1.0)], ["maximize", "minimize"]) == []
+
+
+def test_the_anytime_line_says_where_the_front_last_grew():
+    from headsearch.cli.study_commands import anytime_line
+    from headsearch.search.report import AnytimePoint
+
+    curve = [AnytimePoint(n, 10.0 * n, hv) for n, hv in enumerate([0.2, 0.5, 0.5, 0.9, 1.0, 1.0, 1.0, 1.0], start=1)]
+    assert anytime_line(curve) == ("anytime: front hypervolume after 2 / 4 / 6 / 8 trained trials: 0.50 / 0.90 / 1.00 / 1.00"
+                                   " (of the final front's); last grew at trial 5 of 8, 50 of 80 fair seconds")

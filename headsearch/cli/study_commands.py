@@ -155,6 +155,8 @@ def print_report(rep, console=None) -> None:
     s = rep.savings
     console.print(f"pruning: {s.trials} trained trials ran {s.epochs_run} epochs; without pruning {s.epochs_without_pruning}"
                   f" -> {s.epochs_saved} epochs saved ({s.saved_fraction:.0%})")
+    if rep.anytime:
+        console.print(anytime_line(rep.anytime), soft_wrap=True)
 
     if rep.diversity_vs_quality:
         div = Table(title="head diversity vs objectives across complete trials (Spearman rho)")
@@ -177,6 +179,20 @@ def print_report(rep, console=None) -> None:
         trials.add_row(str(r.number), r.state, r.arch or "-", *[_fmt(r.values.get(o.name)) for o in rep.objectives],
                        str(r.epochs_run) if r.epochs_run is not None else "-", r.note)
     console.print(trials)
+
+
+def anytime_line(curve) -> str:
+    """The anytime curve in one line: the front's hypervolume (of the final front's) at each quarter of the
+    trained trials, and the trial after which it last grew."""
+    n = len(curve)
+    marks = sorted({max(1, round(n * q)) for q in (0.25, 0.5, 0.75, 1.0)})
+    at = " / ".join(f"{curve[m - 1].hypervolume:.2f}" for m in marks)
+    last = next(p for p in curve if p.hypervolume >= curve[-1].hypervolume - 1e-12)
+    when = f"trial {last.trials} of {n}"
+    if last.fair_seconds is not None and curve[-1].fair_seconds:
+        when += f", {last.fair_seconds:,.0f} of {curve[-1].fair_seconds:,.0f} fair seconds"
+    return (f"anytime: front hypervolume after {' / '.join(map(str, marks))} trained trials: {at}"
+            f" (of the final front's); last grew at {when}")
 
 
 def _fmt(v) -> str:

@@ -75,6 +75,7 @@ def write_plots(study, report: StudyReport, out_dir: Path) -> tuple[list[Path], 
     curves = _curve_rows(study, report)  # read once, drawn twice
     paths.append(_curves(curves, prefix))
     paths.append(_importances(report, prefix))
+    paths.append(_anytime(report, prefix))
     figures = plotly_figures(study, report, curves)
     for graph_id, fig in figures.items():
         paths.append(_save_html(fig, prefix.with_name(f"{prefix.name}-{graph_id.removeprefix('headsearch-')}.html"), graph_id))
@@ -221,6 +222,30 @@ def _history(study, report: StudyReport, prefix: Path) -> Path:
     ax.set_ylabel(axis_label(o.name, o.direction))
     ax.set_title(title, fontsize=10)
     return _save_png(fig, prefix.with_name(prefix.name + "-objective.png"))
+
+
+# -- the anytime curve ----------------------------------------------------------------------
+
+def _anytime(report: StudyReport, prefix: Path) -> Path:
+    """The front's hypervolume (of the final front's) against trained trials and, where every trial has a
+    fair time, against the fair seconds spent: still rising at the end means more trials would still help."""
+    curve = report.anytime
+    timed = bool(curve) and curve[-1].fair_seconds is not None
+    fig = _figure(size=(11.0, 4.5) if timed else (7.5, 4.5))
+    axes = fig.subplots(1, 2 if timed else 1, squeeze=False)[0]
+    hv = [p.hypervolume for p in curve]
+    axes[0].step([p.trials for p in curve], hv, where="post", c=FRONT)
+    axes[0].set_xlabel("trained trials (in the order they ended)")
+    if timed:
+        axes[1].step([p.fair_seconds for p in curve], hv, where="post", c=FRONT)
+        axes[1].set_xlabel("fair seconds trained (summed over workers)")
+    for ax in axes:
+        ax.set_ylabel("front hypervolume / final front's")
+        ax.set_ylim(0, 1.05)
+    if not curve:
+        axes[0].text(0.5, 0.5, "no complete trials yet", ha="center", va="center", transform=axes[0].transAxes)
+    fig.suptitle(f"{report.study}: the front's hypervolume as trials came in", fontsize=10)
+    return _save_png(fig, prefix.with_name(prefix.name + "-anytime.png"))
 
 
 # -- learning curves ------------------------------------------------------------------------

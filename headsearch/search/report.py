@@ -2,7 +2,8 @@
 
 `summarize` reads a study written by `headsearch run` and returns a `StudyReport`: the objectives,
 trial counts by state, the Pareto front (or the single best trial), parameter importances for each
-objective, what pruning saved, and one row per trial. Objectives (names, directions, units) are those
+objective, what pruning saved, the front's hypervolume as the trials came in (the anytime curve), and
+one row per trial. Objectives (names, directions, units) are those
 of `headsearch.search.objectives`. No Rich here: the CLI renders it, and
 `StudyReport.to_dict()` is JSON-able as is.
 
@@ -19,6 +20,7 @@ from typing import Any, Sequence
 
 from headsearch.errors import HeadsearchError
 from headsearch.jsonsafe import json_safe
+from headsearch.search.hypervolume import dominates as _dominates_min, hypervolume, scale_minimised
 from headsearch.search.objectives import Objective, directions_of, objectives_of
 from headsearch.search.snapshot import TRIAL_STATES, count_states, trial_state
 from headsearch.search.storage import check_sqlite_file, journal_path, open_storage, sqlite_path
@@ -137,6 +139,17 @@ class Savings:
 
 
 @dataclass
+class AnytimePoint:
+    """The search after its first `trials` trained trials, in the order they ended: the fair seconds they
+    trained (epochs run x each one's epoch seconds alone, summed over workers; None when a trial has no fair
+    time) and the hypervolume of the front of those complete by then, over the whole study's front's."""
+
+    trials: int
+    fair_seconds: float | None
+    hypervolume: float
+
+
+@dataclass
 class StudyReport:
     study: str
     storage: str
@@ -152,6 +165,9 @@ class StudyReport:
     settings: dict[str, Any] = field(default_factory=dict)  # sampler, pruner, seed, trials budget, data
     # Spearman rank correlation across complete trials: {diversity metric: {objective: rho}}, when tracked
     diversity_vs_quality: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    # The front's hypervolume after each trained trial (the simulator's score, on the study's own points):
+    # a curve still rising at its end says more trials would still move the front.
+    anytime: list[AnytimePoint] = field(default_factory=list)
 
     @property
     def multi_objective(self) -> bool:
@@ -324,6 +340,62 @@ def pruning_savings(trials, default_epochs: int | None) -> Savings:
                    saved_fraction=saved / without if without else 0.0)
 
 
+ANYTIME_REFERENCE = 1.1  # objectives scaled to [0, 1] over the study's complete trials: 10% beyond the worst
+
+
+def _trained(t) -> bool:
+    from optuna.trial import TrialState
+
+    a = t.user_attrs
+    return t.state in (TrialState.COMPLETE, TrialState.PRUNED) and "rejected" not in a and a.get("duplicate_of") is None
+
+
+def _fair_seconds_trained(t) -> float | None:
+    """The fair seconds a trained trial spent: its epochs run x its epoch seconds alone."""
+    alone = t.user_attrs.get("epoch_seconds_alone")
+    epochs = t.user_attrs.get("epochs_run")
+    if epochs is None:  # older records: one intermediate value per epoch
+        epochs = len(t.intermediate_values)
+    return None if alone is None else float(epochs) * float(alone)
+
+
+def anytime_curve(trials, directions: Sequence[str]) -> list[AnytimePoint]:
+    """The front's hypervolume after each trained trial (complete or pruned; not duplicates, not rejected),
+    in the order they ended, relative to the whole study's front: 1.0 at the last point once the front is
+    complete. Every objective is minimised and scaled to [0, 1] over the study's complete trials, the
+    reference point 10% beyond the worst (as the simulator scores a replay). A study with no complete
+    trial has no curve."""
+    import datetime
+
+    from optuna.trial import TrialState
+
+    latest = datetime.datetime.max
+    trained = sorted((t for t in trials if _trained(t)), key=lambda t: (t.datetime_complete or latest, t.number))
+    complete = [t for t in trained if t.state == TrialState.COMPLETE and t.values is not None]
+    if not complete:
+        return []
+    scaled = dict(zip((t.number for t in complete), scale_minimised([t.values for t in complete], directions)))
+    reference = [ANYTIME_REFERENCE] * len(directions)
+    final = hypervolume(_front_points(scaled.values()), reference)
+    seconds = [_fair_seconds_trained(t) for t in trained]
+    fair = None if any(s is None for s in seconds) else 0.0
+    points: list[AnytimePoint] = []
+    so_far: list[list[float]] = []
+    for n, (t, spent) in enumerate(zip(trained, seconds), start=1):
+        if t.number in scaled:
+            so_far.append(scaled[t.number])
+        if fair is not None:
+            fair += spent
+        hv = hypervolume(_front_points(so_far), reference)
+        points.append(AnytimePoint(trials=n, fair_seconds=fair, hypervolume=hv / final if final > 0 else 1.0))
+    return points
+
+
+def _front_points(points) -> list[list[float]]:
+    points = list(points)
+    return [p for p in points if not any(_dominates_min(q, p) for q in points)]
+
+
 def summarize(storage_url: str, study_name: str | None = None, *, study=None) -> "StudyReport":
     """Everything `headsearch report` shows, for one study. Pass `study` to skip loading it again."""
     if study is None:
@@ -354,6 +426,7 @@ def summarize(storage_url: str, study_name: str | None = None, *, study=None) ->
         importances=param_importances(study, objectives),
         savings=pruning_savings(trials, meta.get("epochs")), trials=rows, settings=settings,
         diversity_vs_quality=diversity_correlations(trials, objectives),
+        anytime=anytime_curve(trials, [o.direction for o in objectives]),
     )
 
 

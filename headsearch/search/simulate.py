@@ -25,9 +25,11 @@ from typing import Any, Sequence
 
 from headsearch.config import RunConfig
 from headsearch.errors import ConfigError
+from headsearch.search.hypervolume import dominates, hypervolume, scale_minimised
 from headsearch.search.table import arch_key, overrides_of
 from headsearch.training.trainer import EpochRecord, TrainResult
 
+REFERENCE = 1.1  # every objective scaled to [0, 1]: the reference point lies 10% beyond the worst
 SIMULATED_STORAGE = "memory:"  # no URL: the simulator hands `run_interleaved` an in-memory study itself
 
 
@@ -240,33 +242,12 @@ def arch_values(arch: dict[str, Any], names: Sequence[str], table: dict[str, Any
 
 def true_points(table: dict[str, Any], names: Sequence[str], directions: Sequence[str]) -> Truth:
     """The table's truth for objectives `names`: 10% beyond the worst architecture is the reference point."""
-    sign = [-1.0 if d == "maximize" else 1.0 for d in directions]
-    raw = {arch_key(a["overrides"]): [s * v for s, v in zip(sign, arch_values(a, names, table))] for a in table["architectures"]}
-    lo = [min(p[i] for p in raw.values()) for i in range(len(names))]
-    hi = [max(p[i] for p in raw.values()) for i in range(len(names))]
-    points = {k: [(v - a) / (b - a) if b > a else 0.0 for v, a, b in zip(p, lo, hi)] for k, p in raw.items()}
-    reference = [1.1] * len(names)
-    front = [k for k, p in points.items() if not any(_dominates(q, p) for q in points.values())]
+    keys = [arch_key(a["overrides"]) for a in table["architectures"]]
+    scaled = scale_minimised([arch_values(a, names, table) for a in table["architectures"]], directions)
+    points = dict(zip(keys, scaled))
+    reference = [REFERENCE] * len(names)
+    front = [k for k, p in points.items() if not any(dominates(q, p) for q in points.values())]
     return Truth(points, reference, front, hypervolume([points[k] for k in front], reference))
-
-
-def _dominates(a: Sequence[float], b: Sequence[float]) -> bool:
-    return all(x <= y for x, y in zip(a, b)) and any(x < y for x, y in zip(a, b))
-
-
-def hypervolume(points: Sequence[Sequence[float]], reference: Sequence[float]) -> float:
-    """Optuna's hypervolume of `points` (minimised) up to `reference`."""
-    import numpy as np
-
-    if not points:
-        return 0.0
-    try:
-        from optuna._hypervolume import compute_hypervolume
-    except ImportError:  # Optuna before 4.1: the WFG class
-        from optuna._hypervolume import WFG
-
-        return float(WFG().compute(np.asarray(points, dtype=float), np.asarray(reference, dtype=float)))
-    return float(compute_hypervolume(np.asarray(points, dtype=float), np.asarray(reference, dtype=float)))
 
 
 def score(front_keys: Sequence[str], truth: Truth) -> tuple[float, float]:

@@ -1,0 +1,36 @@
+"""The hypervolume indicator (Zitzler & Thiele 1998) of points that are minimised, through Optuna's own
+implementation: the one measure of a front that `headsearch report` (the anytime curve) and the simulator
+(a replay's score) share."""
+from __future__ import annotations
+
+from typing import Sequence
+
+
+def dominates(a: Sequence[float], b: Sequence[float]) -> bool:
+    """`a` is no worse than `b` on every (minimised) value and better on one."""
+    return all(x <= y for x, y in zip(a, b)) and any(x < y for x, y in zip(a, b))
+
+
+def hypervolume(points: Sequence[Sequence[float]], reference: Sequence[float]) -> float:
+    """Optuna's hypervolume of `points` (minimised) up to `reference`; 0 for no points."""
+    import numpy as np
+
+    if not points:
+        return 0.0
+    try:
+        from optuna._hypervolume import compute_hypervolume
+    except ImportError:  # Optuna before 4.1: the WFG class
+        from optuna._hypervolume import WFG
+
+        return float(WFG().compute(np.asarray(points, dtype=float), np.asarray(reference, dtype=float)))
+    return float(compute_hypervolume(np.asarray(points, dtype=float), np.asarray(reference, dtype=float)))
+
+
+def scale_minimised(values: Sequence[Sequence[float]], directions: Sequence[str]) -> list[list[float]]:
+    """Every objective turned into one to minimise and scaled to [0, 1] over `values` (0 where all agree)."""
+    signed = [[-v if d == "maximize" else v for v, d in zip(row, directions)] for row in values]
+    if not signed:
+        return []
+    lo = [min(col) for col in zip(*signed)]
+    hi = [max(col) for col in zip(*signed)]
+    return [[(v - a) / (b - a) if b > a else 0.0 for v, a, b in zip(row, lo, hi)] for row in signed]
