@@ -17,7 +17,7 @@ from pathlib import Path
 from common import ROOT, markdown_table, parser, report
 
 DEFAULT_TABLE = ROOT / "benchmarks" / "tables" / "vit-cifar10-deep-head-tiny.json"
-PRUNERS = ("pareto", "median", "percentile", "asha", "none")
+PRUNERS = ("pareto", "multi-metric", "median", "percentile", "asha", "none")
 
 
 def main() -> None:

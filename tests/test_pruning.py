@@ -335,9 +335,9 @@ def test_interval_agrees_with_optuna(direction, warmup, interval):
 
 
 def test_make_curve_pruner():
-    assert PRUNERS == ("pareto", "median", "percentile", "asha", "hyperband", "none")
+    assert PRUNERS == ("pareto", "median", "percentile", "asha", "hyperband", "multi-metric", "none")
     assert make_curve_pruner("none", "maximize") is None
-    with pytest.raises(ConfigError, match="unknown pruner 'x': use one of pareto, median, percentile, asha, hyperband, none"):
+    with pytest.raises(ConfigError, match="unknown pruner 'x': use one of pareto, median, percentile, asha, hyperband, multi-metric, none"):
         make_curve_pruner("x", "maximize")
     m = make_curve_pruner("median", "minimize")
     assert isinstance(m, MedianRule) and isinstance(m, CurvePruner) and m.rule == "median"

@@ -434,7 +434,7 @@ def test_single_objective_report_plots_and_importance_reasons(tmp_path):
     rep = summarize(url, None, study=study)
     assert [r.number for r in rep.front] == [1]  # the best trial (its duplicate 3 folded in)
     paths, figures = write_plots(study, rep, tmp_path / "plots")
-    assert {p.name for p in paths} == {f"hand-{k}.png" for k in ("objective", "learning-curves", "param-importances")} | {
+    assert {p.name for p in paths} == {f"hand-{k}.png" for k in ("objective", "learning-curves", "param-importances", "anytime")} | {
         f"hand-{k}.html" for k in ("objective", "learning-curves", "param-importances-accuracy")}
     assert set(figures) == {"headsearch-objective", "headsearch-learning-curves", "headsearch-param-importances-accuracy"}
     assert all(p.stat().st_size > 1000 for p in paths)

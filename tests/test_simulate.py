@@ -18,7 +18,8 @@ import yaml
 from optuna.trial import TrialState
 
 from headsearch.errors import ConfigError
-from headsearch.search.pruning import ParetoRule, Progress, non_dominated_ranks
+from headsearch.search.pruning import (MultiMetricRule, ParetoRule, Progress, make_curve_pruner, make_optuna_pruner,
+                                      non_dominated_ranks)
 from headsearch.search.runner import Search, SearchSettings, config_key
 from headsearch.search.simulate import hypervolume, replay, simulation_search, true_points
 from headsearch.search.space import enumerate_params, load_space
@@ -209,6 +210,53 @@ def test_the_pareto_rule_judges_params_exactly_and_only_at_rungs_with_enough_tri
     assert ParetoRule("minimize", kinds=("quality", None), n_startup_trials=1, min_epochs=1).decide(1, P([math.nan]), [P([1.0])]).prune
     with pytest.raises(ConfigError):
         ParetoRule("maximize", kinds=(None,))
+
+
+# The peer's rule (OptunaHub's multi_metric_pruner, as MultiMetricRule writes it). Points (accuracy, seconds) at
+# epoch 1: A (0.50, 10) and C (0.30, 2) are the current front; G (0.48, 12) is dominated by A, F by C.
+A, C, G = P([0.50], seconds=10.0), P([0.30], seconds=2.0), P([0.48], seconds=12.0)
+
+
+@pytest.mark.floor
+def test_the_multi_metric_rule_breaks_a_fronts_ties_by_hypervolume_contribution():
+    """M (0.40, 11 s) is dominated by A, in the second front with G and F. n = 4 others, the median rule keeps
+    positions 1..3 of 5 (ceil(5 / 2) = 3). Within the second front, scaled to the reference 10% beyond its
+    worst (accuracy -0.227 negated, seconds max + 10% of the range), the exclusive hypervolumes are:
+    - F (0.25, 3 s): reference seconds 12.9; G 0.08 x 0.9 = 0.072, M 0.15 x 1 = 0.15, F 0.023 x 8 = 0.184:
+      F, M, G -> M is 4th of 5 (two on the front ahead, then F): pruned;
+    - F (0.25, 10.5 s): reference seconds 12.15; G 0.08 x 0.15 = 0.012, M 0.15 x 1 = 0.15, F 0.023 x 0.5 = 0.0115:
+      M first of its front -> 3rd of 5: kept."""
+    rule = MultiMetricRule("maximize", kinds=("quality", "time"), n_startup_trials=3)
+    mine = P([0.40], seconds=11.0)
+    cut = rule.decide(1, mine, [A, C, G, P([0.25], seconds=3.0)])
+    assert cut.prune and cut.note.startswith("front 2, position 4 of 5") and cut.n_compared == 4
+    kept = rule.decide(1, mine, [A, C, G, P([0.25], seconds=10.5)])
+    assert not kept.prune and kept.note.startswith("front 2, position 3 of 5")
+    # Successive halving as the base: at rungs 1, 3, 9 (r = 3) the top ceil(5 / 3) = 2 go on.
+    asha = MultiMetricRule("maximize", kinds=("quality", "time"), base="asha", n_startup_trials=3)
+    assert asha.decide(1, mine, [A, C, G, P([0.25], seconds=10.5)]).prune
+    assert asha.decide(2, P([0.1, 0.40], seconds=11.0), [P([0.5, 0.5], seconds=10.0)] * 4).note == "not a rung"
+
+
+@pytest.mark.floor
+def test_the_multi_metric_rule_never_prunes_the_current_front_and_waits_for_enough_trials():
+    rule = make_curve_pruner("multi-metric", "maximize", kinds=("quality", "time"), n_startup_trials=3)
+    assert isinstance(rule, MultiMetricRule) and rule.base == "median"
+    fast = rule.decide(1, P([0.05], seconds=1.0), [A, C, G, P([0.25], seconds=3.0)])  # the worst, but the fastest
+    assert not fast.prune and fast.note == "on the current front"
+    assert rule.decide(1, P([0.40], seconds=11.0), [A, C]).note == "too few trials (2 < 3)"
+    assert rule.decide(1, P([math.nan], seconds=1.0), [A, C, G]).prune
+    with pytest.raises(ConfigError, match="several objectives"):
+        make_optuna_pruner("multi-metric", epochs=4)
+    with pytest.raises(ConfigError, match="base 'mean'"):
+        MultiMetricRule("maximize", base="mean")
+
+
+def test_a_replay_with_the_multi_metric_rule_prunes_on_the_deep_head_table():
+    table = load_table(Path(__file__).resolve().parents[1] / "benchmarks" / "tables" / "vit-cifar10-deep-head-tiny.json")
+    result = replay(simulation_search(table, space="deep-head", trials=39, pruner="multi-metric", seed=0), table)
+    assert any(r["state"] == "PRUNED" and r["pruned"]["rule"] == "multi-metric" for r in result.trials)
+    assert 0 < result.hypervolume <= 1.0 + 1e-9
 
 
 @pytest.mark.floor

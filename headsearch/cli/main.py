@@ -144,7 +144,7 @@ def run(
     timeout: Optional[float] = typer.Option(None, "--timeout", help="Stop starting trials after this many seconds."),
     objectives: Optional[str] = typer.Option(None, "--objectives", help="Comma list: a task metric, time, epochs, params. Default: <quality>,time."),
     sampler: Optional[str] = typer.Option(None, "--sampler", help="nsga2 | tpe | random | gp (default nsga2; tpe for one objective)."),
-    pruner: Optional[str] = typer.Option(None, "--pruner", help="pareto (several objectives) | median | percentile | asha (successive halving, one bracket) | hyperband (Optuna's, one objective) | none (default: pareto for several objectives, median for one)."),
+    pruner: Optional[str] = typer.Option(None, "--pruner", help="pareto (several objectives) | median | percentile | asha (successive halving, one bracket) | hyperband (Optuna's, one objective) | multi-metric (OptunaHub's multi_metric_pruner rule, several objectives) | none (default: pareto for several objectives, median for one)."),
     pruner_startup: Optional[int] = typer.Option(None, "--pruner-startup", help="Finished trials needed before pruning starts."),
     pruner_warmup: Optional[int] = typer.Option(None, "--pruner-warmup", help="Epochs a trial always runs before it can be pruned."),
     storage: str = storage_option(),

@@ -23,7 +23,9 @@ trial fills; tests/test_size.py checks the forward count against torch's FLOP co
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
+from typing import Iterator, Sequence
 
 from headsearch.config import ArchConfig
 
@@ -82,15 +84,28 @@ def _mlp_params(arch: ArchConfig) -> int:
     return _linear(arch.d_model, arch.d_ff) + _linear(arch.d_ff, arch.d_model)
 
 
+def layer_groups(heads: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+    """A stack's layers grouped by what a layer's size depends on: (head count, index, how many), where the
+    index is 0 for the stack's first layer and 1 for the others (only the first has no output-skip norm).
+    A stack of a million layers is then estimated as fast as one of four: the size guard runs before
+    anything else, and must refuse an absurd depth at once."""
+    if not heads:
+        return
+    rest = Counter(heads[1:])
+    yield heads[0], 0, 1
+    for h, n in rest.items():
+        yield h, 1, n
+
+
 def encoder_params(arch: ArchConfig) -> int:
-    blocks = sum(2 * _layernorm(arch.d_model) + attention_params(arch, h, i) + _mlp_params(arch)
-                 for i, h in enumerate(arch.enc_heads))
+    blocks = sum(n * (2 * _layernorm(arch.d_model) + attention_params(arch, h, i) + _mlp_params(arch))
+                 for h, i, n in layer_groups(arch.enc_heads))
     return blocks + _layernorm(arch.d_model)
 
 
 def decoder_params(arch: ArchConfig) -> int:
-    blocks = sum(3 * _layernorm(arch.d_model) + attention_params(arch, h, i) + attention_params(arch, h, i, cross=True)
-                 + _mlp_params(arch) for i, h in enumerate(arch.dec_heads))
+    blocks = sum(n * (3 * _layernorm(arch.d_model) + attention_params(arch, h, i) + attention_params(arch, h, i, cross=True)
+                      + _mlp_params(arch)) for h, i, n in layer_groups(arch.dec_heads))
     return blocks + _layernorm(arch.d_model)
 
 
@@ -106,9 +121,9 @@ def _layer_activations(arch: ArchConfig, heads: int, queries: int, keys: int) ->
 def stack_activations(arch: ArchConfig, tokens: int, memory_tokens: int = 0) -> int:
     """Floats kept for one sample by the encoder (`tokens` long) or, with `memory_tokens`, the decoder."""
     if not memory_tokens:
-        return sum(_layer_activations(arch, h, tokens, tokens) for h in arch.enc_heads)
-    return sum(_layer_activations(arch, h, tokens, tokens) + _layer_activations(arch, h, tokens, memory_tokens)
-               for h in arch.dec_heads)
+        return sum(n * _layer_activations(arch, h, tokens, tokens) for h, _, n in layer_groups(arch.enc_heads))
+    return sum(n * (_layer_activations(arch, h, tokens, tokens) + _layer_activations(arch, h, tokens, memory_tokens))
+               for h, _, n in layer_groups(arch.dec_heads))
 
 
 # -- floating-point operations ----------------------------------------------------------------
@@ -156,9 +171,10 @@ def stack_flops(arch: ArchConfig, tokens: int, memory_tokens: int = 0) -> int:
     """Forward FLOPs of one sample in the encoder (`tokens` long) or, with `memory_tokens`, the decoder
     (self-attention over its `tokens`, cross-attention to the encoder's `memory_tokens`)."""
     if not memory_tokens:
-        return sum(attention_flops(arch, h, tokens, tokens) + _mlp_flops(arch, tokens) for h in arch.enc_heads)
-    return sum(attention_flops(arch, h, tokens, tokens) + attention_flops(arch, h, tokens, memory_tokens)
-               + _mlp_flops(arch, tokens) for h in arch.dec_heads)
+        return sum(n * (attention_flops(arch, h, tokens, tokens) + _mlp_flops(arch, tokens))
+                   for h, _, n in layer_groups(arch.enc_heads))
+    return sum(n * (attention_flops(arch, h, tokens, tokens) + attention_flops(arch, h, tokens, memory_tokens)
+                    + _mlp_flops(arch, tokens)) for h, _, n in layer_groups(arch.dec_heads))
 
 
 def vit_step_flops(arch: ArchConfig, batch: int, image_size: int = 32, in_chans: int = 3, num_classes: int = 10) -> int:

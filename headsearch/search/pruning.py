@@ -38,6 +38,11 @@ Rules (`PRUNERS`):
   rung, trials assigned to brackets by a hash. Single-objective studies only: with several objectives it
   is refused (`make_curve_pruner`), as ``"pareto"`` is with one. Before, ``hyperband`` meant this with
   one objective and `RungRule` with several: that rule is now called ``"asha"``.
+- ``"multi-metric"`` (`MultiMetricRule`): the rule of OptunaHub's `multi_metric_pruner` (S. Watanabe, 2026),
+  Optuna's own answer to pruning with several objectives, written here from its description as a baseline
+  for the simulator: at each epoch the trials that reported it are ranked by non-dominated sorting, ties
+  broken by hypervolume contribution; a trial on the current front is never pruned; the rank goes to a
+  median rule (or, ``base="asha"``, to successive halving at the rungs). Several objectives only.
 - ``"none"``: no pruning (`make_curve_pruner` returns None, `make_optuna_pruner` a `NopPruner`).
 
 Steps and epochs: the search reports epoch ``e`` to Optuna as ``step=e``. Optuna's warm-up is
@@ -55,8 +60,9 @@ import numpy as np
 import optuna
 
 from headsearch.errors import ConfigError
+from headsearch.search.hypervolume import hypervolume
 
-PRUNERS = ("pareto", "median", "percentile", "asha", "hyperband", "none")
+PRUNERS = ("pareto", "median", "percentile", "asha", "hyperband", "multi-metric", "none")
 # The quantities a multi-objective trial's objectives are known by before it ends (`ParetoRule`'s kinds).
 PROGRESS_KINDS = ("quality", "time", "params", "epochs")
 DIRECTIONS = ("maximize", "minimize")
@@ -409,6 +415,37 @@ def non_dominated_ranks(points: Sequence[Sequence[float]]) -> list[int]:
     return ranks
 
 
+def _check_kinds(rule: str, kinds: Sequence[str | None]) -> tuple[str | None, ...]:
+    bad = [k for k in kinds if k is not None and k not in PROGRESS_KINDS]
+    if bad or not any(k is not None for k in kinds):
+        raise ConfigError(f"{rule} pruning: objective kinds {list(kinds)} must be among {', '.join(PROGRESS_KINDS)}")
+    return tuple(kinds)
+
+
+def progress_point(kinds: Sequence[str | None], direction: str, epoch: int, p: Progress) -> list[float] | None:
+    """A trial's point at `epoch` on the objectives `kinds` names (see `ParetoRule`), every coordinate
+    minimised; None when a quantity is not known yet. A curve with no finite value gives quality inf."""
+    out = []
+    for kind in kinds:
+        if kind == "quality":
+            vals = [float(v) for e, v in p.curve.items() if e <= epoch and not math.isnan(float(v))]
+            if not vals:
+                out.append(math.inf)
+                continue
+            out.append(-max(vals) if direction == "maximize" else min(vals))
+        elif kind == "time":
+            if p.epoch_seconds is None:
+                return None
+            out.append(epoch * float(p.epoch_seconds))
+        elif kind == "params":
+            if p.params is None:
+                return None
+            out.append(float(p.params))
+        elif kind == "epochs":
+            out.append(float(epoch))
+    return out
+
+
 class ParetoRule:
     """Multi-objective asynchronous successive halving: at each rung a trial goes on when it is among the
     top ``1/reduction_factor`` of the trials that reached the rung by non-dominated sorting, on every
@@ -446,10 +483,7 @@ class ParetoRule:
     def __init__(self, direction: str, kinds: Sequence[str | None] = ("quality", "time"), min_epochs: int = 2,
                  reduction_factor: int = 2, n_startup_trials: int = 3, n_warmup_epochs: int = 0) -> None:
         self.direction = _direction(direction)
-        bad = [k for k in kinds if k is not None and k not in PROGRESS_KINDS]
-        if bad or not any(k is not None for k in kinds):
-            raise ConfigError(f"pareto pruning: objective kinds {list(kinds)} must be among {', '.join(PROGRESS_KINDS)}")
-        self.kinds = tuple(kinds)
+        self.kinds = _check_kinds("pareto", kinds)
         self._rungs = RungRule(direction, min_epochs, reduction_factor, n_startup_trials)
         self.min_epochs, self.reduction_factor = self._rungs.min_epochs, self._rungs.reduction_factor
         self.n_startup_trials = self._rungs.n_startup_trials
@@ -462,25 +496,7 @@ class ParetoRule:
 
     def point(self, epoch: int, p: Progress) -> list[float] | None:
         """The trial's point at `epoch`, every coordinate minimised; None when a quantity is not known."""
-        out = []
-        for kind in self.kinds:
-            if kind == "quality":
-                vals = [float(v) for e, v in p.curve.items() if e <= epoch and not math.isnan(float(v))]
-                if not vals:
-                    out.append(math.inf)
-                    continue
-                out.append(-max(vals) if self.direction == "maximize" else min(vals))
-            elif kind == "time":
-                if p.epoch_seconds is None:
-                    return None
-                out.append(epoch * float(p.epoch_seconds))
-            elif kind == "params":
-                if p.params is None:
-                    return None
-                out.append(float(p.params))
-            elif kind == "epochs":
-                out.append(float(epoch))
-        return out
+        return progress_point(self.kinds, self.direction, epoch, p)
 
     def decide(self, epoch: int, mine: Progress, others: Sequence[Progress]) -> PruneDecision:
         _check_call(epoch, mine.curve)
@@ -509,12 +525,102 @@ class ParetoRule:
         return PruneDecision(better >= k, self.rule, epoch, value, None, n, note)
 
 
+def hypervolume_contributions(points: Sequence[Sequence[float]]) -> list[float]:
+    """Each point's exclusive hypervolume (what the set loses without it; points minimised), the reference
+    point 10% of each coordinate's finite range beyond the worst (1 beyond it where all agree); an infinite
+    coordinate (a curve with no finite value) sits on the reference and adds no volume."""
+    cols = [[v for v in c if math.isfinite(v)] or [0.0] for c in zip(*points)]
+    reference = [max(c) + (0.1 * (max(c) - min(c)) or 1.0) for c in cols]
+    points = [[min(v, r) for v, r in zip(p, reference)] for p in points]
+    whole = hypervolume(points, reference)
+    return [whole - hypervolume([q for j, q in enumerate(points) if j != i], reference) for i in range(len(points))]
+
+
+class MultiMetricRule:
+    """The rule of OptunaHub's `multi_metric_pruner` (S. Watanabe, 2026), Optuna's answer to pruning with
+    several objectives, written here from its description as the simulator's baseline for "pareto". Rule
+    "multi-metric".
+
+    At epoch ``e``, the trial and the others that reported ``e`` (COMPLETE and PRUNED, as `ParetoRule`),
+    each at its point on the objectives `kinds` names (`progress_point`):
+
+    1. ``epoch <= n_warmup_epochs`` -> no judgement; with ``base="asha"``, an epoch that is not a rung
+       ``min_epochs * reduction_factor**k`` -> none either.
+    2. ``n`` others; ``n < n_startup_trials`` -> no judgement; its own point not known -> none.
+    3. quality NaN -> prune.
+    4. rank the ``n + 1`` points: non-dominated sorting, and within a front by hypervolume contribution
+       (largest first; ties go to the trial). A trial on the current front (front 1) is never pruned.
+    5. the rank goes to the base rule: ``median`` prunes a trial in the worse half (its position
+       ``>= ceil((n + 1) / 2)``, i.e. behind the median of the others' ranks); ``asha`` keeps the top
+       ``ceil((n + 1) / reduction_factor)``.
+
+    Where it differs from "pareto": it judges at every epoch by default (a median rule), and it separates
+    the points of one front by hypervolume contribution, so a dominated trial can be pruned behind others
+    of its own front.
+    """
+
+    rule = "multi-metric"
+
+    def __init__(self, direction: str, kinds: Sequence[str | None] = ("quality", "time"), base: str = "median",
+                 n_startup_trials: int = 5, n_warmup_epochs: int = 0, min_epochs: int = 1, reduction_factor: int = 3) -> None:
+        self.direction = _direction(direction)
+        self.kinds = _check_kinds("multi-metric", kinds)
+        if base not in ("median", "asha"):
+            raise ConfigError(f"multi-metric pruning: base {base!r} must be median or asha")
+        self.base = base
+        self._rungs = RungRule(direction, min_epochs, reduction_factor, n_startup_trials)
+        self.n_startup_trials = self._rungs.n_startup_trials
+        self.n_warmup_epochs = _int("n_warmup_epochs", n_warmup_epochs, 0)
+
+    def __repr__(self) -> str:
+        return (f"MultiMetricRule(direction={self.direction!r}, kinds={list(self.kinds)}, base={self.base!r},"
+                f" n_startup_trials={self.n_startup_trials}, n_warmup_epochs={self.n_warmup_epochs})")
+
+    def point(self, epoch: int, p: Progress) -> list[float] | None:
+        return progress_point(self.kinds, self.direction, epoch, p)
+
+    def decide(self, epoch: int, mine: Progress, others: Sequence[Progress]) -> PruneDecision:
+        _check_call(epoch, mine.curve)
+        value = float(mine.curve[epoch])
+        theirs = [q for q in (self.point(epoch, o) for o in others if epoch in o.curve) if q is not None]
+        n = len(theirs)
+
+        def keep(note: str) -> PruneDecision:
+            return PruneDecision(False, self.rule, epoch, value, None, n, note)
+
+        if epoch <= self.n_warmup_epochs:
+            return keep(f"warm-up (epoch {epoch} <= n_warmup_epochs {self.n_warmup_epochs})")
+        if self.base == "asha" and not self._rungs.is_rung(epoch):
+            return keep("not a rung")
+        if n < self.n_startup_trials:
+            return keep(f"too few trials ({n} < {self.n_startup_trials})")
+        own = self.point(epoch, mine)
+        if own is None:
+            return keep("its epoch seconds are not known yet")
+        if "quality" in self.kinds and math.isinf(own[self.kinds.index("quality")]):
+            return PruneDecision(True, self.rule, epoch, value, None, n, "value is NaN")
+        points = [own, *theirs]
+        ranks = non_dominated_ranks(points)
+        if ranks[0] == 0:
+            return keep("on the current front")
+        same = [i for i, r in enumerate(ranks) if r == ranks[0]]
+        gain = dict(zip(same, hypervolume_contributions([points[i] for i in same])))
+        position = sum(1 for r in ranks if r < ranks[0]) + sum(1 for i in same[1:] if gain[i] > gain[0])
+        cut = 2 if self.base == "median" else self._rungs.reduction_factor
+        k = -(-(n + 1) // cut)  # ceil((n + 1) / cut): the positions that go on
+        note = f"front {ranks[0] + 1}, position {position + 1} of {n + 1} by front and hypervolume contribution; the top {k} go on"
+        return PruneDecision(position >= k, self.rule, epoch, value, None, n, note)
+
+
+PROGRESS_RULES = (ParetoRule, MultiMetricRule)  # rules that judge a trial's `Progress`, not its curve alone
+
+
 # ---------------------------------------------------------------------------------------------
 # which trials a trial is judged against
 
 _COMPLETE, _PRUNED = optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED
 COMPARED_STATES = {"median": (_COMPLETE,), "percentile": (_COMPLETE,), "asha": (_COMPLETE, _PRUNED),
-                   "pareto": (_COMPLETE, _PRUNED)}
+                   "pareto": (_COMPLETE, _PRUNED), "multi-metric": (_COMPLETE, _PRUNED)}
 
 
 def comparison_curves(trials: Iterable[Any], rule: str, number: int) -> list[dict[int, float]]:
@@ -582,7 +688,7 @@ def make_curve_pruner(
     min_epochs: int | None = None,
     reduction_factor: int | None = None,
     kinds: Sequence[str | None] | None = None,
-) -> "CurvePruner | ParetoRule | None":
+) -> "CurvePruner | ParetoRule | MultiMetricRule | None":
     """The curve pruner `name` (one of `PRUNERS`) for a study whose primary metric goes `direction`.
 
     "none" -> None. None arguments take each rule's default; arguments a rule has no use for are
@@ -619,6 +725,9 @@ def make_curve_pruner(
     if name == "pareto":
         return ParetoRule(direction, **given(kinds=kinds, min_epochs=min_epochs, reduction_factor=reduction_factor,
                                              n_startup_trials=n_startup_trials, n_warmup_epochs=n_warmup_epochs))
+    if name == "multi-metric":
+        return MultiMetricRule(direction, **given(kinds=kinds, n_startup_trials=n_startup_trials,
+                                                  n_warmup_epochs=n_warmup_epochs))
     return RungRule(
         direction,
         **given(
@@ -659,8 +768,8 @@ def make_optuna_pruner(
     """
     if name not in PRUNERS:
         raise _unknown(name)
-    if name == "pareto":
-        raise ConfigError("--pruner pareto judges several objectives at once: a single-objective study uses median,"
+    if name in ("pareto", "multi-metric"):
+        raise ConfigError(f"--pruner {name} judges several objectives at once: a single-objective study uses median,"
                           " percentile, asha, hyperband or none")
     epochs = _int("epochs", epochs, 1)
     if name == "none":

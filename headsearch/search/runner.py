@@ -35,7 +35,7 @@ from headsearch.search.artifacts import write_trial_link
 from headsearch.search.fairtime import alone_key, device_share, known_epoch_seconds
 from headsearch.search.objectives import CONVERGENCE, Objective, resolve_objectives
 from headsearch.search.plan import Plan, plan_search
-from headsearch.search.pruning import (ParetoRule, Progress, RulePruner, comparison_trials, make_curve_pruner,
+from headsearch.search.pruning import (PROGRESS_RULES, Progress, RulePruner, comparison_trials, make_curve_pruner,
                                       make_optuna_pruner, progress_of)
 from headsearch.search.settings import SearchSettings, check_settings, load_callback
 from headsearch.search.space import SearchSpace, load_space
@@ -813,7 +813,7 @@ class TrialPruning(Callback):
         if self.curve_pruner is None or last:
             return
         others = comparison_trials(self.study.get_trials(deepcopy=False), self.curve_pruner.rule, self.trial.number)
-        if isinstance(self.curve_pruner, ParetoRule):
+        if isinstance(self.curve_pruner, PROGRESS_RULES):
             mine = Progress(self.curve, record.params, record.epoch_seconds_alone)
             decision = self.curve_pruner.decide(epoch, mine, [progress_of(t) for t in others])
         else:
