@@ -446,6 +446,32 @@ def progress_point(kinds: Sequence[str | None], direction: str, epoch: int, p: P
     return out
 
 
+def _gate(rule, epoch: int, mine: Progress, others: Sequence[Progress], judged_here: bool):
+    """What `ParetoRule` and `MultiMetricRule` check before ranking, in order: warm-up, an epoch the rule
+    judges (`judged_here`), enough others, the trial's own point known, quality NaN. Returns the decision
+    when one of them decides, else (its point, the others' points at `epoch`, its value)."""
+    _check_call(epoch, mine.curve)
+    value = float(mine.curve[epoch])
+    theirs = [q for q in (rule.point(epoch, o) for o in others if epoch in o.curve) if q is not None]
+    n = len(theirs)
+
+    def keep(note: str) -> PruneDecision:
+        return PruneDecision(False, rule.rule, epoch, value, None, n, note)
+
+    if epoch <= rule.n_warmup_epochs:
+        return keep(f"warm-up (epoch {epoch} <= n_warmup_epochs {rule.n_warmup_epochs})")
+    if not judged_here:
+        return keep("not a rung")
+    if n < rule.n_startup_trials:
+        return keep(f"too few trials ({n} < {rule.n_startup_trials})")
+    own = rule.point(epoch, mine)
+    if own is None:
+        return keep("its epoch seconds are not known yet")
+    if "quality" in rule.kinds and math.isinf(own[rule.kinds.index("quality")]):
+        return PruneDecision(True, rule.rule, epoch, value, None, n, "value is NaN")
+    return own, theirs, value
+
+
 class ParetoRule:
     """Multi-objective asynchronous successive halving: at each rung a trial goes on when it is among the
     top ``1/reduction_factor`` of the trials that reached the rung by non-dominated sorting, on every
@@ -499,25 +525,11 @@ class ParetoRule:
         return progress_point(self.kinds, self.direction, epoch, p)
 
     def decide(self, epoch: int, mine: Progress, others: Sequence[Progress]) -> PruneDecision:
-        _check_call(epoch, mine.curve)
-        value = float(mine.curve[epoch])
-        theirs = [q for q in (self.point(epoch, o) for o in others if epoch in o.curve) if q is not None]
+        gate = _gate(self, epoch, mine, others, self._rungs.is_rung(epoch))
+        if isinstance(gate, PruneDecision):
+            return gate
+        own, theirs, value = gate
         n = len(theirs)
-
-        def keep(note: str) -> PruneDecision:
-            return PruneDecision(False, self.rule, epoch, value, None, n, note)
-
-        if epoch <= self.n_warmup_epochs:
-            return keep(f"warm-up (epoch {epoch} <= n_warmup_epochs {self.n_warmup_epochs})")
-        if not self._rungs.is_rung(epoch):
-            return keep("not a rung")
-        if n < self.n_startup_trials:
-            return keep(f"too few trials ({n} < {self.n_startup_trials})")
-        own = self.point(epoch, mine)
-        if own is None:
-            return keep("its epoch seconds are not known yet")
-        if math.isinf(own[self.kinds.index("quality")] if "quality" in self.kinds else 0.0):
-            return PruneDecision(True, self.rule, epoch, value, None, n, "value is NaN")
         ranks = non_dominated_ranks([own, *theirs])
         better = sum(1 for r in ranks[1:] if r < ranks[0])
         k = -(-(n + 1) // self.reduction_factor)  # ceil((n + 1) / r)
@@ -580,29 +592,15 @@ class MultiMetricRule:
         return progress_point(self.kinds, self.direction, epoch, p)
 
     def decide(self, epoch: int, mine: Progress, others: Sequence[Progress]) -> PruneDecision:
-        _check_call(epoch, mine.curve)
-        value = float(mine.curve[epoch])
-        theirs = [q for q in (self.point(epoch, o) for o in others if epoch in o.curve) if q is not None]
+        gate = _gate(self, epoch, mine, others, self.base == "median" or self._rungs.is_rung(epoch))
+        if isinstance(gate, PruneDecision):
+            return gate
+        own, theirs, value = gate
         n = len(theirs)
-
-        def keep(note: str) -> PruneDecision:
-            return PruneDecision(False, self.rule, epoch, value, None, n, note)
-
-        if epoch <= self.n_warmup_epochs:
-            return keep(f"warm-up (epoch {epoch} <= n_warmup_epochs {self.n_warmup_epochs})")
-        if self.base == "asha" and not self._rungs.is_rung(epoch):
-            return keep("not a rung")
-        if n < self.n_startup_trials:
-            return keep(f"too few trials ({n} < {self.n_startup_trials})")
-        own = self.point(epoch, mine)
-        if own is None:
-            return keep("its epoch seconds are not known yet")
-        if "quality" in self.kinds and math.isinf(own[self.kinds.index("quality")]):
-            return PruneDecision(True, self.rule, epoch, value, None, n, "value is NaN")
         points = [own, *theirs]
         ranks = non_dominated_ranks(points)
         if ranks[0] == 0:
-            return keep("on the current front")
+            return PruneDecision(False, self.rule, epoch, value, None, n, "on the current front")
         same = [i for i, r in enumerate(ranks) if r == ranks[0]]
         gain = dict(zip(same, hypervolume_contributions([points[i] for i in same])))
         position = sum(1 for r in ranks if r < ranks[0]) + sum(1 for i in same[1:] if gain[i] > gain[0])
