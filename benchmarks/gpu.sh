@@ -1,24 +1,32 @@
 #!/usr/bin/env bash
-# Every GPU measurement of benchmarks/RESULTS.md, and the GPU checks of the fixes that make the fast path
-# safe, in three stages of at most 10 minutes each (25 in all on one H100), each one device command.
-# Each benchmark appends its rows, with device and versions, to benchmarks/RESULTS.md; run from the
-# checkout. On the lent machine (../shared/device/README.md): export PYTHONPATH=$PWD:/tmp/site and
-# HEADSEARCH_DATA (cifar10/ with at least test.npz and one train shard, spa-eng/spa.txt).
+# What to run on a GPU machine, in stages of one device command each. Run from the checkout.
 #
+#   bash benchmarks/gpu.sh prepare   # HERE, not on the GPU machine: .gpu-data/ (one CIFAR-10 shard, 2,000 test
+#                                    #   images, spa.txt) and .whl/ (Optuna and what the GPU image lacks), ~50 MiB,
+#                                    #   and the line to start the device command with
+#   bash benchmarks/gpu.sh quick     # FIRST on a new GPU machine: at most 8 minutes (440 s), says whether the
+#                                    #   defaults are right and fast there (benchmarks/README.md: each line)
 #   bash benchmarks/gpu.sh checks    # ~5 min (estimate): the CUDA-only tests (capture failure, one pool, cuda:N, MPS),
 #                                    #   the bare step vs the trainer in each step mode
 #   bash benchmarks/gpu.sh bench     # ~8 min (estimate): headsearch bench for the ViT (modes, K processes +- MPS,
 #                                    #   cohorts) and for tiny translation
 #   bash benchmarks/gpu.sh search    # ~10 min (estimate): search throughput with the plan, the fair time alone vs 8
 #                                    #   workers, the cohort of 8 vs 8 processes on the fast path
-#   bash benchmarks/gpu.sh all       # the three, one after another (for a machine without the 10-minute limit)
+#   bash benchmarks/gpu.sh all       # checks, bench, search, one after another (a machine without the 10-minute limit)
 #   bash benchmarks/gpu.sh --dry-run STAGE   # print the commands only
+#
+# On the lent machine (../shared/device/README.md): start with the line `prepare` printed, then
+# export HEADSEARCH_DATA (default .gpu-data: cifar10/ with test.npz and one train shard, spa-eng/spa.txt).
+# quick writes its logs and run directories to $OUT (a fresh folder when unset); QUICK_STEPS="S4 S5"
+# runs only those steps. The longer stages append their rows, with device and versions, to RESULTS.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 DRY=0
 if [[ "${1:-}" == "--dry-run" ]]; then DRY=1; shift; fi
 STAGE=${1:-}
+DATA=${HEADSEARCH_DATA:-$PWD/.gpu-data}
+Q=benchmarks/gpu_quick
 
 run() {  # a command, with its wall time; stops the stage at the first failure
   echo "+ $*"
@@ -46,10 +54,85 @@ search() {
   run $PY benchmarks/cohort.py --ks 8 --solo-compile auto
 }
 
+prepare() {  # here: the quick check's data slice and the wheels the GPU image lacks
+  [[ $DRY == 1 ]] && { echo "+ copy train_0.npz, 2,000 test images, spa.txt into .gpu-data/; bash ../shared/device/wheels.sh"; return 0; }
+  local src=${HEADSEARCH_SOURCE:-../shared/data}  # a folder with cifar10/ (train_0.npz, test.npz) and spa-eng/spa.txt
+  grep -qx "/.gpu-data/" .git/info/exclude 2>/dev/null || echo "/.gpu-data/" >> .git/info/exclude
+  mkdir -p .gpu-data/cifar10 .gpu-data/spa-eng
+  cp "$src/cifar10/train_0.npz" .gpu-data/cifar10/ && cp "$src/spa-eng/spa.txt" .gpu-data/spa-eng/
+  $PY - "$src/cifar10/test.npz" <<'P'
+import sys, numpy as np
+z = np.load(sys.argv[1]); m = len(z["x"])
+np.savez(".gpu-data/cifar10/test.npz", **{k: (z[k][:2000] if z[k].ndim and len(z[k]) == m else z[k]) for k in z.files})
+P
+  if [[ -f ../shared/device/wheels.sh ]]; then bash ../shared/device/wheels.sh  # a machine that reaches no index
+  else echo "the GPU machine needs headsearch's dependencies (pip install -e . there, or optuna beside its torch)"; fi
+  echo "carry [\".whl\", \".gpu-data\"], timeout_s 480, then: bash benchmarks/gpu.sh quick"
+}
+
+QUICK_END=0
+step() {  # step NAME CAP CMD...: at most CAP s and never past the quick check's end; a failure never stops the rest
+  local name=$1 cap=$2; shift 2
+  if [[ -n "${QUICK_STEPS:-}" && " $QUICK_STEPS " != *" ${name%%-*} "* ]]; then return 0; fi
+  if [[ $DRY == 1 ]]; then echo "+ [$name, at most $cap s] $*"; return 0; fi
+  local t=$((QUICK_END - SECONDS - 12)); ((t > cap)) && t=$cap
+  if ((t < 25)); then echo "== $name: SKIPPED, no time left"; return 0; fi
+  echo "== $name (limit $t s)"; local start=$SECONDS rc=0
+  timeout -s INT -k 10 "$t" "$@" > "$OUT/$name.log" 2>&1 || rc=$?
+  echo "   rc=$rc after $((SECONDS - start)) s"; ((rc)) && tail -n 12 "$OUT/$name.log"; return 0
+}
+show() {  # show STEP CMD...: a step's summary, if that step ran
+  if [[ $DRY == 1 || ( -n "${QUICK_STEPS:-}" && " $QUICK_STEPS " != *" $1 "* ) ]]; then return 0; fi
+  shift; timeout 30 "$@" || echo "   (summary failed)"
+}
+
+quick() {  # the 8-minute check: steps in order of importance (benchmarks/README.md says what each line means)
+  set +e
+  QUICK_END=$((SECONDS + 440))
+  if [[ $DRY == 1 ]]; then OUT=${OUT:-'$OUT'}; else OUT=${OUT:-$(mktemp -d)}; fi
+  export HEADSEARCH_CACHE=${TMPDIR:-/tmp}/headsearch-quick-cache-$$ HEADSEARCH_TEST_DATA=$DATA PYTHONUNBUFFERED=1
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  local train="$PY -m headsearch train --task vit-cifar10 --data-dir $DATA/cifar10 --config $Q/vit.yaml"
+  if [[ $DRY == 0 ]]; then
+    echo "== S0: versions, GPU, MPS; logs in $OUT"
+    nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader; echo "$(nproc) cores"
+    command -v nvidia-cuda-mps-control || echo "no MPS control binary"
+    $PY -c "import torch,optuna as o;p=torch.cuda.get_device_properties(0);print('torch',torch.__version__,'CUDA',torch.version.cuda,p.name,p.multi_processor_count,'SMs; optuna',o.__version__)"
+  fi
+  step S1-vit-auto 110 $train --out "$OUT/vit-auto"
+  step S1-vit-off 45 $train --compile off --out "$OUT/vit-off"
+  show S1 $PY $Q/summary.py vit "$OUT"
+  step S2-pytest 60 $PY -m pytest -q -rs -p no:cacheprovider tests/test_gpu_safety.py
+  show S2 grep -E "passed|failed|error|SKIPPED" "$OUT/S2-pytest.log"
+  step S2-probe 60 env HEADSEARCH_DATA="$DATA" $PY $Q/probe.py
+  show S2 grep -v Warning "$OUT/S2-probe.log"
+  step S3-run 150 $PY -m headsearch run --task vit-cifar10 --space $Q/space.yaml --data-dir $DATA/cifar10 --trials 8 \
+    --epochs 2 --storage "sqlite:///$OUT/h.db" --run-root "$OUT/runs"
+  show S3 grep -m1 -E "^plan" "$OUT/S3-run.log"
+  show S3 $PY $Q/summary.py search "$OUT"
+  show S3 sh -c 'pgrep -a nvidia-cuda-mps || echo "no MPS process left"'
+  # S1 measured eager against the default: the bench tries the default mode alone, then 8 processes -+ MPS.
+  step S4-bench 110 $PY -m headsearch bench --task vit-cifar10 --space $Q/space.yaml --data-dir $DATA/cifar10 \
+    --ks 8 --modes reduce-overhead --no-cohorts --seconds 4
+  show S4 grep -vi warn "$OUT/S4-bench.log"
+  step S5-translation 130 $PY -m headsearch train --task translation-en-es --preset tiny --epochs 1 \
+    --data-file $DATA/spa-eng/spa.txt --out "$OUT/tr-auto"
+  show S5 $PY $Q/summary.py translation "$OUT"
+  if [[ $DRY == 0 ]]; then
+    pgrep -a nvidia-cuda-mps || echo "no MPS process left"
+    nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader
+    echo "== done in $SECONDS s"
+  else
+    echo "at most 440 s in all (S0 and the summaries included): each step stops at its cap and at 428 s"
+  fi
+}
+
 case "$STAGE" in
+  prepare) prepare ;;
+  quick) quick ;;
   checks) checks ;;
   bench) bench ;;
   search) search ;;
   all) checks; bench; search ;;
-  *) echo "usage: bash benchmarks/gpu.sh [--dry-run] checks|bench|search|all" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/gpu.sh [--dry-run] prepare|quick|checks|bench|search|all" >&2; exit 2 ;;
 esac

@@ -126,12 +126,12 @@ def test_bench_on_this_cpu_saves_what_the_next_run_plans_from(tmp_path, cifar_di
     space.write_text(SMALL)
     env = {**__import__("os").environ, "HEADSEARCH_CACHE": str(tmp_path / "cache"), "COLUMNS": "200"}
     common = ["--task", "vit-cifar10", "--space", str(space), "--data-dir", str(cifar_dir), "--device", "cpu"]
-    proc = subprocess.run([sys.executable, "-m", "headsearch", "bench", *common, "--seconds", "1.5", "--format", "json"],
+    proc = subprocess.run([sys.executable, "-m", "headsearch", "bench", *common, "--seconds", "1.5", "--ks", "2", "--format", "json"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = Measurement.from_dict(json.loads(proc.stdout))
     kinds = {(r.way.kind, r.way.k, r.way.threads) for r in m.results}
-    assert {(PROCESSES, 1, 2), (PROCESSES, 2, 1), (COHORT, 2, 2), (COHORT, 4, 2)} <= kinds
+    assert kinds == {(PROCESSES, 1, 2), (PROCESSES, 2, 1), (COHORT, 2, 2)}  # --ks 2: cohorts of 2 alone
     assert all(r.verified and r.samples_per_s > 0 for r in m.results), [r.reason for r in m.results if not r.verified]
     assert m.date == datetime.date.today().isoformat() and (tmp_path / "cache" / "bench" / f"{m.key}.json").exists()
     choice = m.choice()
@@ -149,6 +149,9 @@ def test_bench_on_this_cpu_saves_what_the_next_run_plans_from(tmp_path, cifar_di
     (["--task", "vit-cifar10", "--seconds", "0"], "--seconds 0"),
     (["--task", "vit-cifar10", "--format", "xml"], "--format 'xml'"),
     (["--task", "vit-cifar10", "--data-dir", "/nonexistent/cifar"], "/nonexistent/cifar"),
+    (["--task", "vit-cifar10", "--ks", "4,zero"], "--ks '4,zero': give positive whole numbers"),
+    (["--task", "vit-cifar10", "--ks", "0"], "--ks '0'"),
+    (["--task", "vit-cifar10", "--modes", "fast"], "--modes 'fast': give modes among off, graphs, reduce-overhead"),
 ])
 def test_bench_bad_input_is_one_line_and_exit_2(args, says, tmp_path, monkeypatch, cli):
     monkeypatch.setenv("HEADSEARCH_CACHE", str(tmp_path / "cache"))
@@ -185,6 +188,36 @@ def test_a_cohort_slot_is_checked_against_the_same_trial_alone(small_search, one
         broken = threading.Barrier(2)
         mismatch = bench.measure_cohort(cohort_job(small_search, 2), broken)
     assert "differ from the same trial alone" in mismatch["mismatch"] and broken.broken and "samples" not in mismatch
+
+
+def test_a_bench_stopped_part_way_keeps_the_ways_it_measured(small_search, tmp_path, monkeypatch):
+    """The measurement is saved after each way: a bench interrupted (Ctrl-C, a command's time limit) during its
+    second way leaves the first saved, for `run` to plan from; --no-cohorts (cohorts=False) measures none."""
+    from headsearch.search import bench
+    from headsearch.search.measured import bench_key, cpu_name, key_inputs
+
+    monkeypatch.setenv("HEADSEARCH_CACHE", str(tmp_path / "cache"))
+    asked = []
+
+    def one_way(jobs):
+        asked.append(jobs[0].way)
+        if len(asked) == 2:
+            raise KeyboardInterrupt
+        return WayResult(jobs[0].way, True, None, 1000.0, 1000.0, 0.0)
+
+    monkeypatch.setattr(bench, "run_way", one_way)
+    with pytest.raises(KeyboardInterrupt):
+        bench.bench(small_search, seconds=0.1, cohorts=False)
+    import torch
+
+    saved = load_measurement(bench_key(key_inputs(cpu_name(), torch.__version__, small_search.base)))
+    assert [r.way for r in saved.results] == asked[:1] and saved.results[0].samples_per_s == 1000.0
+    asked.clear()
+    monkeypatch.setattr(bench, "run_way", lambda jobs: asked.append(jobs[0].way) or WayResult(jobs[0].way, False, "x"))
+    bench.bench(small_search, seconds=0.1, cohorts=False, save=False)
+    assert asked and all(w.kind == PROCESSES for w in asked)
+    with pytest.raises(ValueError, match="unknown step modes"):
+        bench.bench(small_search, modes=["fast"], save=False)
 
 
 def test_the_ks_a_gpu_bench_tries_fit_in_its_memory():

@@ -1,4 +1,6 @@
 """The benchmarks' references compute what headsearch's models compute, and the result files are complete."""
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -98,3 +100,25 @@ def test_table_and_report_write_a_complete_section(tmp_path, monkeypatch):
     assert "## Demo (quick, " in text and "- command: `python benchmarks/demo.py --quick" in text
     assert "- device: CPU: " in text and "torch " + torch.__version__ in text and "headsearch " in text
     assert table in text and "- a note" in text
+
+
+def test_the_quick_gpu_check_fits_eight_minutes_and_its_files_are_there(tmp_path):
+    """`bash benchmarks/gpu.sh --dry-run quick` prints the 8-minute check's commands (a lent GPU machine has 15
+    minutes in all, its start included): each step with its cap, the whole under one 440-s deadline. Every file
+    the steps name exists, and a step whose run left nothing says so in one line."""
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(["bash", "benchmarks/gpu.sh", "--dry-run", "quick"], cwd=root, capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "HEADSEARCH_DATA": "/data"})
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    steps = [line.split(",")[0].removeprefix("+ [") for line in lines if line.startswith("+ [")]
+    assert steps == ["S1-vit-auto", "S1-vit-off", "S2-pytest", "S2-probe", "S3-run", "S4-bench", "S5-translation"]
+    assert lines[-1].startswith("at most 440 s in all") and 440 <= 8 * 60
+    for name in ("vit.yaml", "space.yaml", "probe.py", "summary.py"):
+        assert (root / "benchmarks" / "gpu_quick" / name).is_file()
+    assert "--ks 8 --modes reduce-overhead --no-cohorts" in out.stdout  # the bench narrowed to fit
+    missing = subprocess.run([sys.executable, "benchmarks/gpu_quick/summary.py", "translation", str(tmp_path)], cwd=root,
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 0 and missing.stdout.startswith("translation: NO RESULT")
+    bad = subprocess.run(["bash", "benchmarks/gpu.sh", "nope"], cwd=root, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "usage:" in bad.stderr

@@ -119,6 +119,27 @@ def test_the_exclusive_hold_covers_only_the_timed_steps(cifar_dir, tmp_path, one
     assert result.epoch_seconds_alone > 0 and result.history[0].train_seconds > 0
 
 
+def test_a_warm_up_holds_the_cpu_shared_and_a_gpu_not_at_all():
+    """On a GPU, a warm-up (compile, capture, verify: up to minutes) runs outside any hold: under a shared one,
+    an exclusive request (a trial timing its unmeasured architecture) would wait for the whole compile while
+    holding the gate, and every worker of the device would sit idle behind it (a lock convoy). On a CPU the
+    compile takes the cores the timed steps use, so it holds the device shared. (CUDA itself is not needed:
+    the choice reads the device's type.)"""
+    from headsearch.training.trainer import _warm_up_hold
+
+    share = RecordingShare()
+    clock = AloneClock(share)
+    with _warm_up_hold(clock, torch.device("cuda", 0)):
+        pass
+    assert share.holds == []
+    with _warm_up_hold(clock, torch.device("cpu")):
+        pass
+    assert share.holds == ["shared"]
+    with _warm_up_hold(None, torch.device("cpu")):  # a run without a clock (train alone) holds nothing
+        pass
+    assert share.holds == ["shared"]
+
+
 @pytest.mark.parametrize("steps, timed", [(40, 30), (4, 4)])
 def test_a_measurement_apart_times_the_steps_a_solo_run_times(cifar_dir, one_thread, timed_marks, steps, timed):
     """measure_alone (a cohort slot's time) times what a solo run's epoch 1 times: ALONE_STEPS steps, or every

@@ -149,3 +149,33 @@ def test_translation_counts_an_average_step_on_its_data_not_max_len(tmp_path, sp
     plan = plan_search(search, visible=["0"], gpu=gpu, cpu_cores=16, measurement=None)
     assert plan.per_gpu == trials_per_gpu_for(average.step_flops, average.training_bytes, gpu, 16, 50)[0]
     assert plan.per_gpu > trials_per_gpu_for(bound.step_flops, bound.training_bytes, gpu, 16, 50)[0]
+
+
+def test_translation_counts_the_graph_pool_of_each_captured_shape(tmp_path, spa_file, tiny_translation, cache_env,
+                                                                  monkeypatch):
+    """With CUDA graphs each captured batch shape keeps its activations in a private pool: translation captures
+    one shape per bucket length its data uses and the partial batch, so a process holds those activations, not
+    one batch's. The rule's memory cap counts them (by hand here); a shared pool (opt-in) counts one batch."""
+    import numpy as np
+    import yaml
+
+    from headsearch.models.size import OPTIMIZER_BYTES_PER_PARAM, seq2seq_footprint
+    from headsearch.search.plan import MEMORY_FRACTION
+
+    space = tmp_path / "space.yaml"
+    space.write_text(yaml.safe_dump({"schedule": {"families": ["uniform"], "heads": [2]}, "skip": ["none"],
+                                     "fusion": ["none"], "fixed": tiny_translation}))
+    search = Search(SearchSettings(task="translation-en-es", space=str(space), data_file=str(spa_file), device="auto"))
+    cfg, fp = search.base, search.step_footprint()
+    lengths = np.unique(search._cpu_data().batcher.padded_lengths(cfg.data.bucket_lengths("cuda")))
+    act = [seq2seq_footprint(cfg.arch, cfg.train.batch_size, cfg.data.vocab_size, cfg.data.vocab_size, int(n)).activation_bytes
+           for n in lengths]
+    assert len(lengths) >= 2 and fp.captured_activation_bytes == sum(act) + act[-1]
+    assert fp.captured_training_bytes == fp.params * OPTIMIZER_BYTES_PER_PARAM + sum(act) + act[-1] > fp.training_bytes
+    # A GPU whose memory holds 8 processes by one batch each, but fewer by their graph pools.
+    memory = int(8.5 * fp.training_bytes / MEMORY_FRACTION)
+    gpu = GpuInfo("a small GPU", 1000, memory)
+    plan = plan_search(search, visible=["0"], gpu=gpu, cpu_cores=16, measurement=None)
+    assert plan.per_gpu == int(MEMORY_FRACTION * memory // fp.captured_training_bytes) < 8
+    monkeypatch.setenv("HEADSEARCH_SHARED_GRAPH_POOL", "1")
+    assert plan_search(search, visible=["0"], gpu=gpu, cpu_cores=16, measurement=None).per_gpu == 8

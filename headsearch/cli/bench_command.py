@@ -16,6 +16,9 @@ def bench(
     data_file: Optional[Path] = typer.Option(None, "--data-file", help="Local tab-separated parallel file (translation-en-es)."),
     device: str = typer.Option("auto", "--device", help="auto (the GPUs, else the CPU) or cpu."),
     seconds: Optional[float] = typer.Option(None, "--seconds", help="Timed seconds per way (default 10 on a GPU, 6 on a CPU)."),
+    ks: Optional[str] = typer.Option(None, "--ks", help="The K (processes, cohort sizes) to try, comma-separated, e.g. 8 (default: 2,4,8 within the GPU's memory; 2,4 for CPU cohorts)."),
+    modes: Optional[str] = typer.Option(None, "--modes", help="Step modes one process tries on a GPU, comma-separated (default off,graphs,reduce-overhead); K processes run the fastest."),
+    no_cohorts: bool = typer.Option(False, "--no-cohorts", help="Measure no cohort (K trials stacked in one model)."),
     fmt: str = typer.Option("table", "--format", help="table | json"),
 ) -> None:
     """Measure the ways a search can run its trials on this machine (step modes, processes, MPS, cohorts;
@@ -25,13 +28,15 @@ def bench(
 
     from headsearch.cli.common import fail, fail_on_fault
     from headsearch.errors import HeadsearchError
-    from headsearch.search.bench import bench as measure
+    from headsearch.search.bench import GPU_MODES, bench as measure
     from headsearch.search.runner import Search, SearchSettings
 
     if fmt not in ("table", "json"):
         fail(f"--format {fmt!r}: use table or json")
     if seconds is not None and not seconds > 0:
         fail(f"--seconds {seconds}: give a positive number of seconds")
+    k_list = parse_list("--ks", ks, int, "positive whole numbers, e.g. --ks 4,8", lambda k: k >= 1)
+    mode_list = parse_list("--modes", modes, str, f"modes among {', '.join(GPU_MODES)}", lambda m: m in GPU_MODES)
     console = Console(stderr=fmt == "json")
     settings = SearchSettings(task=task, space=space, preset=preset, device=device,
                               data_dir=str(data_dir) if data_dir else None, data_file=str(data_file) if data_file else None)
@@ -40,15 +45,15 @@ def bench(
         search.check_data()  # missing or malformed data: one line, before any process starts
         console.print(f"bench: {task}, base architecture of space {search.space.name}"
                       + (f", preset {preset}" if preset else "") + "; each way verified, then timed")
-        m = measure(search, seconds=seconds, report=lambda r: console.print(f"  {r.way.describe()}: " + (
+        m = measure(search, seconds=seconds, ks=k_list, modes=mode_list, cohorts=not no_cohorts, report=lambda r: console.print(f"  {r.way.describe()}: " + (
             f"{r.samples_per_s:,.0f} samples/s" if r.verified else f"not used ({r.reason})"), soft_wrap=True, highlight=False))
         plan = search.machine_plan()  # planned now: from the measurement just saved
     except HeadsearchError as e:
         fail(str(e))
     except KeyboardInterrupt:
-        fail("interrupted: nothing was saved", code=130)
+        fail("interrupted: the ways measured so far are saved", code=130)
     except Exception as e:
-        fail_on_fault(e, "nothing was saved")
+        fail_on_fault(e, "the ways measured so far are saved")
     if fmt == "json":
         typer.echo(json.dumps(m.to_dict(), indent=2))
         return
@@ -66,6 +71,21 @@ def bench(
 
     console.print(f"saved: {measurement_path(m.key)} ({m.seconds:.0f} s)", soft_wrap=True, highlight=False)
     console.print(f"plan of `headsearch run` here: {plan.describe()}", soft_wrap=True, highlight=False, markup=False)
+
+
+def parse_list(flag: str, text: Optional[str], kind, what: str, ok) -> Optional[list]:
+    """A comma-separated option as a list of `kind` (None when not given), or one line and exit 2."""
+    from headsearch.cli.common import fail
+
+    if text is None:
+        return None
+    try:
+        values = [kind(part.strip()) for part in text.split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(ok(v) for v in values):
+        fail(f"{flag} {text!r}: give {what}")
+    return values
 
 
 def register(app: typer.Typer) -> None:

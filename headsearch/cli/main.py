@@ -156,7 +156,7 @@ def run(
     data_file: Optional[Path] = typer.Option(None, "--data-file", help="Local data file (translation-en-es: tab-separated parallel text; plugins that read one file)."),
     workers: Optional[int] = typer.Option(None, "--workers", help="Worker processes on this machine, spread round-robin over the GPUs (default 1)."),
     trials_per_gpu: Optional[int] = typer.Option(None, "--trials-per-gpu", help="Instead of --workers: K concurrent trials on each visible GPU (K processes without GPUs). Default on GPUs: chosen from the model's size and the GPU, with NVIDIA MPS started when available."),
-    cohort: Optional[int] = typer.Option(None, "--cohort", help="Train K trials together as one stacked model in each worker (ViT). Default: on GPUs, K from the model's size and the GPU; 1 turns cohorts off."),
+    cohort: Optional[int] = typer.Option(None, "--cohort", help="Train K trials together as one stacked model in each worker (ViT). Default: none, unless `headsearch bench` measured a cohort fastest on this machine; 1 turns cohorts off."),
     run_root: Path = typer.Option(Path("runs"), "--run-root", help="Trial run directories go in RUN_ROOT/<study>/."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda ..."),
     heartbeat: int = typer.Option(30, "--heartbeat", help="Seconds between heartbeats (RDB storages); a silent trial is retried after 3x."),

@@ -41,10 +41,18 @@ class Footprint:
     params: int
     activation_bytes: int
     step_flops: int | None = None
+    # The activations kept by the CUDA graphs of every batch shape a run captures, each in a private memory
+    # pool (translation: one per bucket length and the partial batch); None: one shape, `activation_bytes`.
+    captured_activation_bytes: int | None = None
 
     @property
     def training_bytes(self) -> int:
         return self.params * OPTIMIZER_BYTES_PER_PARAM + self.activation_bytes
+
+    @property
+    def captured_training_bytes(self) -> int:
+        """`training_bytes` when each captured shape keeps its own graph pool (CUDA graphs, pools not shared)."""
+        return self.params * OPTIMIZER_BYTES_PER_PARAM + max(self.activation_bytes, self.captured_activation_bytes or 0)
 
     def describe(self) -> str:
         return (f"about {gib(self.training_bytes)} to train ({self.params:,} parameters:"

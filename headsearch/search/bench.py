@@ -68,12 +68,12 @@ def default_seconds(on_gpu: bool) -> float:
     return 10.0 if on_gpu else 6.0
 
 
-def cpu_ways(cores: int, stacks: bool) -> list[Way]:
-    """A CPU's ways: W workers x cores / W threads (W = 1, 2, 4, ... up to the cores), and cohorts of
-    CPU_COHORTS in one worker with every thread where the task stacks."""
+def cpu_ways(cores: int, cohort_ks: Sequence[int]) -> list[Way]:
+    """A CPU's ways: W workers x cores / W threads (W = 1, 2, 4, ... up to the cores), and cohorts of each of
+    `cohort_ks` in one worker with every thread (none where the task does not stack)."""
     workers = [w for w in (2 ** i for i in range(8)) if w <= max(1, cores)]
     ways = [Way(PROCESSES, w, "off", threads=max(1, cores // w)) for w in workers]
-    return ways + ([Way(COHORT, k, "off", threads=max(1, cores)) for k in CPU_COHORTS] if stacks else [])
+    return ways + [Way(COHORT, k, "off", threads=max(1, cores)) for k in cohort_ks]
 
 
 def process_ways(mode: str, ks: Sequence[int], mps: bool) -> list[Way]:
@@ -88,10 +88,17 @@ def gpu_ks(training_bytes: int, gpu: GpuInfo) -> list[int]:
 
 
 def bench(search: Any, *, seconds: float | None = None, ks: Sequence[int] | None = None,
+          modes: Sequence[str] | None = None, cohorts: bool = True,
           report: Callable[[WayResult], None] | None = None, save: bool = True) -> Measurement:
     """Measure the ways `search` (a `headsearch.search.runner.Search`: its task, base config, data and device)
-    can run its trials on this machine; save the measurement in headsearch's cache unless `save` is False.
-    `report(result)` hears each way as it is measured."""
+    can run its trials on this machine; save the measurement in headsearch's cache unless `save` is False,
+    after each way, so that a bench stopped part-way keeps what it measured. `report(result)` hears each way
+    as it is measured.
+
+    Narrowing (a GPU's full bench is twelve ways of K processes that each compile, capture and verify:
+    8-15 minutes): `ks`, the K tried (default: GPU_KS within memory, CPU_COHORTS on a CPU); `modes`, the step
+    modes tried by one process on a GPU (default GPU_MODES; K processes run the fastest of them); `cohorts`
+    False measures no cohort."""
     import torch
 
     from headsearch.search.mps import managed_mps, mps_available
@@ -105,8 +112,19 @@ def bench(search: Any, *, seconds: float | None = None, ks: Sequence[int] | None
     if ks is None:
         footprint = search.task.footprint(search.base) if search.task.footprint else None
         ks = gpu_ks(footprint.training_bytes if footprint else 0, gpu) if on_gpu else CPU_COHORTS
+    modes = tuple(modes or GPU_MODES)
+    unknown = [m for m in modes if m not in GPU_MODES]
+    if unknown:
+        raise ValueError(f"unknown step modes {unknown}: use {', '.join(GPU_MODES)}")
     has_mps = on_gpu and mps_available()
+    stacks = cohorts and search.stacks()
     results: list[WayResult] = []
+    device = gpu.name if on_gpu else cpu_name()
+    inputs = key_inputs(device, torch.__version__, search.base)
+
+    def measurement() -> Measurement:
+        return Measurement(bench_key(inputs), datetime.date.today().isoformat(), device, torch.__version__,
+                           search.task.name, tuple(results), round(time.perf_counter() - started, 1), inputs)
 
     def measure(way: Way) -> WayResult:
         cfg = with_compile(search.task, search.base, way.step_mode)
@@ -118,25 +136,24 @@ def bench(search: Any, *, seconds: float | None = None, ks: Sequence[int] | None
             else:
                 result = run_way(jobs)
         results.append(result)
+        if save:
+            save_measurement(measurement())  # after each way: a bench stopped part-way keeps what it measured
         if report is not None:
             report(result)
         return result
 
     if not on_gpu:
-        for way in cpu_ways(cores, search.stacks()):
+        for way in cpu_ways(cores, ks if stacks else ()):
             measure(way)
     else:
         # One process in each step mode first: K processes then run the fastest mode verified.
-        modes = [r for r in map(measure, (Way(PROCESSES, 1, mode) for mode in GPU_MODES)) if r.verified]
-        best = max(modes, key=lambda r: r.samples_per_s).way.step_mode if modes else "off"
+        alone = [r for r in map(measure, (Way(PROCESSES, 1, mode) for mode in modes)) if r.verified]
+        best = max(alone, key=lambda r: r.samples_per_s).way.step_mode if alone else "off"
         for way in process_ways(best, [k for k in ks if 1 < k <= cores], has_mps):
             measure(way)
-        for k in ks if search.stacks() else ():
+        for k in ks if stacks else ():
             measure(Way(COHORT, k, "off"))
-    device = gpu.name if on_gpu else cpu_name()
-    inputs = key_inputs(device, torch.__version__, search.base)
-    m = Measurement(bench_key(inputs), datetime.date.today().isoformat(), device, torch.__version__, search.task.name,
-                    tuple(results), round(time.perf_counter() - started, 1), inputs)
+    m = measurement()
     if save:
         save_measurement(m)
     return m
@@ -196,6 +213,9 @@ def _job_main(job: Job, barrier, queue) -> None:
     reason goes back instead) and never leaves the others waiting at the barrier."""
     if job.gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = job.gpu
+    # K processes compiling at once share the cores, as a search's workers do (search/workers.py).
+    processes = 1 if job.way.kind == COHORT else job.way.k
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))
     import torch
 
     if job.way.threads:

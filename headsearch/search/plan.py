@@ -164,6 +164,16 @@ def machine_measurement(search: Any, visible: Sequence[str], gpu: "GpuInfo | Non
     return load_measurement(bench_key(key_inputs(device, torch.__version__, search.base)))
 
 
+def planned_bytes(footprint: Any, mode: Any) -> int:
+    """The memory one trial's process takes, by the size guard's estimate (0: unknown): with CUDA graphs and
+    private graph pools (the default), each captured batch shape keeps its own activations."""
+    from headsearch.training.steps import shared_graph_pool
+
+    if footprint is None:
+        return 0
+    return footprint.captured_training_bytes if mode.cuda_graph and not shared_graph_pool() else footprint.training_bytes
+
+
 def plan_search(search: Any, visible: list[str] | None = None, gpu: GpuInfo | None = None,
                 cpu_cores: int | None = None, measurement: Measurement | None | bool = True) -> Plan:
     """The plan of `search` (a `headsearch.search.runner.Search`) on this machine: the user's flags, else
@@ -204,7 +214,7 @@ def plan_search(search: Any, visible: list[str] | None = None, gpu: GpuInfo | No
     # The rule: K processes per GPU with the fast path (CUDA graphs) and MPS: what was measured fastest on a GPU.
     footprint = search.step_footprint()
     per_gpu, why = trials_per_gpu_for(footprint.step_flops if footprint else None,
-                                      footprint.training_bytes if footprint else 0,
+                                      planned_bytes(footprint, resolve_mode(search.base.train, search.task, device)),
                                       gpu or GpuInfo.of(0), cpu_cores or os.cpu_count() or 1,
                                       math.ceil(s.trials / len(visible)))
     devices = worker_devices(per_gpu * len(visible), visible)

@@ -157,12 +157,16 @@ def data_footprint(cfg: RunConfig, bound: "BoundTranslation"):
 
     import numpy as np
 
-    from headsearch.models.size import seq2seq_step_flops
+    from headsearch.models.size import seq2seq_footprint, seq2seq_step_flops
 
     lengths, counts = np.unique(bound.batcher.padded_lengths(cfg.data.bucket_lengths("cuda")), return_counts=True)
     vocab, batch = cfg.data.vocab_size, cfg.train.batch_size
     flops = sum(int(c) * seq2seq_step_flops(cfg.arch, batch, int(n), int(n), vocab) for n, c in zip(lengths, counts))
-    return dataclasses.replace(footprint(cfg), step_flops=round(flops / counts.sum()))
+    # Each captured shape keeps its graph's activations in a pool of its own: one per length the data uses, and
+    # the partial batch (at most a batch, at the longest length).
+    captured = sum(seq2seq_footprint(cfg.arch, batch, vocab, vocab, int(n)).activation_bytes for n in lengths)
+    captured += seq2seq_footprint(cfg.arch, batch, vocab, vocab, int(lengths.max())).activation_bytes
+    return dataclasses.replace(footprint(cfg), step_flops=round(flops / counts.sum()), captured_activation_bytes=captured)
 
 
 def check_source(source: DataSource) -> None:

@@ -197,6 +197,22 @@ def _shared(clock: AloneClock | None):
     return clock.share.shared() if clock is not None else contextlib.nullcontext()
 
 
+def _warm_up_hold(clock: AloneClock | None, device: torch.device):
+    """The hold a run's warm-up (compile, capture, verify: `prepare_steps`) runs in: on a CPU a shared one, since
+    compiling takes the very cores a measuring worker's timed steps use; on a GPU none.
+
+    Why none on a GPU: a warm-up lasts 10 to 120 s per new block kind (20 s for the seed ViT on an H200), and an
+    exclusive request waits for every shared holder while holding the gate that queues all new shared ones.
+    Under a shared hold, every worker of the device would then sit idle through another's whole compile
+    whenever a trial with an unmeasured architecture asks to time its steps: early in a search, almost always
+    (a lock convoy). Outside any hold, a warm-up costs the GPU a few dozen short steps (the warm-up and
+    verification steps) and the host 1/K of its cores (Inductor's compile threads, `search/workers.py`);
+    the timed median of ALONE_STEPS steps is robust to the few that overlap them."""
+    if clock is None or device.type == "cuda":
+        return contextlib.nullcontext()
+    return clock.share.shared()
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -272,7 +288,7 @@ def fit(
     # its graphs and optimizer state) alive through the traceback's reference cycle until the cyclic collector ran.
     stopped_by: int | None = None
     try:
-        with _shared(clock):  # compiling and capturing are device work too
+        with _warm_up_hold(clock, device):
             steps, result.compile_seconds, note = prepare_steps(task, cfg, bound, model, device, spe)
         result.step_mode, result.step_note = steps.mode.describe(), note
         for cb in callbacks:
@@ -538,7 +554,7 @@ def measure_alone(task: Task, cfg: RunConfig, bound: BoundTask, device: torch.de
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         seed_everything(cfg.seed)
         model = bound.build_model().to(device)
-        with _shared(clock):
+        with _warm_up_hold(clock, device):
             solo_steps, _, _ = prepare_steps(task, cfg, scratch, model, device, spe)
         clock.ran_as(solo_steps.mode.describe())
         if clock.known is not None:  # measured before in the mode the solo run fell back to
