@@ -258,7 +258,8 @@ class Worker:
 
     def solo(self, over: dict, threads: int, warm_steps: int) -> tuple[str, float]:
         """Build one architecture's trainer steps (as `fit` does) and warm them up: (step mode, warm-up seconds)."""
-        from headsearch.training.trainer import prepare_steps, seed_everything, steps_per_epoch
+        from headsearch.training.prepare import prepare_steps
+        from headsearch.training.runtime import seed_everything, steps_per_epoch
 
         self.torch.set_num_threads(threads)
         cfg, bound = self._bind(over)

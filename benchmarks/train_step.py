@@ -84,7 +84,7 @@ def make_case(model, batches, loss_fn, device, compile_model: bool, compile_s: d
     import torch
 
     from headsearch.config import TrainConfig
-    from headsearch.training.trainer import autocast_context, make_optimizer
+    from headsearch.training.steps import autocast_context, make_optimizer
 
     model = model.to(device)
     t = TrainConfig(optimizer="adamw", lr=1e-3, weight_decay=0.01)

@@ -142,7 +142,9 @@ def trainer_case(cfg, bound, device, mode: str, epochs: int, warm: dict):
 
     import torch
 
-    from headsearch.training.trainer import prepare_steps, steps_per_epoch, train_epoch
+    from headsearch.training.prepare import prepare_steps
+    from headsearch.training.runtime import steps_per_epoch
+    from headsearch.training.trainer import train_epoch
 
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=mode))
     mine = bound.rebind(cfg)

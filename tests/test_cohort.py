@@ -13,7 +13,8 @@ from headsearch.models.vit import ViT
 from headsearch.tasks import DataSource, apply_overrides, get_task, resolve_config
 from headsearch.training import train_bound
 from headsearch.training.cohort import Cohort, cohort_key
-from headsearch.training.trainer import Callback, resolve_device
+from headsearch.training.runtime import resolve_device
+from headsearch.training.trainer import Callback
 
 VIT = get_task("vit-cifar10")
 # Mixed: schedules, every skip, every fusion (and the scores skip's running mean).
@@ -202,7 +203,7 @@ def test_a_slots_time_is_its_architectures_alone_not_the_cohorts(cifar_dir, tmp_
     """A known speed is taken as is (nobody paused); an unknown one is measured by a solo copy under the exclusive
     hold. Either way time = best epoch x that figure, whatever else trains in the cohort."""
     from tests.test_fairtime import RecordingShare
-    from headsearch.training.trainer import AloneClock
+    from headsearch.training.clock import AloneClock
 
     cfg_a, cfg_b = config(MIXED[0]), config(MIXED[2])
     bound = VIT.setup(cfg_a, DataSource(cifar_dir), torch.device("cpu"))

@@ -25,7 +25,8 @@ from headsearch.search.runner import Search, SearchSettings
 from headsearch.tasks import DataSource, apply_overrides, get_task, resolve_config
 from headsearch.training import train_run
 from headsearch.training.devicelock import LockHold
-from headsearch.training.trainer import AloneClock, Callback, StepClock, alone_epoch_seconds
+from headsearch.training.clock import AloneClock, StepClock, alone_epoch_seconds, measure_alone
+from headsearch.training.trainer import Callback
 
 VIT = get_task("vit-cifar10")
 TINY = {"seed": 0, "train": {"epochs": 3, "max_steps_per_epoch": 4, "batch_size": 64},
@@ -87,11 +88,9 @@ class StepLog(Callback):
 @pytest.fixture
 def timed_marks(monkeypatch) -> list[int]:
     """For each StepClock read, how many marks it had: the timed steps + 1 (a mark before each, one after the last)."""
-    from headsearch.training import trainer
-
     marks: list[int] = []
-    real_seconds = trainer.StepClock.seconds
-    monkeypatch.setattr(trainer.StepClock, "seconds", lambda self: marks.append(len(self.marks)) or real_seconds(self))
+    real_seconds = StepClock.seconds
+    monkeypatch.setattr(StepClock, "seconds", lambda self: marks.append(len(self.marks)) or real_seconds(self))
     return marks
 
 
@@ -125,17 +124,17 @@ def test_a_warm_up_holds_the_cpu_shared_and_a_gpu_not_at_all():
     holding the gate, and every worker of the device would sit idle behind it (a lock convoy). On a CPU the
     compile takes the cores the timed steps use, so it holds the device shared. (CUDA itself is not needed:
     the choice reads the device's type.)"""
-    from headsearch.training.trainer import _warm_up_hold
+    from headsearch.training.clock import warm_up_hold
 
     share = RecordingShare()
     clock = AloneClock(share)
-    with _warm_up_hold(clock, torch.device("cuda", 0)):
+    with warm_up_hold(clock, torch.device("cuda", 0)):
         pass
     assert share.holds == []
-    with _warm_up_hold(clock, torch.device("cpu")):
+    with warm_up_hold(clock, torch.device("cpu")):
         pass
     assert share.holds == ["shared"]
-    with _warm_up_hold(None, torch.device("cpu")):  # a run without a clock (train alone) holds nothing
+    with warm_up_hold(None, torch.device("cpu")):  # a run without a clock (train alone) holds nothing
         pass
     assert share.holds == ["shared"]
 
@@ -144,13 +143,11 @@ def test_a_warm_up_holds_the_cpu_shared_and_a_gpu_not_at_all():
 def test_a_measurement_apart_times_the_steps_a_solo_run_times(cifar_dir, one_thread, timed_marks, steps, timed):
     """measure_alone (a cohort slot's time) times what a solo run's epoch 1 times: ALONE_STEPS steps, or every
     step of a shorter epoch, after its untimed settling steps."""
-    from headsearch.training import trainer
-
     cfg = apply_overrides(VIT, vit_config(), {"train": {"max_steps_per_epoch": steps, "batch_size": 8},
                                               "data": {"train_limit": 8 * steps}})
     bound = VIT.setup(cfg, DataSource(data_dir=cifar_dir), "cpu")
     share = RecordingShare()
-    seconds = trainer.measure_alone(VIT, cfg, bound, torch.device("cpu"), AloneClock(share, alone_threads=1))
+    seconds = measure_alone(VIT, cfg, bound, torch.device("cpu"), AloneClock(share, alone_threads=1))
     assert timed_marks == [timed + 1] and seconds > 0
     assert share.holds == ["shared", "exclusive"]  # the warm-up shared, the timed steps alone
 
@@ -158,14 +155,14 @@ def test_a_measurement_apart_times_the_steps_a_solo_run_times(cifar_dir, one_thr
 def test_a_time_measured_in_another_step_mode_is_not_reused(cifar_dir, tmp_path, one_thread, monkeypatch):
     """The fair time's key names the step mode that ran, not `compile: auto`: a run that fell back (here:
     compiling "fails") looks up, and records, the time of the mode it fell back to."""
-    from headsearch.training import trainer
+    from headsearch.training import prepare
 
     def fail(model, mode, dynamic):
         if mode.inductor is not None:
             raise RuntimeError("no compiler here")
         return model
 
-    monkeypatch.setattr(trainer, "compile_blocks", fail)
+    monkeypatch.setattr(prepare, "compile_blocks", fail)
     cfg = apply_overrides(VIT, vit_config(), {"train": {"compile": "default", "epochs": 1}})
     asked = []
     known = {"off: eager": 1.25}
@@ -199,7 +196,9 @@ def test_an_epoch_alone_is_the_median_step_times_the_batches():
 
 
 def test_the_step_clock_times_each_step_with_its_batch(cifar_dir, one_thread):
-    from headsearch.training.trainer import prepare_steps, steps_per_epoch, train_epoch
+    from headsearch.training.prepare import prepare_steps
+    from headsearch.training.runtime import steps_per_epoch
+    from headsearch.training.trainer import train_epoch
 
     cfg = vit_config()
     bound = VIT.setup(cfg, DataSource(data_dir=cifar_dir), "cpu")

@@ -25,7 +25,9 @@ from headsearch.training.steps import (
     CaptureMismatch, EagerSteps, GraphSteps, StepState, batch_tensors, clone_batch, lr_multiplier, lr_multiplier_tensor,
     STRAY_FRACTION, STRAY_STEPS, first_step_lr, signature, verify_step, weights_apart,
 )
-from headsearch.training.trainer import fallbacks, fit, prepare_steps, steps_per_epoch
+from headsearch.training.prepare import fallbacks, prepare_steps
+from headsearch.training.runtime import steps_per_epoch
+from headsearch.training.trainer import fit
 
 VIT = get_task("vit-cifar10")
 TRANSLATION = get_task("translation-en-es")

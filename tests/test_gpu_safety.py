@@ -23,12 +23,14 @@ import pytest
 import torch
 
 from headsearch.tasks import apply_overrides, get_task, resolve_config
-from headsearch.training import trainer
+from headsearch.training import prepare
 from headsearch.training.fastpath import StepMode
 from headsearch.training.steps import (
     CaptureBrokeCuda, EagerSteps, GraphSteps, capture_stream, clone_batch, recover_failed_capture,
 )
-from headsearch.training.trainer import StepClock, prepare_steps, steps_per_epoch
+from headsearch.training.clock import StepClock
+from headsearch.training.prepare import prepare_steps
+from headsearch.training.runtime import steps_per_epoch
 
 # make test-oldest runs this module on the floor: torch's CUDA-graph and generator APIs.
 pytestmark = pytest.mark.floor
@@ -73,7 +75,7 @@ def out_of_memory() -> torch.cuda.OutOfMemoryError:
 def test_out_of_memory_warming_up_a_graph_mode_falls_back_to_eager_steps_with_a_note(cifar, monkeypatch):
     """An OOM while capturing is the fast path's cost (graph pools hold their temporaries), not the model's:
     the trial goes on in eager steps, says why in one line, and keeps nothing of the failed attempt."""
-    monkeypatch.setattr(trainer, "resolve_mode", lambda *a: GRAPHS)  # GraphSteps on the CPU (uncaptured)
+    monkeypatch.setattr(prepare, "resolve_mode", lambda *a: GRAPHS)  # GraphSteps on the CPU (uncaptured)
     failed = []
 
     def runs_out(self, batches):
@@ -110,7 +112,7 @@ def test_out_of_memory_in_eager_steps_is_the_runs_own_and_raised(cifar, monkeypa
 def test_a_capture_that_left_cuda_unusable_is_raised_not_fallen_back_from(cifar, monkeypatch):
     """After CaptureBrokeCuda every later random draw fails: eager steps would fail too, with a baffling
     error, so the trainer raises it as it is (it says to restart the process)."""
-    monkeypatch.setattr(trainer, "resolve_mode", lambda *a: GRAPHS)
+    monkeypatch.setattr(prepare, "resolve_mode", lambda *a: GRAPHS)
 
     def breaks_cuda(self, batches):
         raise CaptureBrokeCuda("a failed CUDA graph capture left CUDA's random number generator unusable")

@@ -87,7 +87,7 @@ def test_a_search_rejects_a_sampled_architecture_too_big_for_the_device(tmp_path
 
     from headsearch.errors import ConfigError
     from headsearch.search.runner import Search, SearchSettings
-    from headsearch.training.trainer import resolve_device
+    from headsearch.training.runtime import resolve_device
 
     space = write_yaml(tmp_path / "space.yaml", {"schedule": {"heads": [4]}, "ranges": {"d_model": [48, 4_000_000]}})
     search = Search(SearchSettings(task="vit-cifar10", space=str(space), preset="tiny", data_dir=str(cifar_dir),

@@ -20,7 +20,8 @@ from headsearch.models import ViT
 from headsearch.tasks import DataSource, apply_overrides, get_task, resolve_config
 from headsearch.tasks.translation_data import read_parallel_tsv
 from headsearch.training import train_run
-from headsearch.training.trainer import Callback, lr_multiplier
+from headsearch.training.steps import lr_multiplier
+from headsearch.training.trainer import Callback
 
 VIT = get_task("vit-cifar10")
 TRANSLATION = get_task("translation-en-es")

@@ -9,7 +9,8 @@ import torch
 
 from headsearch.tasks import DataSource, get_task, resolve_config
 from headsearch.training.steps import GraphSteps
-from headsearch.training.trainer import prepare_steps, steps_per_epoch
+from headsearch.training.prepare import prepare_steps
+from headsearch.training.runtime import steps_per_epoch
 
 
 def main() -> int:

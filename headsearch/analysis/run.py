@@ -63,7 +63,7 @@ def analyze_run(run_dir: Path, source: DataSource, out_dir: Path | None = None, 
     from headsearch.analysis import figures, maps
     from headsearch.analysis.diversity import analysis_batches, head_diversity
     from headsearch.analysis.importance import ablation, head_importance, pruning_curve
-    from headsearch.training.trainer import resolve_device
+    from headsearch.training.runtime import resolve_device
 
     step = progress or (lambda message: None)
     dev = resolve_device(device)

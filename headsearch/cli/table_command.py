@@ -67,7 +67,7 @@ def device_name(search) -> str:
     import torch
 
     from headsearch.search.measured import cpu_name
-    from headsearch.training.trainer import resolve_device
+    from headsearch.training.runtime import resolve_device
 
     d = resolve_device(search.settings.device)
     return torch.cuda.get_device_name(d) if d.type == "cuda" else cpu_name()

@@ -240,7 +240,8 @@ def measure_process(job: Job, barrier) -> dict:
     import torch
 
     from headsearch.tasks import get_task
-    from headsearch.training.trainer import prepare_steps, seed_everything, steps_per_epoch
+    from headsearch.training.prepare import prepare_steps
+    from headsearch.training.runtime import seed_everything, steps_per_epoch
 
     task, cfg = get_task(job.task), job.cfg
     device = torch.device("cuda" if job.gpu is not None else "cpu")
@@ -293,7 +294,7 @@ def measure_cohort(job: Job, barrier) -> dict:
 
 
 def steps_per_epoch_of(cohort: Any) -> int:
-    from headsearch.training.trainer import steps_per_epoch
+    from headsearch.training.runtime import steps_per_epoch
 
     slot = cohort.slots[cohort.occupied[0]]
     return steps_per_epoch(slot.bound, slot.cfg.train)
@@ -302,7 +303,8 @@ def steps_per_epoch_of(cohort: Any) -> int:
 def solo_losses(task: Any, cfg: Any, bound: Any, device: Any, n: int) -> list[float]:
     """The first `n` step losses of `cfg` trained alone (eager), from the initial weights, data order and
     learning-rate schedule a cohort slot gets in `Cohort._train(n)` (epochs of n steps)."""
-    from headsearch.training.trainer import prepare_steps, seed_everything
+    from headsearch.training.prepare import prepare_steps
+    from headsearch.training.runtime import seed_everything
 
     solo_cfg = with_compile(task, cfg, "off")
     scratch = bound.rebind(solo_cfg)
@@ -324,7 +326,7 @@ def _fmt(values: Sequence[float]) -> str:
 def _timed(step: Callable[[], int], device: Any, seconds: float, barrier) -> tuple[int, float, float]:
     """SETTLE_STEPS untimed calls, then (after every process of the way is ready) calls for `seconds`:
     (samples, start, end) on the system-wide monotonic clock, the device synchronised at both ends."""
-    from headsearch.training.trainer import synchronize
+    from headsearch.training.steps import synchronize
 
     for _ in range(SETTLE_STEPS):
         step()

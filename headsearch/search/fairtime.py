@@ -8,7 +8,7 @@ seconds then grow with K and with what the others train. The `time` objective is
 where `epoch_seconds_alone` is one epoch's training seconds (evaluation excluded) measured with every
 other worker of the device paused: the trial's first epoch runs under the device's exclusive lock,
 which the other workers respect at their epoch boundaries (`headsearch.training.devicelock`,
-`headsearch.training.trainer.AloneClock`). It is measured once per architecture and device: a later
+`headsearch.training.clock.AloneClock`). It is measured once per architecture and device: a later
 trial with the same `alone_key` reuses the stored value instead of pausing the others again. The raw
 seconds (`best_train_seconds`, as measured in the crowd) are recorded beside it. docs/design.md §7.4.
 """

@@ -43,7 +43,9 @@ from headsearch.search.storage import Heartbeat, budget_lock
 from headsearch.search.study import StudyStorage, check_sampler, default_sampler, make_sampler, open_study
 from headsearch.tasks import DataSource, Task, apply_overrides, flag_overrides, get_task, resolve_config, task_reference
 from headsearch.training import check_fits, preflight
-from headsearch.training.trainer import AloneClock, Callback, EpochRecord, resolve_device
+from headsearch.training.clock import AloneClock
+from headsearch.training.runtime import resolve_device
+from headsearch.training.trainer import Callback, EpochRecord
 
 __all__ = ["Search", "SearchCallback", "SearchSettings", "TrialPruning", "arch_summary", "record_result"]
 

@@ -21,7 +21,7 @@ def preflight(task: Task, cfg: RunConfig, source: DataSource) -> None:
 
 def check_device(device: str | None) -> None:
     """A device string that names no device here is bad input (one line), found before anything is made."""
-    from headsearch.training.trainer import resolve_device
+    from headsearch.training.runtime import resolve_device
 
     resolve_device(device)
 
@@ -68,14 +68,14 @@ def train_run(
     tensorboard: Path | str | None = None,
 ):
     """Check inputs, load data, create the run directory, train, and return (run_dir, TrainResult).
-    `clock`: a `trainer.AloneClock`, to measure the architecture's epoch seconds with the device to itself.
+    `clock`: a `clock.AloneClock`, to measure the architecture's epoch seconds with the device to itself.
     `tensorboard`: a folder for the run's per-epoch TensorBoard records (`training.tensorboard`, an extra).
 
     Everything that can be wrong with the input is found before the run directory is created, so a
     bad input leaves nothing behind.
     """
     from headsearch.training.rundir import check_run_dir, default_run_dir
-    from headsearch.training.trainer import resolve_device
+    from headsearch.training.runtime import resolve_device
 
     task = get_task(cfg.task)
     if tensorboard is not None:
@@ -103,7 +103,7 @@ def train_run(
 def train_bound(cfg: RunConfig, bound, run_dir: Path, *, device, argv: list[str] | None = None, callbacks: Sequence = (),
                 clock=None):
     """Create `run_dir` (config, command, versions, task artifacts) and train `bound` in it (`clock`: a
-    search's `trainer.AloneClock`, for the fair time)."""
+    search's `clock.AloneClock`, for the fair time)."""
     from headsearch.training.rundir import create_run_dir
     from headsearch.training.trainer import fit
 

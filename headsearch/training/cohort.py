@@ -16,7 +16,7 @@ handed to its callbacks, which may stop it (a pruner raises). `train_epoch` retu
 slot's batch with its loss weighted 0, so its weights take no gradient; nothing else waits for it.
 
 The fair time: a slot's `epoch_seconds_alone` is its architecture's speed alone on the device
-(`trainer.measure_alone`, or a value measured before), never the cohort's: an architecture's `time` does
+(`clock.measure_alone`, or a value measured before), never the cohort's: an architecture's `time` does
 not depend on the company it trained in. The raw seconds (`train_seconds`) are the cohort's epochs'.
 """
 from __future__ import annotations
@@ -37,10 +37,9 @@ from headsearch.tasks import BoundTask, Task
 from headsearch.training.cohort_optim import StackedAdam
 from headsearch.training.rundir import create_run_dir
 from headsearch.training.steps import autocast_context, lr_multiplier, lr_multiplier_tensor, synchronize
-from headsearch.training.trainer import (
-    AloneClock, Callback, EpochRecord, TrainResult, _finish, evaluate_test_on_best, keep_epoch, measure_alone,
-    seed_everything, steps_per_epoch,
-)
+from headsearch.training.clock import AloneClock, measure_alone
+from headsearch.training.runtime import seed_everything, steps_per_epoch
+from headsearch.training.trainer import Callback, EpochRecord, TrainResult, _finish, evaluate_test_on_best, keep_epoch
 
 
 def cohort_key(cfg: RunConfig) -> str:
