@@ -13,6 +13,11 @@ import tempfile
 from pathlib import Path
 
 
+def env_flag(name: str) -> bool:
+    """Whether the environment variable `name` turns something on (1, true, yes or on, any case)."""
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def cache_root() -> Path:
     """headsearch's cache folder (compiled kernels, tokenizers, `headsearch bench` measurements):
     $HEADSEARCH_CACHE, else ~/.cache/headsearch."""

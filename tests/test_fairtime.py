@@ -118,25 +118,30 @@ def test_the_exclusive_hold_covers_only_the_timed_steps(cifar_dir, tmp_path, one
     assert result.epoch_seconds_alone > 0 and result.history[0].train_seconds > 0
 
 
-def test_a_warm_up_holds_the_cpu_shared_and_a_gpu_not_at_all():
-    """On a GPU, a warm-up (compile, capture, verify: up to minutes) runs outside any hold: under a shared one,
-    an exclusive request (a trial timing its unmeasured architecture) would wait for the whole compile while
-    holding the gate, and every worker of the device would sit idle behind it (a lock convoy). On a CPU the
-    compile takes the cores the timed steps use, so it holds the device shared. (CUDA itself is not needed:
-    the choice reads the device's type.)"""
+def test_a_warm_up_holds_the_device_shared_and_on_a_gpu_opt_in_not_at_all(monkeypatch):
+    """On a GPU with HEADSEARCH_UNHELD_WARM_UP=1, a warm-up (compile, capture, verify: up to minutes) runs outside
+    any hold: under a shared one, an exclusive request (a trial timing its unmeasured architecture) would wait for
+    the whole compile while holding the gate, and every worker of the device would sit idle behind it (a lock
+    convoy). Opt-in until measured on a GPU; on a CPU the compile takes the cores the timed steps use, so it
+    always holds the device shared. (CUDA itself is not needed: the choice reads the device's type.)"""
     from headsearch.training.clock import warm_up_hold
 
     share = RecordingShare()
     clock = AloneClock(share)
+    monkeypatch.delenv("HEADSEARCH_UNHELD_WARM_UP", raising=False)
+    with warm_up_hold(clock, torch.device("cuda", 0)):  # the default: shared, as measured on an H200
+        pass
+    assert share.holds == ["shared"]
+    monkeypatch.setenv("HEADSEARCH_UNHELD_WARM_UP", "1")
     with warm_up_hold(clock, torch.device("cuda", 0)):
         pass
-    assert share.holds == []
+    assert share.holds == ["shared"]
     with warm_up_hold(clock, torch.device("cpu")):
         pass
-    assert share.holds == ["shared"]
+    assert share.holds == ["shared", "shared"]
     with warm_up_hold(None, torch.device("cpu")):  # a run without a clock (train alone) holds nothing
         pass
-    assert share.holds == ["shared"]
+    assert share.holds == ["shared", "shared"]
 
 
 @pytest.mark.parametrize("steps, timed", [(40, 30), (4, 4)])

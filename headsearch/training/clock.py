@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 
 from headsearch.config import RunConfig
+from headsearch.io import env_flag
 from headsearch.tasks import BoundTask, Task
 from headsearch.training.prepare import prepare_steps
 from headsearch.training.runtime import seed_everything, steps_per_epoch, use_device
@@ -103,18 +104,26 @@ def shared_hold(clock: AloneClock | None):
     return clock.share.shared() if clock is not None else contextlib.nullcontext()
 
 
+def unheld_warm_up() -> bool:
+    """Whether a GPU warm-up runs outside any device hold (HEADSEARCH_UNHELD_WARM_UP=1). Off by default until it
+    has run on a GPU: `warm_up_hold` says why it is wanted."""
+    return env_flag("HEADSEARCH_UNHELD_WARM_UP")
+
+
 def warm_up_hold(clock: AloneClock | None, device: torch.device):
-    """The hold a run's warm-up (compile, capture, verify: `prepare_steps`) runs in: on a CPU a shared one, since
-    compiling takes the very cores a measuring worker's timed steps use; on a GPU none.
+    """The hold a run's warm-up (compile, capture, verify: `prepare_steps`) runs in: a shared one, or on a GPU
+    with HEADSEARCH_UNHELD_WARM_UP=1, none. On a CPU always shared: compiling takes the very cores a measuring
+    worker's timed steps use.
 
     Why none on a GPU: a warm-up lasts 10 to 120 s per new block kind (20 s for the seed ViT on an H200), and an
     exclusive request waits for every shared holder while holding the gate that queues all new shared ones.
-    Under a shared hold, every worker of the device would then sit idle through another's whole compile
-    whenever a trial with an unmeasured architecture asks to time its steps: early in a search, almost always
-    (a lock convoy). Outside any hold, a warm-up costs the GPU a few dozen short steps (the warm-up and
-    verification steps) and the host 1/K of its cores (Inductor's compile threads, `search/workers.py`);
-    the timed median of ALONE_STEPS steps is robust to the few that overlap them."""
-    if clock is None or device.type == "cuda":
+    Under a shared hold, every worker of the device then sits idle through another's whole compile whenever a
+    trial with an unmeasured architecture asks to time its steps: early in a search, almost always (a lock
+    convoy, found in review). Outside any hold, a warm-up costs the GPU a few dozen short steps (the warm-up
+    and verification steps) and the host 1/K of its cores (Inductor's compile threads, `search/workers.py`);
+    the timed median of ALONE_STEPS steps should be robust to the few that overlap them. That has not yet
+    been measured on a GPU, so it is opt-in (`benchmarks/gpu.sh search` measures the fair time with 8 workers)."""
+    if clock is None or (device.type == "cuda" and unheld_warm_up()):
         return contextlib.nullcontext()
     return clock.share.shared()
 

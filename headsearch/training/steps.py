@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
 import time
 from typing import Any, Callable, Sequence
 
@@ -37,6 +36,7 @@ import torch._dynamo  # noqa: F401,E402
 
 from headsearch.config import TrainConfig
 from headsearch.errors import Diverged
+from headsearch.io import env_flag
 from headsearch.training.fastpath import StepMode
 
 # Warm-up calls of each batch shape before capture: the first compiles, later ones settle lazy state
@@ -357,7 +357,7 @@ def shared_graph_pool() -> bool:
     """Whether a run's graphs share one memory pool (HEADSEARCH_SHARED_GRAPH_POOL=1). Off by default: sharing
     is argued safe (`GraphSteps._capture`) and saves memory on tasks with many shapes, but it has not yet run
     on a GPU; `benchmarks/gpu.sh checks` runs its test."""
-    return os.environ.get("HEADSEARCH_SHARED_GRAPH_POOL", "").strip().lower() in ("1", "true", "yes", "on")
+    return env_flag("HEADSEARCH_SHARED_GRAPH_POOL")
 
 
 _CAPTURE_STREAMS: dict[int, Any] = {}  # device index -> the stream every capture on that device uses
