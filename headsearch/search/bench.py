@@ -41,7 +41,7 @@ from typing import Any, Callable, Sequence
 from headsearch.search.measured import (
     COHORT, PROCESSES, Measurement, Way, WayResult, bench_key, cpu_name, key_inputs, save_measurement,
 )
-from headsearch.search.plan import MAX_PER_GPU, MEMORY_FRACTION, GpuInfo, visible_gpus
+from headsearch.search.plan import MAX_PER_GPU, MEMORY_FRACTION, GpuInfo, share_cores, trial_bytes, visible_gpus
 
 GPU_MODES = ("off", "graphs", "reduce-overhead")
 GPU_KS = (2, 4, 8)
@@ -110,8 +110,7 @@ def bench(search: Any, *, seconds: float | None = None, ks: Sequence[int] | None
     cores = os.cpu_count() or 1
     gpu = GpuInfo.of(0) if on_gpu else None
     if ks is None:
-        footprint = search.task.footprint(search.base) if search.task.footprint else None
-        ks = gpu_ks(footprint.training_bytes if footprint else 0, gpu) if on_gpu else CPU_COHORTS
+        ks = gpu_ks(trial_bytes(search.step_footprint(), search, torch.device("cuda")), gpu) if on_gpu else CPU_COHORTS
     modes = tuple(modes or GPU_MODES)
     unknown = [m for m in modes if m not in GPU_MODES]
     if unknown:
@@ -213,9 +212,7 @@ def _job_main(job: Job, barrier, queue) -> None:
     reason goes back instead) and never leaves the others waiting at the barrier."""
     if job.gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = job.gpu
-    # K processes compiling at once share the cores, as a search's workers do (search/workers.py).
-    processes = 1 if job.way.kind == COHORT else job.way.k
-    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))
+    share_cores(1 if job.way.kind == COHORT else job.way.k)  # K processes compiling at once, as a search's workers
     import torch
 
     if job.way.threads:

@@ -11,6 +11,11 @@ def dominates(a: Sequence[float], b: Sequence[float]) -> bool:
     return all(x <= y for x, y in zip(a, b)) and any(x < y for x, y in zip(a, b))
 
 
+def front_indices(points: Sequence[Sequence[float]]) -> list[int]:
+    """The indices of the points (minimised) that no other point dominates, in order."""
+    return [i for i, p in enumerate(points) if not any(dominates(q, p) for q in points)]
+
+
 def hypervolume(points: Sequence[Sequence[float]], reference: Sequence[float]) -> float:
     """Optuna's hypervolume of `points` (minimised) up to `reference`; 0 for no points."""
     import numpy as np

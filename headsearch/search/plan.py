@@ -164,14 +164,25 @@ def machine_measurement(search: Any, visible: Sequence[str], gpu: "GpuInfo | Non
     return load_measurement(bench_key(key_inputs(device, torch.__version__, search.base)))
 
 
-def planned_bytes(footprint: Any, mode: Any) -> int:
-    """The memory one trial's process takes, by the size guard's estimate (0: unknown): with CUDA graphs and
-    private graph pools (the default), each captured batch shape keeps its own activations."""
+def share_cores(n_processes: int) -> int:
+    """This process's share of the cores when `n_processes` run at once, also set as its Inductor compile
+    threads (unless set already): processes share the cores instead of each starting one compile job per core."""
+    share = max(1, (os.cpu_count() or 1) // n_processes)
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(share))
+    return share
+
+
+def trial_bytes(footprint: Any, search: Any, device: Any) -> int:
+    """The memory one trial's process of `search` takes on `device`, from the size guard's `footprint` of its
+    base config (0: none): with CUDA graphs in private pools (the default), each captured batch shape keeps
+    its own activations."""
+    from headsearch.training.fastpath import resolve_mode
     from headsearch.training.steps import shared_graph_pool
 
     if footprint is None:
         return 0
-    return footprint.captured_training_bytes if mode.cuda_graph and not shared_graph_pool() else footprint.training_bytes
+    graphs = resolve_mode(search.base.train, search.task, device).cuda_graph and not shared_graph_pool()
+    return footprint.captured_training_bytes if graphs else footprint.training_bytes
 
 
 def plan_search(search: Any, visible: list[str] | None = None, gpu: GpuInfo | None = None,
@@ -213,8 +224,7 @@ def plan_search(search: Any, visible: list[str] | None = None, gpu: GpuInfo | No
         return Plan((None,), None, "default: one worker", step_mode, mps=False, basis=RULE)
     # The rule: K processes per GPU with the fast path (CUDA graphs) and MPS: what was measured fastest on a GPU.
     footprint = search.step_footprint()
-    per_gpu, why = trials_per_gpu_for(footprint.step_flops if footprint else None,
-                                      planned_bytes(footprint, resolve_mode(search.base.train, search.task, device)),
+    per_gpu, why = trials_per_gpu_for(footprint.step_flops if footprint else None, trial_bytes(footprint, search, device),
                                       gpu or GpuInfo.of(0), cpu_cores or os.cpu_count() or 1,
                                       math.ceil(s.trials / len(visible)))
     devices = worker_devices(per_gpu * len(visible), visible)

@@ -60,7 +60,7 @@ import numpy as np
 import optuna
 
 from headsearch.errors import ConfigError
-from headsearch.search.hypervolume import hypervolume
+from headsearch.search.hypervolume import dominates, hypervolume
 
 PRUNERS = ("pareto", "median", "percentile", "asha", "hyperband", "multi-metric", "none")
 # The quantities a multi-objective trial's objectives are known by before it ends (`ParetoRule`'s kinds).
@@ -400,9 +400,6 @@ def progress_of(trial: Any) -> Progress:
 def non_dominated_ranks(points: Sequence[Sequence[float]]) -> list[int]:
     """Each point's front in a non-dominated sort (all coordinates minimised): 0 for the points no other
     dominates, 1 for those only front 0 dominates, ... (Deb et al. 2002, NSGA-II's sorting, by peeling)."""
-    def dominates(a: Sequence[float], b: Sequence[float]) -> bool:
-        return all(x <= y for x, y in zip(a, b)) and any(x < y for x, y in zip(a, b))
-
     ranks = [-1] * len(points)
     left = set(range(len(points)))
     front = 0

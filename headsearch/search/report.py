@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 from headsearch.errors import HeadsearchError
 from headsearch.jsonsafe import json_safe
-from headsearch.search.hypervolume import dominates as _dominates_min, hypervolume, scale_minimised
+from headsearch.search.hypervolume import front_indices, hypervolume, scale_minimised
 from headsearch.search.objectives import Objective, directions_of, objectives_of
 from headsearch.search.snapshot import TRIAL_STATES, count_states, trial_state
 from headsearch.search.storage import check_sqlite_file, journal_path, open_storage, sqlite_path
@@ -393,7 +393,7 @@ def anytime_curve(trials, directions: Sequence[str]) -> list[AnytimePoint]:
 
 def _front_points(points) -> list[list[float]]:
     points = list(points)
-    return [p for p in points if not any(_dominates_min(q, p) for q in points)]
+    return [points[i] for i in front_indices(points)]
 
 
 def summarize(storage_url: str, study_name: str | None = None, *, study=None) -> "StudyReport":

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 from headsearch.config import RunConfig
 from headsearch.errors import ConfigError
-from headsearch.search.hypervolume import dominates, hypervolume, scale_minimised
+from headsearch.search.hypervolume import front_indices, hypervolume, scale_minimised
 from headsearch.search.table import arch_key, overrides_of
 from headsearch.training.trainer import EpochRecord, TrainResult
 
@@ -246,7 +246,7 @@ def true_points(table: dict[str, Any], names: Sequence[str], directions: Sequenc
     scaled = scale_minimised([arch_values(a, names, table) for a in table["architectures"]], directions)
     points = dict(zip(keys, scaled))
     reference = [REFERENCE] * len(names)
-    front = [k for k, p in points.items() if not any(dominates(q, p) for q in points.values())]
+    front = [keys[i] for i in front_indices(scaled)]
     return Truth(points, reference, front, hypervolume([points[k] for k in front], reference))
 
 

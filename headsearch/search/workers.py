@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 from headsearch.errors import HeadsearchError
 from headsearch.io import write_atomic
-from headsearch.search.plan import Plan
+from headsearch.search.plan import Plan, share_cores
 from headsearch.search.runner import Search
 from headsearch.search.settings import SearchSettings
 
@@ -162,9 +162,7 @@ def _worker_main(settings: SearchSettings, index: int, gpu: str | None, n_proces
     import torch
 
     alone_threads = torch.get_num_threads()  # what a process alone here uses: the fair time's measure
-    # Workers share the cores instead of each starting one thread per core (and one compile job per core).
-    share = max(1, (os.cpu_count() or 1) // n_processes)
-    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(share))
+    share = share_cores(n_processes)
     if gpu is None:
         torch.set_num_threads(plan.threads if plan is not None and plan.threads else share)
 
