@@ -226,3 +226,17 @@ def test_the_ks_a_gpu_bench_tries_fit_in_its_memory():
     assert gpu_ks(348_000_000, H100) == [2, 4, 8]  # the seed ViT: 8 fit many times over
     assert gpu_ks(20 * 2**30, H100) == [2]  # 0.8 x 80 GiB holds 3 of these: K = 4 would not fit
     assert gpu_ks(70 * 2**30, H100) == [1]  # not even two
+
+
+def test_k_processes_share_the_cores_for_compiling(monkeypatch):
+    """A bench way of K processes (like a search's K workers) gives each 1/K of the cores, and as many Inductor
+    compile threads, unless the user set those."""
+    import os
+
+    from headsearch.search.plan import share_cores
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    assert share_cores(8) == 2 and os.environ["TORCHINDUCTOR_COMPILE_THREADS"] == "2"
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "5")
+    assert share_cores(32) == 1 and os.environ["TORCHINDUCTOR_COMPILE_THREADS"] == "5"
