@@ -7,6 +7,7 @@ the median front recall, and the epochs trained relative to no pruning in the sa
 
     python benchmarks/search_quality.py                       # the deep-head table in benchmarks/tables/
     python benchmarks/search_quality.py --table my.json --space my-space.yaml --budgets 20,40
+    python benchmarks/search_quality.py --samplers nsga2,tpe,random,gp:20 --pruners pareto --workers 1 --budgets 12,20,39
 """
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ def main() -> None:
     p.add_argument("--budgets", default=None, help="comma list of --trials (default: the space's size and 12)")
     p.add_argument("--workers", default="1,4", help="comma list of workers replayed")
     p.add_argument("--pruners", default=",".join(PRUNERS))
+    p.add_argument("--samplers", default=None,
+                   help="comma list of samplers (nsga2, tpe, random, gp; default: the search's default); NAME:N replays"
+                        " that one with N seeds only (a slow sampler)")
     args = p.parse_args()
     if args.quick:
         args.seeds = min(args.seeds, 20)
@@ -35,6 +39,7 @@ def main() -> None:
     import torch
 
     from headsearch.search.simulate import replay, simulation_search, true_points
+    from headsearch.search.study import default_sampler
     from headsearch.search.table import load_table, seconds_of
 
     table = load_table(args.table)
@@ -44,31 +49,39 @@ def main() -> None:
         return _list_sample(table, args)
     budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else [size, 12]
     pruners = args.pruners.split(",")
+    samplers = _samplers(args.samplers, args.seeds, default_sampler(None, 2))
     rows, notes = [], []
     t0 = time.perf_counter()
     truth = None
     for workers in [int(w) for w in args.workers.split(",")]:
         for budget in budgets:
-            base_epochs = None
-            for pruner in ["none", *[q for q in pruners if q != "none"]]:
-                hv, recall, epochs, front = [], [], [], []
-                for seed in range(args.seeds):
-                    search = simulation_search(table, space=space, trials=budget, pruner=pruner, seed=seed)
-                    truth = truth or true_points(table, [o.name for o in search.objectives], search.directions)
-                    r = replay(search, table, workers=workers, truth=truth)
-                    hv.append(r.hypervolume)
-                    recall.append(r.recall)
-                    epochs.append(r.epochs)
-                    front.append(len(r.front))
-                mean_epochs = statistics.fmean(epochs)
-                base_epochs = base_epochs or mean_epochs
-                if pruner in pruners:
-                    rows.append([workers, budget, pruner, f"{statistics.median(hv):.3f}", f"{_quantile(hv, 0.1):.3f}",
-                                 f"{statistics.median(recall):.2f}", f"{mean_epochs:.0f}", f"{base_epochs / mean_epochs:.2f}x",
-                                 f"{statistics.fmean(front):.1f}"])
+            for sampler, seeds in samplers:
+                base_epochs = None
+                # "none" first: the other rows' epochs are compared with it (left out when not asked for)
+                for pruner in (["none"] if "none" in pruners else []) + [q for q in pruners if q != "none"]:
+                    hv, recall, epochs, front, duplicates, seconds = [], [], [], [], [], []
+                    for seed in range(seeds):
+                        search = simulation_search(table, space=space, trials=budget, sampler=sampler, pruner=pruner, seed=seed)
+                        truth = truth or true_points(table, [o.name for o in search.objectives], search.directions)
+                        t1 = time.perf_counter()
+                        r = replay(search, table, workers=workers, truth=truth)
+                        seconds.append(time.perf_counter() - t1)
+                        hv.append(r.hypervolume)
+                        recall.append(r.recall)
+                        epochs.append(r.epochs)
+                        front.append(len(r.front))
+                        duplicates.append(r.duplicates)
+                    mean_epochs = statistics.fmean(epochs)
+                    if pruner == "none":
+                        base_epochs = mean_epochs
+                    rows.append([workers, budget, sampler, pruner, seeds, f"{statistics.median(hv):.3f}",
+                                 f"{_quantile(hv, 0.1):.3f}", f"{statistics.median(recall):.2f}", f"{mean_epochs:.0f}",
+                                 f"{base_epochs / mean_epochs:.2f}x" if base_epochs else "-", f"{statistics.fmean(front):.1f}",
+                                 f"{statistics.fmean(duplicates):.1f}", f"{statistics.fmean(seconds):.2f}"])
     seconds = time.perf_counter() - t0
-    headers = ["workers", "trials", "pruner", "hypervolume (median)", "hypervolume (10th pct)", "front recall (median)",
-               "epochs (mean)", "fewer epochs than none", "front size (mean)"]
+    headers = ["workers", "trials", "sampler", "pruner", "replays", "hypervolume (median)", "hypervolume (10th pct)",
+               "front recall (median)", "epochs (mean)", "fewer epochs than none", "front size (mean)",
+               "duplicate proposals (mean)", "seconds per replay"]
     notes += [
         f"table: {args.table.relative_to(ROOT) if args.table.is_relative_to(ROOT) else args.table} ({size} architectures,"
         f" {table['seeds']} seeds each, {table['epochs']} epochs, built on {table['device']} with torch"
@@ -77,8 +90,9 @@ def main() -> None:
         f"true front: {len(truth.front)} architectures; objectives {table['primary_metric']} x time (the search's defaults);"
         " hypervolume of the reported front's architectures at their true points (means over seeds, scaled to [0, 1]"
         " over the table, reference 1.1) over the true front's, with Optuna's hypervolume",
-        f"{args.seeds} replays per row (sampler seeds 0..{args.seeds - 1}; each trial draws one of its architecture's"
-        f" seeds from the table); the defaults otherwise (nsga2, startup max(2, min(5, trials // 4))); {seconds:.0f} s in all",
+        "replays per row: sampler seeds 0..N-1 (each trial draws one of its architecture's seeds from the table);"
+        " duplicate proposals: proposals of an architecture a trial holds, skipped untrained (the sampler asked"
+        f" again); the defaults otherwise (nsga2 population max(4, min(50, trials // 4))); {seconds:.0f} s in all",
     ]
     notes += _bounds(table, truth)
     report("Search quality against a table: replayed searches", markdown_table(headers, rows), torch.device("cpu"), args, notes)
@@ -119,12 +133,14 @@ def _bounds(table, truth) -> list[str]:
     size, front, epochs = len(table["architectures"]), len(truth.front), table["epochs"]
     maximize = table["direction"] == "maximize"
     lines = []
-    for first in range(1, epochs):  # every architecture off the true front stopped at `first`, the front trained in full
+    # every epoch of a short table; epoch 1 and the rungs 2, 4, 8, ... of a long one
+    shown = list(range(1, epochs)) if epochs <= 6 else [1] + [e for e in (2 ** k for k in range(1, 12)) if e < epochs]
+    for first in shown:  # every architecture off the true front stopped at `first`, the front trained in full
         spent = front * epochs + (size - front) * first
         lines.append(f"at most {size * epochs / spent:.2f}x fewer epochs for a rule that first judges at epoch {first}")
     # Where the true front's architectures stand at epoch e: how many others dominate them (mean accuracy, e x epoch seconds).
     ranks = []
-    for e in range(1, epochs):
+    for e in shown:
         pts = {}
         for a in table["architectures"]:
             best = [max(r["curve"][:e]) if maximize else min(r["curve"][:e]) for r in a["runs"]]
@@ -132,9 +148,33 @@ def _bounds(table, truth) -> list[str]:
             pts[arch_key(a["overrides"])] = (-q if maximize else q, e * statistics.fmean(r["epoch_seconds"] for r in a["runs"]))
         dominated = [sum(all(x <= y for x, y in zip(o, pts[k])) and o != pts[k] for o in pts.values()) for k in truth.front]
         ranks.append(f"epoch {e}: up to {max(dominated)} of {size - 1} (median {statistics.median(dominated):g})")
+    # Whether the curves cross: the share of architecture pairs whose order at epoch e (mean over seeds) is not
+    # their order at the last epoch, and the rank correlation of the two.
+    from scipy.stats import spearmanr
+
+    def at(e):
+        return [statistics.fmean(r["curve"][e - 1] for r in a["runs"]) for a in table["architectures"]]
+
+    final, crossing = at(epochs), []
+    for e in shown:
+        now = at(e)
+        pairs = [(i, j) for i in range(size) for j in range(i + 1, size) if final[i] != final[j]]
+        swapped = sum((now[i] - now[j]) * (final[i] - final[j]) < 0 for i, j in pairs)
+        crossing.append(f"epoch {e}: {swapped / len(pairs):.0%} of pairs, rho {spearmanr(now, final).statistic:.2f}")
     return ["bounds: an oracle that knows the true front (no rule can do better): " + "; ".join(lines),
             "the true front's architectures dominated by others (mean quality so far x time so far) at "
-            + "; ".join(ranks)]
+            + "; ".join(ranks),
+            f"curves crossing: architecture pairs ordered otherwise by mean validation {table['primary_metric']} at epoch e"
+            f" than at epoch {epochs}, and Spearman's rho of the two: " + "; ".join(crossing)]
+
+
+def _samplers(spec: str | None, seeds: int, default: str) -> list[tuple[str, int]]:
+    """'nsga2,gp:20' -> [('nsga2', seeds), ('gp', 20)]; None -> the default sampler with `seeds`."""
+    out = []
+    for item in (spec or default).split(","):
+        name, _, n = item.partition(":")
+        out.append((name, int(n) if n else seeds))
+    return out
 
 
 def _quantile(values, q: float) -> float:

@@ -260,6 +260,49 @@ def test_a_replay_with_the_multi_metric_rule_prunes_on_the_deep_head_table():
 
 
 @pytest.mark.floor
+def test_tpe_samples_after_a_pruned_trial_with_a_curve_in_a_study_of_two_objectives():
+    """Optuna's TPE ranks a pruned trial by its last intermediate value in `study.direction`, which a study
+    of two objectives refuses; headsearch records each epoch's accuracy there, so a bare TPE fails at its
+    first sample after a pruning. `make_sampler` hands TPE the curve's direction."""
+    from headsearch.search.study import make_sampler
+
+    def study_with_a_pruned_curve(sampler):
+        study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
+        for i in range(12):  # past TPE's 10 random start-up trials
+            t = study.ask()
+            x = t.suggest_float("x", 0, 1)
+            if i % 3:
+                study.tell(t, [x, x * x])
+            else:
+                study._storage.set_trial_intermediate_value(t._trial_id, 1, x / 2)  # as headsearch records a curve
+                study.tell(t, state=TrialState.PRUNED)
+        return study
+
+    with pytest.raises(RuntimeError, match="single direction"):
+        study_with_a_pruned_curve(optuna.samplers.TPESampler(seed=0, multivariate=True, group=True))
+    ours = study_with_a_pruned_curve(make_sampler("tpe", seed=0, trials=20, curve_direction="maximize"))
+    assert len(ours.trials) == 12
+
+
+@pytest.mark.floor
+@pytest.mark.parametrize("sampler", ["nsga2", "tpe", "random", "gp"])
+def test_every_sampler_runs_a_pruned_search_of_two_objectives(sampler):
+    """The whole search's code, on the deep-head table, past every sampler's start-up and with the Pareto rule
+    pruning: what `headsearch run --sampler NAME` does."""
+    from headsearch.search.study import check_sampler
+
+    try:
+        check_sampler(sampler, 2)
+    except ConfigError as e:
+        pytest.skip(f"the installed Optuna: {e}")
+    table = load_table(Path(__file__).resolve().parents[1] / "benchmarks" / "tables" / "vit-cifar10-deep-head-tiny.json")
+    result = replay(simulation_search(table, space="deep-head", trials=20, sampler=sampler, pruner="pareto", seed=1), table)
+    assert result.trained == 20
+    assert any(r["state"] == "PRUNED" for r in result.trials)
+    assert 0 < result.hypervolume <= 1.0 + 1e-9
+
+
+@pytest.mark.floor
 def test_pareto_pruning_is_refused_for_one_objective(tmp_path, spa_file, tiny_translation):
     space = write_space(tmp_path / "s.yaml", tiny_translation, schedule={"heads": [1, 2]})
     with pytest.raises(ConfigError, match="pareto judges several objectives"):
@@ -399,6 +442,24 @@ def test_a_replay_on_several_workers_ends_trials_out_of_order_and_sees_only_what
     assert r.seconds == pytest.approx(20.0)  # the slow one: 2 epochs x 10 s, beside the fast one's 2 s
     complete = [t for t in r.trials if t["state"] == "COMPLETE"]
     assert len(complete) == 2
+
+
+def test_a_tables_set_overrides_reach_its_runs_and_its_replays(cifar_dir):
+    """`headsearch table --set data.train_limit=2000` (a cheaper epoch): every run of the table's comparison
+    trains with it, and a replayed search is built with the same base config (the table records them)."""
+    from headsearch.search.table import table_search
+
+    sets = {"data": {"train_limit": 2000}, "train": {"warmup_epochs": 1}}
+    search, grid, space_search = table_search("vit-cifar10", "ham", seeds=2, preset="tiny", epochs=16, storage="sqlite://",
+                                              data_dir=str(cifar_dir), device="cpu", sets=sets)
+    for s in (search, space_search):
+        assert (s.base.data.train_limit, s.base.train.warmup_epochs, s.base.train.epochs) == (2000, 1, 16)
+    assert grid.points == 9 * 2
+    table = small_table({json.dumps({"enc_heads": [4, 4, 4, 4]}): ([0.3, 0.4], 1.0)})
+    assert simulation_search(table, space="ham", trials=3, pruner="none").base.data.train_limit == 6000  # the preset's
+    table["sets"] = sets
+    sim = simulation_search(table, space="ham", trials=3, pruner="none")
+    assert (sim.base.data.train_limit, sim.base.train.warmup_epochs) == (2000, 1)
 
 
 def test_a_table_that_lacks_an_architecture_says_so(tmp_path):

@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from headsearch.cli.common import check_format, fail, fail_on_fault, storage_option, worker_failure_line  # noqa: F401
+from headsearch.cli.common import SET_HELP, check_format, fail, fail_on_fault, storage_option, worker_failure_line  # noqa: F401
 
 app = typer.Typer(
     help="Search attention-head architectures (head schedules, skips, heterogeneous attention) and look inside the heads.",
@@ -42,8 +42,6 @@ def _root(version: bool = typer.Option(False, "--version", callback=_print_versi
 FORMAT_HELP = "table (Rich) | json (for scripts)."
 TENSORBOARD_HELP = ("Write each epoch's train loss, learning rate, epoch seconds and validation metrics as TensorBoard"
                     " scalars into DIR (`run`: one run per trial, DIR/trial-NNNNN). Needs the tensorboard package (headsearch's extra of that name).")
-SET_HELP = ("SECTION.KEY=VALUE (SECTION arch, train or data; VALUE as YAML), e.g. train.lr=3e-4 data.train_limit=5000;"
-            " repeatable; over the preset and --config, under --epochs/--seed/--compile.")
 
 
 @app.command()

@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from headsearch.cli.common import storage_option
+from headsearch.cli.common import SET_HELP, storage_option
 
 
 def table(
@@ -29,6 +29,7 @@ def table(
     workers: Optional[int] = typer.Option(None, "--workers", help="Worker processes (default: the plan's, as `run`)."),
     cohort: Optional[int] = typer.Option(None, "--cohort", help="Runs a worker trains as one stacked model (ViT; 1: off)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda ..."),
+    sets: list[str] = typer.Option([], "--set", help=SET_HELP + " For every run (a cheaper epoch, say); recorded in the table."),
 ) -> None:
     """Train every architecture of a space (seeds 0..N-1, no pruning) and write them as a benchmark table."""
     from headsearch.cli.common import fail, fail_on_fault, worker_failure_line
@@ -36,13 +37,14 @@ def table(
     from headsearch.errors import HeadsearchError
     from headsearch.search.table import read_table, table_search, write_table
     from headsearch.search.workers import open_search, run_search
+    from headsearch.tasks import parse_sets
 
     kept = "finished runs are kept in the study; run the same command to train the rest"
     try:
         search, grid, space_search = table_search(
             task, space, seeds=seeds, preset=preset, epochs=epochs, data_dir=str(data_dir) if data_dir else None,
             data_file=str(data_file) if data_file else None, storage=storage, study=study, run_root=str(run_root),
-            device=device, workers=workers, cohort=cohort, sample=sample, sample_seed=sample_seed)
+            device=device, workers=workers, cohort=cohort, sample=sample, sample_seed=sample_seed, sets=parse_sets(sets))
         study_obj = open_search(search)
         with SearchProgress(study_obj, grid.points) as display:
             failures = run_search(search, [display], argv=sys.argv, poll=display.refresh, announce=display.announce)

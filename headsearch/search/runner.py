@@ -148,7 +148,8 @@ class Search:
 
     def make_sampler(self, trial_index: int = 0):
         """Seeded by the index of the trial about to start (see `headsearch.search.study.make_sampler`)."""
-        return make_sampler(self.sampler_name(), seed=self.settings.seed, trials=self.settings.trials, trial_index=trial_index)
+        return make_sampler(self.sampler_name(), seed=self.settings.seed, trials=self.settings.trials, trial_index=trial_index,
+                            curve_direction=self.task.primary.direction if self.multi_objective else None)
 
     def pruner_name(self) -> str:
         """The pruning rule: the one asked for, else pareto for several objectives (the simulator's choice:

@@ -161,14 +161,14 @@ def simulation_search(table: dict[str, Any], *, space: str, trials: int, sampler
                       pruner_startup_trials: int | None = None, pruner_warmup_epochs: int | None = None,
                       sets: dict[str, dict[str, Any]] | None = None):
     """The `Search` that `headsearch run` would build for the table's task, preset and epochs, on the CPU
-    (with `sets`, the `--set` overrides the table's runs were trained with)."""
+    (with the `--set` overrides the table's runs were trained with, `sets` or the table's own)."""
     from headsearch.search.runner import Search, SearchSettings
 
     settings = SearchSettings(task=table["task"], space=space, trials=trials, sampler=sampler, pruner=pruner, seed=seed,
                               objectives=tuple(objectives) if objectives else None, preset=table.get("preset"),
                               epochs=table["epochs"], storage=SIMULATED_STORAGE, device="cpu", heartbeat=0,
                               pruner_startup_trials=pruner_startup_trials, pruner_warmup_epochs=pruner_warmup_epochs,
-                              sets=sets)
+                              sets=sets if sets is not None else (table.get("sets") or None))
     held, in_space = len(table["architectures"]), table.get("architectures_in_space")
     if in_space is not None and held < in_space:
         raise ConfigError(f"the table holds {held} of the space's {in_space} architectures (a sample, or a build not"

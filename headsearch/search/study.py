@@ -54,10 +54,12 @@ def check_sampler(name: str, n_objectives: int) -> None:
                           f" {optuna.__version__}): upgrade optuna, or use --sampler nsga2 or tpe")
 
 
-def make_sampler(name: str, *, seed: int, trials: int, trial_index: int = 0):
+def make_sampler(name: str, *, seed: int, trials: int, trial_index: int = 0, curve_direction: str | None = None):
     """The sampler `name` (one of `SAMPLERS`), seeded by the search's seed and the index of the trial
     about to start (counted under the budget lock), so workers started anywhere propose different
-    points and a search replays the same way."""
+    points and a search replays the same way. `curve_direction`: in a study of several objectives, the
+    direction of the curve headsearch records as intermediate values (the primary metric), which TPE
+    needs to rank pruned trials (`CurveDirection`)."""
     import optuna
 
     seed = seed * 100_003 + trial_index
@@ -66,10 +68,59 @@ def make_sampler(name: str, *, seed: int, trials: int, trial_index: int = 0):
         pop = max(4, min(50, trials // 4))
         return optuna.samplers.NSGAIISampler(population_size=pop, seed=seed)
     if name == "tpe":
-        return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True)
+        tpe = optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True)
+        return CurveDirection(tpe, curve_direction) if curve_direction else tpe
     if name == "gp":
         return optuna.samplers.GPSampler(seed=seed)
     return optuna.samplers.RandomSampler(seed=seed)
+
+
+class CurveDirection:
+    """TPE for a study of several objectives whose pruned trials carry a curve.
+
+    TPE ranks a pruned trial by its last intermediate value in `study.direction`, which a study of several
+    objectives refuses to give (RuntimeError at the first sample after a pruned trial): Optuna's own
+    `Trial.report` refuses intermediate values there, so TPE never meets them, but headsearch records each
+    epoch's primary metric through the storage. This sampler hands TPE a view of the study whose
+    `direction` is that curve's; everything else is the study's own. Complete trials are still ranked on
+    every objective (TPE's non-dominated split)."""
+
+    def __init__(self, sampler, direction: str) -> None:
+        import optuna
+
+        self.sampler = sampler
+        self.direction = optuna.study.StudyDirection.MAXIMIZE if direction == "maximize" else optuna.study.StudyDirection.MINIMIZE
+
+    def _view(self, study):
+        return _StudyWithDirection(study, self.direction) if len(study.directions) > 1 else study
+
+    def infer_relative_search_space(self, study, trial):
+        return self.sampler.infer_relative_search_space(self._view(study), trial)
+
+    def sample_relative(self, study, trial, search_space):
+        return self.sampler.sample_relative(self._view(study), trial, search_space)
+
+    def sample_independent(self, study, trial, param_name, param_distribution):
+        return self.sampler.sample_independent(self._view(study), trial, param_name, param_distribution)
+
+    def before_trial(self, study, trial) -> None:
+        self.sampler.before_trial(self._view(study), trial)
+
+    def after_trial(self, study, trial, state, values) -> None:
+        self.sampler.after_trial(self._view(study), trial, state, values)
+
+    def reseed_rng(self) -> None:
+        self.sampler.reseed_rng()
+
+
+class _StudyWithDirection:
+    """`study` with `direction` answered (see `CurveDirection`)."""
+
+    def __init__(self, study, direction) -> None:
+        self._study, self.direction = study, direction
+
+    def __getattr__(self, name: str):
+        return getattr(self._study, name)
 
 
 class StudyStorage:

@@ -45,9 +45,10 @@ def arch_key(overrides: dict[str, Any]) -> str:
 def table_search(task: str, space: str, *, seeds: int, preset: str | None = None, epochs: int | None = None,
                  data_dir: str | None = None, data_file: str | None = None, storage: str, study: str | None = None,
                  run_root: str = "runs", device: str = "auto", workers: int | None = None, cohort: int | None = None,
-                 sample: int | None = None, sample_seed: int = 0):
+                 sample: int | None = None, sample_seed: int = 0, sets: dict[str, dict[str, Any]] | None = None):
     """The table's comparison: (Search, ConfigGrid) over every architecture of `space` (or a seeded sample of
-    `sample` of them) x seeds 0..seeds-1, with no pruning. Nothing is trained or written yet."""
+    `sample` of them) x seeds 0..seeds-1, with no pruning, every run with the `--set` overrides `sets` (a cheaper
+    epoch, say). Nothing is trained or written yet."""
     import random
 
     from headsearch.search.compare import Candidate, ConfigGrid, check_seeds
@@ -56,7 +57,7 @@ def table_search(task: str, space: str, *, seeds: int, preset: str | None = None
 
     check_seeds(seeds)
     common = dict(preset=preset, epochs=epochs, data_dir=data_dir, data_file=data_file, storage=storage,
-                  run_root=run_root, device=device)
+                  run_root=run_root, device=device, sets=sets or None)
     space_search = Search(SearchSettings(task=task, space=space, **common))
     archs = space_search.architectures()
     if archs is None:
@@ -122,6 +123,7 @@ def read_table(study, grid, space_search, *, command: str, device: str) -> dict[
         "space": space_search.space.summary(),
         "preset": space_search.settings.preset,
         "epochs": space_search.base.train.epochs,
+        "sets": space_search.settings.sets or {},  # --set: a replayed search is built with them too
         "seeds": grid.seeds,
         "architectures_in_space": len(space_search.architectures() or {}),
         "base_config": base,
