@@ -34,13 +34,13 @@ setup: $(STAMP)
 # 15 slowest tests. docs/testing.md says what a test may cost.
 PYTEST := -m pytest -q --durations=15
 test: $(STAMP)
-	$(BIN)/python $(PYTEST) -n 2 --dist worksteal -m "not serial"
+	$(BIN)/python $(PYTEST) -n 2 -m "not serial"
 	$(BIN)/python $(PYTEST) -p no:xdist -m serial
 
 # HEADSEARCH_FLOOR makes tests/test_versions.py check that the floor's versions are the ones installed.
 # On the floor, only the tests marked `floor`: those whose outcome can depend on a dependency's version.
 test-oldest: $(STAMP_OLDEST)
-	HEADSEARCH_FLOOR=$(OLDEST) $(VENV_OLDEST)/bin/python $(PYTEST) -n 2 --dist worksteal -m "floor and not serial"
+	HEADSEARCH_FLOOR=$(OLDEST) $(VENV_OLDEST)/bin/python $(PYTEST) -n 2 -m "floor and not serial"
 	HEADSEARCH_FLOOR=$(OLDEST) $(VENV_OLDEST)/bin/python $(PYTEST) -p no:xdist -m "floor and serial"
 
 run: $(STAMP)
