@@ -59,13 +59,13 @@ def main() -> None:
                 base_epochs = None
                 # "none" first: the other rows' epochs are compared with it (left out when not asked for)
                 for pruner in (["none"] if "none" in pruners else []) + [q for q in pruners if q != "none"]:
-                    hv, recall, epochs, front, duplicates, seconds = [], [], [], [], [], []
+                    hv, recall, epochs, front, duplicates, replay_seconds = [], [], [], [], [], []
                     for seed in range(seeds):
                         search = simulation_search(table, space=space, trials=budget, sampler=sampler, pruner=pruner, seed=seed)
                         truth = truth or true_points(table, [o.name for o in search.objectives], search.directions)
                         t1 = time.perf_counter()
                         r = replay(search, table, workers=workers, truth=truth)
-                        seconds.append(time.perf_counter() - t1)
+                        replay_seconds.append(time.perf_counter() - t1)
                         hv.append(r.hypervolume)
                         recall.append(r.recall)
                         epochs.append(r.epochs)
@@ -77,8 +77,8 @@ def main() -> None:
                     rows.append([workers, budget, sampler, pruner, seeds, f"{statistics.median(hv):.3f}",
                                  f"{_quantile(hv, 0.1):.3f}", f"{statistics.median(recall):.2f}", f"{mean_epochs:.0f}",
                                  f"{base_epochs / mean_epochs:.2f}x" if base_epochs else "-", f"{statistics.fmean(front):.1f}",
-                                 f"{statistics.fmean(duplicates):.1f}", f"{statistics.fmean(seconds):.2f}"])
-    seconds = time.perf_counter() - t0
+                                 f"{statistics.fmean(duplicates):.1f}", f"{statistics.fmean(replay_seconds):.2f}"])
+    total_seconds = time.perf_counter() - t0
     headers = ["workers", "trials", "sampler", "pruner", "replays", "hypervolume (median)", "hypervolume (10th pct)",
                "front recall (median)", "epochs (mean)", "fewer epochs than none", "front size (mean)",
                "duplicate proposals (mean)", "seconds per replay"]
@@ -92,7 +92,7 @@ def main() -> None:
         " over the table, reference 1.1) over the true front's, with Optuna's hypervolume",
         "replays per row: sampler seeds 0..N-1 (each trial draws one of its architecture's seeds from the table);"
         " duplicate proposals: proposals of an architecture a trial holds, skipped untrained (the sampler asked"
-        f" again); the defaults otherwise (nsga2 population max(4, min(50, trials // 4))); {seconds:.0f} s in all",
+        f" again); the defaults otherwise (nsga2 population max(4, min(50, trials // 4))); {total_seconds:.0f} s in all",
     ]
     notes += _bounds(table, truth)
     report("Search quality against a table: replayed searches", markdown_table(headers, rows), torch.device("cpu"), args, notes)

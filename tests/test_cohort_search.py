@@ -15,6 +15,7 @@ schedule: {families: [uniform, halving, doubling], heads: [2, 4, 8, 16], min_hea
 skip: [none, output, scores]
 fusion: [none, hadamard, add]
 fixed:
+  arch: {patch_size: 8}  # 17 tokens, not 65: the soft branch costs T^2, and nothing here depends on the patch
   train: {epochs: 2, max_steps_per_epoch: 4, batch_size: 32, lr: 3.0e-3, warmup_epochs: 0.5, schedule: cosine}
   data: {train_limit: 640, val_size: 96, test_limit: 96}
 """

@@ -15,13 +15,15 @@ from headsearch.tasks import get_task, resolve_config
 
 VIT = get_task("vit-cifar10")
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-# Small enough for the CPU: the tiny preset's model, 2 epochs on 1,024 images.
+# Small enough for the CPU: the tiny preset's model on 8x8 patches (17 tokens, not 65: HAM B's soft branch costs
+# T^2), 2 epochs on 512 images.
 SMALL = {"train": {"epochs": 2}, "data": {"train_limit": 512, "val_size": 128, "test_limit": 128}}
+PATCH = {"patch_size": 8}
 
 
 def small_configs(tmp_path, write_yaml) -> list[Path]:
-    classic = write_yaml(tmp_path / "classic.yaml", {"arch": {"enc_heads": [4, 4, 4, 4]}, **SMALL})
-    ham_b = write_yaml(tmp_path / "ham-b.yaml", {"arch": {"fusion": "add"}, **SMALL})
+    classic = write_yaml(tmp_path / "classic.yaml", {"arch": {"enc_heads": [4, 4, 4, 4], **PATCH}, **SMALL})
+    ham_b = write_yaml(tmp_path / "ham-b.yaml", {"arch": {"fusion": "add", **PATCH}, **SMALL})
     return [classic, ham_b]
 
 
@@ -178,7 +180,8 @@ def test_report_robust_retrains_the_front_with_seeds(cli, tmp_path, cifar_dir, w
     """`report --robust 2`: the Pareto front of a (tiny) search retrained with seeds 0 and 1 through compare,
     shown on mean values with intervals; the search's own trials are untouched."""
     space = write_yaml(tmp_path / "two.yaml", {"schedule": {"families": ["uniform"], "heads": [2, 4]},
-                                               "skip": ["none"], "fusion": ["none"], "fixed": {"data": SMALL["data"]}})
+                                               "skip": ["none"], "fusion": ["none"],
+                                               "fixed": {"arch": PATCH, "data": SMALL["data"]}})
     url = f"sqlite:///{tmp_path / 's.db'}"
     searched = cli(["run", "--task", "vit-cifar10", "--space", space, "--trials", 2, "--epochs", 1, "--preset", "tiny",
                     "--pruner", "none", "--sampler", "random", "--seed", 2, "--data-dir", cifar_dir, "--storage", url, "--study", "s",

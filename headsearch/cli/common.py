@@ -14,6 +14,7 @@ STORAGE_ENV = "OPTUNA_STORAGE"
 SET_HELP = ("SECTION.KEY=VALUE (SECTION arch, train or data; VALUE as YAML), e.g. train.lr=3e-4 data.train_limit=5000;"
             " repeatable; over the preset and --config, under --epochs/--seed/--compile.")
 
+
 def fail(message: str, code: int = 2) -> None:
     """One clear line on stderr, no traceback."""
     typer.echo(f"error: {message}", err=True)
