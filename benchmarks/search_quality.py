@@ -8,6 +8,7 @@ the median front recall, and the epochs trained relative to no pruning in the sa
     python benchmarks/search_quality.py                       # the deep-head table in benchmarks/tables/
     python benchmarks/search_quality.py --table my.json --space my-space.yaml --budgets 20,40
     python benchmarks/search_quality.py --samplers nsga2,tpe,random,gp:20 --pruners pareto --workers 1 --budgets 12,20,39
+    python benchmarks/search_quality.py --pruners none,pareto,pareto@2x2,pareto@2x3 --workers 1   # rungs M x R^k
 """
 from __future__ import annotations
 
@@ -28,7 +29,9 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=100, help="replays per row (sampler seeds 0..N-1)")
     p.add_argument("--budgets", default=None, help="comma list of --trials (default: the space's size and 12)")
     p.add_argument("--workers", default="1,4", help="comma list of workers replayed")
-    p.add_argument("--pruners", default=",".join(PRUNERS))
+    p.add_argument("--pruners", default=",".join(PRUNERS),
+                   help="comma list of pruners; NAME@MxR (pareto, asha) sets the rungs: first at epoch M, then x R, the top"
+                        " 1/R going on")
     p.add_argument("--samplers", default=None,
                    help="comma list of samplers (nsga2, tpe, random, gp; default: the search's default); NAME:N replays"
                         " that one with N seeds only (a slow sampler)")
@@ -61,7 +64,9 @@ def main() -> None:
                 for pruner in (["none"] if "none" in pruners else []) + [q for q in pruners if q != "none"]:
                     hv, recall, epochs, front, duplicates, replay_seconds = [], [], [], [], [], []
                     for seed in range(seeds):
-                        search = simulation_search(table, space=space, trials=budget, sampler=sampler, pruner=pruner, seed=seed)
+                        name, rungs = _rungs(pruner)
+                        search = simulation_search(table, space=space, trials=budget, sampler=sampler, pruner=name, seed=seed,
+                                                   pruner_min_epochs=rungs[0], pruner_reduction_factor=rungs[1])
                         truth = truth or true_points(table, [o.name for o in search.objectives], search.directions)
                         t1 = time.perf_counter()
                         r = replay(search, table, workers=workers, truth=truth)
@@ -96,6 +101,15 @@ def main() -> None:
     ]
     notes += _bounds(table, truth)
     report("Search quality against a table: replayed searches", markdown_table(headers, rows), torch.device("cpu"), args, notes)
+
+
+def _rungs(pruner: str) -> tuple[str, tuple[int | None, int | None]]:
+    """"pareto@2x3" -> ("pareto", (2, 3)); "pareto" -> ("pareto", (None, None)): the rule's defaults."""
+    name, _, rungs = pruner.partition("@")
+    if not rungs:
+        return name, (None, None)
+    m, _, r = rungs.partition("x")
+    return name, (int(m), int(r))
 
 
 def _list_sample(table, args) -> None:
@@ -133,8 +147,9 @@ def _bounds(table, truth) -> list[str]:
     size, front, epochs = len(table["architectures"]), len(truth.front), table["epochs"]
     maximize = table["direction"] == "maximize"
     lines = []
-    # every epoch of a short table; epoch 1 and the rungs 2, 4, 8, ... of a long one
-    shown = list(range(1, epochs)) if epochs <= 6 else [1] + [e for e in (2 ** k for k in range(1, 12)) if e < epochs]
+    # every epoch of a short table; of a long one, epoch 1, the rungs 2, 4, 8, ... and the default's 3, 9, 27, ...
+    doubling, tripling = (2 ** k for k in range(1, 12)), (3 ** k for k in range(1, 8))
+    shown = list(range(1, epochs)) if epochs <= 6 else sorted({1, *(e for e in (*doubling, *tripling) if e < epochs)})
     for first in shown:  # every architecture off the true front stopped at `first`, the front trained in full
         spent = front * epochs + (size - front) * first
         lines.append(f"at most {size * epochs / spent:.2f}x fewer epochs for a rule that first judges at epoch {first}")

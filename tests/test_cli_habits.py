@@ -224,4 +224,5 @@ def test_shell_completion_completes_commands_and_options():
         return proc.stdout.split()
 
     assert complete("headsearch ta") == ["tasks", "table"]
-    assert complete("headsearch run --pru") == ["--pruner", "--pruner-startup", "--pruner-warmup"]
+    assert complete("headsearch run --pru") == ["--pruner", "--pruner-startup", "--pruner-warmup", "--pruner-min-epochs",
+                                                "--pruner-reduction-factor"]

@@ -1706,6 +1706,10 @@ def bad_setting(draw, name: str):
         return ["--pruner-startup", draw(st.integers(-10**6, -1))]
     if name == "pruner-warmup":
         return ["--pruner-warmup", draw(st.integers(-10**6, -1))]
+    if name == "pruner-min-epochs":
+        return ["--pruner-min-epochs", draw(st.integers(-10**6, 0))]
+    if name == "pruner-reduction-factor":
+        return ["--pruner-reduction-factor", draw(st.integers(-10**6, 1))]
     if name == "heartbeat":
         return ["--heartbeat", draw(st.integers(-10**6, -1))]
     if name == "track-diversity":
@@ -1726,8 +1730,8 @@ def bad_setting(draw, name: str):
 
 
 SETTINGS = ["trials", "workers", "trials-per-gpu", "workers and trials-per-gpu", "timeout", "sampler", "pruner",
-            "objectives", "pruner-startup", "pruner-warmup", "heartbeat", "track-diversity", "epochs", "seed",
-            "compile", "preset", "task"]
+            "objectives", "pruner-startup", "pruner-warmup", "pruner-min-epochs", "pruner-reduction-factor", "heartbeat",
+            "track-diversity", "epochs", "seed", "compile", "preset", "task"]
 
 
 def _override(args: list, extra: list) -> list:

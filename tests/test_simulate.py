@@ -378,8 +378,10 @@ def test_a_replay_makes_exactly_the_decisions_of_the_real_run(request, monkeypat
         request.getfixturevalue("cifar")  # the real arrays, read once per module
     else:
         fixed_speeds(monkeypatch)
+    # Rungs 2, 4, ... (not the default 3, 9): the 3-epoch runs are judged at epoch 2; never at their last
+    rungs = dict(pruner_min_epochs=2, pruner_reduction_factor=2)
     search, space = real_search(task, tmp_path, spa_file, cifar_dir, tiny_translation, trials=9, pruner=pruner,
-                                pruner_startup_trials=2, seed=3)
+                                pruner_startup_trials=2, seed=3, **rungs)
     search.run_worker()
     real = load(search.settings.storage)
     real_trials = real.get_trials(deepcopy=False)
@@ -389,7 +391,7 @@ def test_a_replay_makes_exactly_the_decisions_of_the_real_run(request, monkeypat
 
     # The replay: the same settings on the table, with the one run each architecture has.
     sim = simulation_search(load_table(path), space=space, trials=9, pruner=pruner, pruner_startup_trials=2, seed=3,
-                            sets=None if task == TASK else VIT_SETS)
+                            sets=None if task == TASK else VIT_SETS, **rungs)
     result = replay(sim, load_table(path), workers=1)
     assert [r["number"] for r in result.trials] == [t.number for t in real_trials]
     assert decisions_of_rows(result.trials) == decisions_of_rows(rows_of(real_trials))
@@ -502,7 +504,15 @@ def test_the_ham_space_lists_nine_architectures():
     assert len(Search(SearchSettings(task="vit-cifar10", space="ham", preset="tiny", device="cpu")).architectures()) == 9
 
 
-def test_the_default_pareto_rule_judges_at_epochs_2_4_8():
+def test_the_default_pareto_rule_judges_at_epochs_3_9_27_and_a_search_can_set_its_rungs(tmp_path):
     rule = ParetoRule("maximize")
-    assert [e for e in range(1, 17) if rule._rungs.is_rung(e)] == [2, 4, 8, 16]
-    assert rule.reduction_factor == 2
+    assert [e for e in range(1, 30) if rule._rungs.is_rung(e)] == [3, 9, 27]
+    assert rule.reduction_factor == 3
+    # --pruner-min-epochs / --pruner-reduction-factor reach the rule; a bad value is refused before any storage
+    s = SearchSettings(task="vit-cifar10", space="deep-head", preset="tiny", device="cpu", trials=8,
+                       storage=f"sqlite:///{tmp_path / 'r.db'}", pruner_min_epochs=2, pruner_reduction_factor=2)
+    _, rule = Search(s).make_pruner()
+    assert (rule.min_epochs, rule.reduction_factor) == (2, 2)
+    with pytest.raises(ConfigError, match="reduction_factor must be an integer >= 2"):
+        Search(SearchSettings(**{**s.__dict__, "pruner_reduction_factor": 1}))
+    assert not (tmp_path / "r.db").exists()

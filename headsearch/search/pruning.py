@@ -485,7 +485,7 @@ class ParetoRule:
 
     With ``m = min_epochs``, ``r = reduction_factor``, ``s = n_startup_trials``, ``W = n_warmup_epochs``:
 
-    1. ``epoch <= W``, or ``epoch`` not a rung ``m * r**k`` (m = 2, r = 2: 2, 4, 8, ...) -> no judgement.
+    1. ``epoch <= W``, or ``epoch`` not a rung ``m * r**k`` (m = 3, r = 3: 3, 9, 27, ...) -> no judgement.
     2. the others with a value at ``epoch`` and every known quantity (an other whose epoch seconds are
        not recorded is left out); ``n`` of them. ``n < s`` -> no judgement. A trial whose own point is
        incomplete (its epoch seconds not known) is not judged.
@@ -501,10 +501,12 @@ class ParetoRule:
 
     rule = "pareto"
 
-    # Defaults: what benchmarks/search_quality.py found best on the deep-head table (rungs 2, 4, 8, ...: the
-    # first epoch's accuracy there ranks the architectures' final ones poorly, so epoch 1 is never judged).
-    def __init__(self, direction: str, kinds: Sequence[str | None] = ("quality", "time"), min_epochs: int = 2,
-                 reduction_factor: int = 2, n_startup_trials: int = 3, n_warmup_epochs: int = 0) -> None:
+    # Defaults: rungs 3, 9, 27, ..., the top third going on; what benchmarks/search_quality.py measured best on
+    # the 16-epoch deep-head table, where the curves cross (epoch 1 ranks the final accuracies backwards, epoch 2
+    # barely), without losing on the 4-epoch one (RESULTS.md, issue 29). Rungs 2, 4, 8 lost the slow, most
+    # accurate architectures at epoch 2 in about half the replays.
+    def __init__(self, direction: str, kinds: Sequence[str | None] = ("quality", "time"), min_epochs: int = 3,
+                 reduction_factor: int = 3, n_startup_trials: int = 3, n_warmup_epochs: int = 0) -> None:
         self.direction = _direction(direction)
         self.kinds = _check_kinds("pareto", kinds)
         self._rungs = RungRule(direction, min_epochs, reduction_factor, n_startup_trials)

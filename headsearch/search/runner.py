@@ -167,7 +167,8 @@ class Search:
         s = self.settings
         # Pruning starts once a quarter of the budget has finished (2 to 5 trials) unless told otherwise.
         startup = s.pruner_startup_trials if s.pruner_startup_trials is not None else max(2, min(5, s.trials // 4))
-        opts = dict(n_startup_trials=startup, n_warmup_epochs=s.pruner_warmup_epochs)
+        opts = dict(n_startup_trials=startup, n_warmup_epochs=s.pruner_warmup_epochs, min_epochs=s.pruner_min_epochs,
+                    reduction_factor=s.pruner_reduction_factor)
         if self.multi_objective:
             return None, make_curve_pruner(self.pruner_name(), self.task.primary.direction, kinds=self.progress_kinds(), **opts)
         return make_optuna_pruner(self.pruner_name(), epochs=self.base.train.epochs, **opts), None

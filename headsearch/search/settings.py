@@ -25,6 +25,8 @@ class SearchSettings:
     pruner: str | None = None  # default: pareto for several objectives, median for one
     pruner_startup_trials: int | None = None
     pruner_warmup_epochs: int | None = None
+    pruner_min_epochs: int | None = None  # the first rung of the rung rules (pareto, asha); None: the rule's default
+    pruner_reduction_factor: int | None = None  # rungs min_epochs * r**k; the top 1/r go on
     storage: str = DEFAULT_STORAGE
     study: str | None = None  # default: <task>-<space>[-<preset>]
     seed: int = 0
