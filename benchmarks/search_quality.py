@@ -63,8 +63,8 @@ def main() -> None:
                 # "none" first: the other rows' epochs are compared with it (left out when not asked for)
                 for pruner in (["none"] if "none" in pruners else []) + [q for q in pruners if q != "none"]:
                     hv, recall, epochs, front, duplicates, replay_seconds = [], [], [], [], [], []
+                    name, rungs = _rungs(pruner)
                     for seed in range(seeds):
-                        name, rungs = _rungs(pruner)
                         search = simulation_search(table, space=space, trials=budget, sampler=sampler, pruner=name, seed=seed,
                                                    pruner_min_epochs=rungs[0], pruner_reduction_factor=rungs[1])
                         truth = truth or true_points(table, [o.name for o in search.objectives], search.directions)
