@@ -193,7 +193,7 @@ def invoke(cli) -> Cli:
 # ------------------------------------------------------------------------------------------ storages
 
 
-def delete_study_if_present(name: str, storage: str) -> None:
+def delete_study_if_present(name: str, storage) -> None:
     import optuna
 
     try:
@@ -245,6 +245,35 @@ def pg_study_names(pg_url):
 def pg_study(pg_study_names) -> str:
     """A study name unique to this test; the study is deleted at the end of the session."""
     return pg_study_names()
+
+
+REDIS_URL = os.environ.get("HEADSEARCH_TEST_REDIS", "redis://127.0.0.1:6379/15")
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    """A reachable Redis ($HEADSEARCH_TEST_REDIS; database 15 by default) for Redis-journal storages."""
+    import importlib.util
+
+    if importlib.util.find_spec("redis") is None:
+        unavailable("the redis package is not installed (pip install -e '.[dev]')")
+    import redis
+
+    try:
+        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=3).ping()
+    except Exception as e:
+        unavailable(f"Redis not reachable at {REDIS_URL} (set HEADSEARCH_TEST_REDIS): {str(e).splitlines()[0]}")
+    return REDIS_URL
+
+
+@pytest.fixture
+def redis_study(redis_url) -> str:
+    """A study name unique to this test in the Redis journal; the study is deleted at the end."""
+    name = f"headsearch-test-{uuid.uuid4().hex[:12]}"
+    yield name
+    from headsearch.search.storage import open_storage
+
+    delete_study_if_present(name, open_storage(redis_url, heartbeat=None))
 
 
 @pytest.fixture(scope="session")

@@ -176,17 +176,39 @@ def test_run_calls_optuna_callbacks_after_each_trained_trial(cli, tmp_path, cifa
     assert not (tmp_path / "bad.db").exists()
 
 
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+@pytest.fixture(scope="session")
+def mlflow_tracker() -> None:
+    """MLflow and optuna-integration (the dev extra) for examples/trackers/mlflow_tracker.py."""
+    import importlib.util
+
+    from conftest import unavailable
+
+    for name in ("mlflow", "optuna_integration"):
+        if importlib.util.find_spec(name) is None:
+            unavailable(f"{name} is not installed (pip install -e '.[dev]')")
+
+
 @pytest.mark.slow
-def test_every_worker_process_calls_the_callbacks_for_its_own_trials(cli, tmp_path, cifar_dir, monkeypatch):
+def test_every_worker_process_calls_the_callbacks_for_its_own_trials(cli, tmp_path, cifar_dir, monkeypatch, mlflow_tracker):
+    """Two callbacks on a search with two worker processes: a recorder, and the MLflow tracker of
+    examples/trackers (optuna-integration's MLflowCallback) on a local MLflow store. Each trained trial reaches
+    both once, in the worker that trained it; MLflow's runs, read back, are the study's trials."""
     (tmp_path / "my_trackers.py").write_text(TRACKER)
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", ""))  # the workers import it
+    path = os.pathsep.join([str(tmp_path), str(EXAMPLES / "trackers"), os.environ.get("PYTHONPATH", "")])
+    monkeypatch.setenv("PYTHONPATH", path)  # the workers import them
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.syspath_prepend(str(EXAMPLES / "trackers"))
     monkeypatch.setenv("TRACKER_FILE", str(tmp_path / "calls.jsonl"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     url = f"sqlite:///{tmp_path / 'h.db'}"
     result = cli(["run", "--task", "vit-cifar10", "--space", "ham", "--preset", "tiny", "--data-dir", cifar_dir, "--storage", url,
                   "--run-root", tmp_path / "runs", "--device", "cpu", "--pruner", "none", "--epochs", "1", "--trials", "4",
                   "--workers", "2", "--cohort", "1", "--set", "train.max_steps_per_epoch=1", "--set", "data.train_limit=64",
-                  "--set", "data.val_size=32", "--set", "data.test_limit=32", "--callback", "my_trackers:record"])
+                  "--set", "data.val_size=32", "--set", "data.test_limit=32", "--callback", "my_trackers:record",
+                  "--callback", "mlflow_tracker:track"])
     assert result.exit_code == 0, result.output
     import optuna
 
@@ -199,6 +221,20 @@ def test_every_worker_process_calls_the_callbacks_for_its_own_trials(cli, tmp_pa
         t = trained[c["number"]]
         assert (c["state"], c["values"]) == (t.state.name, t.values)
         assert t.user_attrs["worker"].endswith(f":{c['pid']}") and c["pid"] != os.getpid()
+
+    # The tracker's runs, read back from MLflow's store: one run per trained trial, equal to it.
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (experiment,) = [e for e in client.search_experiments() if e.name == study.study_name]
+    runs = client.search_runs([experiment.experiment_id])
+    tracked = {int(r.data.tags["number"]): r.data for r in runs}
+    assert sorted(tracked) == sorted(trained) and len(runs) == 4
+    for number, data in tracked.items():
+        t = trained[number]
+        assert data.tags["state"] == t.state.name
+        assert data.metrics == dict(zip(study.metric_names, t.values))
+        assert data.params == {k: str(v) for k, v in t.params.items()}
 
 
 @pytest.mark.floor

@@ -103,14 +103,21 @@ def test_the_cli_says_one_line_for_a_task_it_cannot_load(cli, tmp_path):
 
 def fresh_venv(where: Path) -> Path:
     """A new virtual environment that sees this one's packages (torch, optuna, pip, setuptools) through a
-    .pth file, with headsearch installed into it from this checkout (its console script and entry points).
-    No pip of its own: this one's pip is used."""
+    .pth file, with headsearch built into a wheel from this checkout and installed from it, as `pip install .`
+    does (its console script, entry points and the search spaces the wheel ships). No pip of its own: this
+    one's pip is used."""
     venv.create(where, with_pip=False)
     python = where / "bin" / "python"
     site = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                capture_output=True, text=True, check=True).stdout.strip())
     (site / "parent-env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    pip(python, "-e", str(REPO))
+    source = where.parent / "headsearch-source"  # a build writes beside the sources: not in the repository
+    for name in ("headsearch", "search_spaces"):
+        shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    pip(python, str(source))
+    shutil.rmtree(source)  # what runs now is the installed wheel alone
     return python
 
 
@@ -137,6 +144,11 @@ def test_the_example_plugin_installs_with_pip_and_runs_through_every_command(tmp
         assert proc.returncode == 0, f"headsearch {' '.join(args)}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         return proc.stdout
 
+    # The built-in spaces, from the wheel: search_spaces/ shipped as headsearch/search_spaces/.
+    assert [s["name"] for s in json.loads(headsearch("spaces", "--format", "json"))] == ["deep-head", "full", "ham"]
+    shipped = subprocess.run([python, "-c", "from headsearch.search.space import _builtin_dir; print(_builtin_dir())"],
+                             capture_output=True, text=True, env=env, cwd=tmp_path, check=True).stdout.strip()
+    assert Path(shipped).is_relative_to(python.parent.parent) and Path(shipped).name == "search_spaces", shipped
     listed = {t["name"]: t for t in json.loads(headsearch("tasks", "--format", "json"))}
     assert {"vit-cifar10", "translation-en-es", "bitext-en-es"} <= set(listed)
     assert "shared word-prefix tokens" in listed["bitext-en-es"]["description"]

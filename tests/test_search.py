@@ -101,9 +101,10 @@ def make_settings(tmp_path, spa_file, write_space):
 
 
 def load(storage: str, study: str) -> optuna.Study:
+    """The study, on any URL headsearch takes (journal: and redis:// through headsearch's own opener)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return optuna.load_study(study_name=study, storage=storage)
+        return optuna.load_study(study_name=study, storage=open_storage(storage, heartbeat=None))
 
 
 def by_state(study: optuna.Study, *states: TrialState) -> list:
@@ -667,53 +668,36 @@ def _check_budget_filled_once(url: str, study_name: str, n: int) -> optuna.Study
     return study
 
 
-@pytest.fixture(scope="module")
-def two_pg_workers(tmp_path_factory, spa_file, tokenizer_cache, pg_url, pg_study_names, write_space):
-    """Two `headsearch run --trials 6` processes started together on one PostgreSQL study:
-    (study name, their pids, their (returncode, stderr), the space file)."""
-    tmp = tmp_path_factory.mktemp("two-workers")
-    name = pg_study_names()
-    space = write_space(tmp / "space.yaml")
-    cmd = run_cmd(space, pg_url, name, 6, spa_file, tmp / "runs")
-    procs = [subprocess.Popen(cmd, cwd=tmp, env=sub_env(tokenizer_cache), stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    results = [(p.returncode, err) for p in procs for _, err in [p.communicate(timeout=240)]]
-    return name, [p.pid for p in procs], results, space
+# Two `headsearch run` processes started together on one PostgreSQL study, as two nodes start them:
+# tests/test_slurm_example.py (the Slurm job array's per-task command, run twice).
 
 
-@pytest.mark.slow
-def test_two_worker_processes_on_postgresql_run_exactly_the_budget(two_pg_workers, pg_url):
-    name, pids, results, _ = two_pg_workers
-    for rc, err in results:
-        assert rc == 0, err[-3000:]
-    study = _check_budget_filled_once(pg_url, name, 6)
-    assert {int(t.user_attrs["worker"].rsplit(":", 1)[1]) for t in study.trials} <= set(pids)
-
-
-@pytest.mark.slow
-def test_two_worker_processes_do_not_train_the_same_configs(two_pg_workers, pg_url, tmp_path, spa_file):
-    """Whichever process asked for them, the first generation's trials are the proposals one worker
-    alone would have made (test_workers_asking_in_turn_propose_what_one_worker_would): four different
-    architectures, none proposed twice."""
-    name, _, _, space = two_pg_workers
-    trials = sorted(load(pg_url, name).trials, key=lambda t: t.number)
-    alone = proposals(Search(settings_for(tmp_path, spa_file, space, trials=6)), 4)
-    assert [t.params for t in trials[:4]] == alone
-    assert all(p != q for i, p in enumerate(alone) for q in alone[i + 1:]), alone
+def shared_storage(kind: str, request, tmp_path: Path) -> tuple[str, str]:
+    """(storage URL, study name) of a storage several workers share: PostgreSQL, a journal file or a Redis journal."""
+    if kind == "postgresql":
+        return request.getfixturevalue("pg_url"), request.getfixturevalue("pg_study")
+    if kind == "redis":
+        return request.getfixturevalue("redis_url"), request.getfixturevalue("redis_study")
+    return f"journal:{tmp_path / 'h.log'}", "s"
 
 
 @pytest.mark.floor
 @pytest.mark.slow
-def test_workers_option_on_postgresql_runs_exactly_the_budget(tmp_path, spa_file, tokenizer_cache, pg_study, pg_url, write_space):
+@pytest.mark.parametrize("kind", ["postgresql", "journal", "redis"])
+def test_workers_option_runs_exactly_the_budget_on_each_shared_storage(kind, request, tmp_path, spa_file, tokenizer_cache,
+                                                                        write_space):
+    """SQLite: test_trials_per_gpu_on_the_cpu_runs_k_workers_and_exactly_the_budget. Each storage has its own budget
+    lock (search/storage.py): an advisory lock, an NFS-safe lock file, a Redis lock."""
+    url, study_name = shared_storage(kind, request, tmp_path)
     space = write_space(tmp_path / "space.yaml")
-    proc = subprocess.Popen(run_cmd(space, pg_url, pg_study, 4, spa_file, tmp_path / "runs", "--workers", 2),
+    proc = subprocess.Popen(run_cmd(space, url, study_name, 4, spa_file, tmp_path / "runs", "--workers", 2),
                             cwd=tmp_path, env=sub_env(tokenizer_cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     out, err = proc.communicate(timeout=240)
     assert proc.returncode == 0, err[-3000:]
-    study = _check_budget_filled_once(pg_url, pg_study, 4)
-    assert f"study {pg_study}: " in out  # the summary
-    logs = tmp_path / "runs" / pg_study / "workers"
+    study = _check_budget_filled_once(url, study_name, 4)
+    assert f"study {study_name}: " in out  # the summary
+    logs = tmp_path / "runs" / study_name / "workers"
     assert sorted(p.name for p in logs.iterdir()) == ["worker-0.log", "worker-1.log"]
     assert "Traceback" not in "".join(p.read_text() for p in logs.iterdir())
     # the trials ran in the spawned worker processes, not in the command's own
@@ -733,6 +717,7 @@ def test_plain_postgresql_url_opens_with_the_postgres_extra(pg_url):
     ("mysql://u@127.0.0.1:3306/x", ["MySQLdb"], "the mysql driver is not installed: pip install pymysql"),
     ("postgresql://u@127.0.0.1:5432/x", ["psycopg", "psycopg2"],
      "the postgresql driver is not installed: pip install 'headsearch[postgres]' (psycopg2)"),
+    ("redis://127.0.0.1:6379", ["redis"], "the redis driver is not installed: pip install 'headsearch[redis]' (redis)"),
 ])
 def test_missing_driver_message_names_the_driver(url, drivers, hint, monkeypatch):
     for module in drivers:  # not importable here, whether or not it is installed

@@ -1,5 +1,5 @@
 """A source checkout runs without `pip install`: `python -m headsearch` with the repository on PYTHONPATH
-finds the built-in search spaces, which live inside the package (headsearch/search/spaces/). So does a
+finds the built-in search spaces, which live at the top of the repository (search_spaces/). So does a
 machine without SciPy and pandas (the GPU image): `train`, `run` and `bench` never import them."""
 import os
 import shutil
@@ -14,9 +14,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture()
 def checkout(tmp_path):
-    """A copy of the package alone (no installed metadata beside it) and an environment that imports it."""
+    """A copy of the package and the built-in spaces beside it, as a checkout holds them (no installed metadata),
+    and an environment that imports it."""
     src = tmp_path / "src"
-    shutil.copytree(REPO / "headsearch", src / "headsearch", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("headsearch", "search_spaces"):
+        shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
     # SciPy and pandas made unimportable, as on a GPU image that lacks them: only statistics and data frames
     # (report, compare) may need them, never train, run or bench.
     (src / "sitecustomize.py").write_text(

@@ -128,24 +128,42 @@ def test_opus_books_loads_the_canonical_id_at_a_resolved_commit_and_records_it(m
     monkeypatch.setitem(sys.modules, "datasets", fake)
     asked = []
     monkeypatch.setattr(td, "resolve_hub_commit", lambda dataset_id, revision: asked.append((dataset_id, revision)) or "c0ffee" * 6 + "abcd")
-    monkeypatch.delenv(td.OPUS_BOOKS_REVISION_ENV, raising=False)
     commit = "c0ffee" * 6 + "abcd"
 
-    c = td.load_opus_books("en-es")
-    assert asked == [("Helsinki-NLP/opus_books", td.OPUS_BOOKS_REVISION)]
+    c = td.load_opus_books("en-es")  # no revision: the default branch, resolved to its commit
+    assert asked == [("Helsinki-NLP/opus_books", None)]
     assert calls == [("Helsinki-NLP/opus_books", "en-es", "train", commit)]
-    assert c.provenance == {"dataset": "Helsinki-NLP/opus_books", "config": "en-es", "revision": td.OPUS_BOOKS_REVISION,
-                            "commit": commit}
+    assert c.provenance == {"dataset": "Helsinki-NLP/opus_books", "config": "en-es", "revision": None, "commit": commit}
     assert c.source == f"Helsinki-NLP/opus_books en-es @ {commit} (Hugging Face hub)"
 
-    # A revision pinned for one run; the hub cannot be asked (offline): loaded at the revision as given.
-    monkeypatch.setenv(td.OPUS_BOOKS_REVISION_ENV, "v1.0")
+    # A revision pinned (data.revision); the hub cannot be asked (offline): loaded at the revision as given.
     monkeypatch.setattr(td, "resolve_hub_commit", lambda dataset_id, revision: None)
     calls.clear()
-    c = td.load_opus_books("en-es")
+    c = td.load_opus_books("en-es", "v1.0")
     assert calls == [("Helsinki-NLP/opus_books", "en-es", "train", "v1.0")]
     assert c.provenance == {"dataset": "Helsinki-NLP/opus_books", "config": "en-es", "revision": "v1.0", "commit": None}
     assert c == td.ParallelCorpus(c.src, c.tgt, c.source)  # provenance takes no part in equality
+
+
+def test_data_revision_is_a_config_field(tmp_path, cli):
+    """`--set data.revision=...` (or `data: {revision: ...}` in a config) picks the opus_books revision
+    (test_a_run_directory_records_the_downloaded_corpus_revision: what reaches the download). Bad values get one line."""
+    from headsearch.tasks import get_task, resolve_config
+    from headsearch.tasks.registry import parse_sets
+
+    task = get_task("translation-en-es")
+    cfg = resolve_config(task, preset="tiny", overrides={"data": parse_sets(["data.revision=refs/convert/parquet"])["data"]})
+    assert cfg.data.revision == "refs/convert/parquet"
+    assert resolve_config(task, config=cfg.to_dict()).data.revision == "refs/convert/parquet"  # round-trips (config.yaml)
+    assert resolve_config(task, preset="tiny").data.revision is None
+    assert resolve_config(task, overrides={"data": {"revision": 2}}).data.revision == "2"  # YAML read a tag as a number
+    for bad in ("two words", "", True):
+        with pytest.raises(ConfigError, match="data.revision"):
+            resolve_config(task, overrides={"data": {"revision": bad}})
+
+    line = cli.error_line(cli(["train", "--task", "translation-en-es", "--set", "data.revision=a b", "--out",
+                               str(tmp_path / "bad")]), "data.revision")
+    assert not (tmp_path / "bad").exists(), line
 
 
 # --- splits ----------------------------------------------------------------------------------------
@@ -472,13 +490,15 @@ def test_a_run_directory_records_the_downloaded_corpus_revision(spa_file, tmp_pa
 
     monkeypatch.setenv("HEADSEARCH_CACHE", str(tmp_path))
     pairs = td.read_parallel_tsv(spa_file)
-    provenance = {"dataset": "Helsinki-NLP/opus_books", "config": "en-es", "revision": None, "commit": "ab" * 20}
+    provenance = {"dataset": "Helsinki-NLP/opus_books", "config": "en-es", "revision": "v2", "commit": "ab" * 20}
     corpus = td.ParallelCorpus(pairs.src[:300], pairs.tgt[:300], "stand-in", provenance=provenance)
-    monkeypatch.setattr(td, "load_opus_books", lambda pair: corpus)
+    asked = []
+    monkeypatch.setattr(td, "load_opus_books", lambda pair, revision: asked.append((pair, revision)) or corpus)
     task = get_task("translation-en-es")
     cfg = apply_overrides(task, resolve_config(task, preset="tiny"), {
-        "data": {"train_limit": 200, "val_size": 40, "test_size": 20, "max_len": 16, "vocab_size": 300}})
-    bound = task.setup(cfg, DataSource(), torch.device("cpu"))  # no --data-file: the hub's corpus
+        "data": {"train_limit": 200, "val_size": 40, "test_size": 20, "max_len": 16, "vocab_size": 300, "revision": "v2"}})
+    bound = task.setup(cfg, DataSource(), torch.device("cpu"))  # no --data-file: the hub's corpus, at data.revision
     bound.write_artifacts(tmp_path)
+    assert asked == [("en-es", "v2")]
     split = json.loads((tmp_path / "split.json").read_text())
     assert split["data"] == provenance and split["source"] == "stand-in"

@@ -1,6 +1,6 @@
 """Search spaces: a small YAML schema, validated with clear errors, and how a trial samples from it.
 
-A space file (headsearch/search/spaces/*.yaml, or any path) looks like:
+A space file (search_spaces/*.yaml at the top of the repository, or any path) looks like:
 
     description: Deep Head's question - head schedules x skip connections
     tasks: [translation-en-es, vit-cifar10]     # optional: the tasks it is meant for
@@ -216,11 +216,16 @@ def parse_space(d: Mapping[str, Any], name: str, path: str | None = None) -> Sea
 # -- registry -------------------------------------------------------------------------------
 
 def _builtin_dir():
-    return resources.files("headsearch.search") / "spaces"
+    """search_spaces/ at the top of a source checkout (beside headsearch/, tests/, examples/); a wheel ships the
+    same files as headsearch/search_spaces/ (pyproject.toml maps one onto the other)."""
+    checkout = Path(__file__).resolve().parents[2] / "search_spaces"
+    if checkout.is_dir():
+        return checkout
+    return resources.files("headsearch") / "search_spaces"
 
 
 def builtin_spaces() -> dict[str, str]:
-    """Name -> YAML text of the spaces shipped in headsearch/search/spaces/."""
+    """Name -> YAML text of the built-in spaces (search_spaces/*.yaml)."""
     return {p.name[:-5]: p.read_text() for p in sorted(_builtin_dir().iterdir(), key=lambda p: p.name) if p.name.endswith(".yaml")}
 
 

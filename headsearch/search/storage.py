@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import os
 import re
 import threading
 import warnings
@@ -49,7 +50,7 @@ def normalize_url(url: str) -> str:
 
 
 _DRIVERS = {"postgresql": "pip install 'headsearch[postgres]' (psycopg2)", "mysql": "pip install pymysql",
-            "redis": "pip install redis"}
+            "redis": "pip install 'headsearch[redis]' (redis)"}
 
 
 def is_rdb(url: str) -> bool:
@@ -129,6 +130,8 @@ def open_storage(url: str, heartbeat: int | None = 30, max_retry: int = 2):
             path.parent.mkdir(parents=True, exist_ok=True)
             return JournalStorage(JournalFileBackend(str(path)))
         if url.startswith("redis://"):
+            import redis  # noqa: F401  (Optuna's backend and the budget lock need it; missing: one line, below)
+
             return JournalStorage(JournalRedisBackend(url))
         if not is_rdb(url):
             raise HeadsearchError(
@@ -193,24 +196,36 @@ def _schema_lock(url: str) -> Iterator[None]:
     engine.dispose()
 
 
+LOCK_SILENCE = 30  # seconds: a budget lock not renewed for this long belongs to a dead worker and is broken
+LOCK_RENEW = 5  # seconds between a live holder's renewals
+
+
 @contextlib.contextmanager
 def budget_lock(url: str, study_name: str) -> Iterator[None]:
     """Serialise "count the trials, then start one" across workers, so a budget of N is exact.
 
-    SQLite and journal files: an flock on a file beside them. PostgreSQL: an advisory lock.
-    MySQL: GET_LOCK. Other storages: no lock (workers may then overshoot by up to workers - 1).
+    - SQLite: an flock on a file beside the database (one machine: SQLite itself is not for NFS).
+    - Journal files: Optuna's JournalFileOpenLock on `FILE.budget.lock` (an O_EXCL create, which NFSv3+
+      honours, where flock is unreliable on many NFS setups).
+    - Redis journals: a Redis lock (`SET NX` with an expiry) on `headsearch:budget:STUDY` in the same
+      Redis.
+    - PostgreSQL: an advisory lock; MySQL: GET_LOCK (the database releases both when a worker dies).
+    A file or Redis lock is renewed every LOCK_RENEW seconds while held and broken after LOCK_SILENCE
+    seconds without renewal, so a killed worker stalls the others for at most that long.
     """
     key = zlib.crc32(f"headsearch:{study_name}".encode())
     url = normalize_url(url)
-    if url.startswith("sqlite:///") or journal_path(url) is not None:
-        target = Path(url[len("sqlite:///"):]) if url.startswith("sqlite:///") else journal_path(url)
-        lock_file = target.with_name(target.name + ".budget.lock")
-        with open(lock_file, "a") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
+    if url.startswith("sqlite:///"):
+        with _flock(Path(url[len("sqlite:///"):].split("?", 1)[0])):
+            yield
+        return
+    if (path := journal_path(url)) is not None:
+        with _journal_file_lock(path):
+            yield
+        return
+    if url.startswith("redis://") or url.startswith("rediss://"):
+        with _redis_lock(url, f"headsearch:budget:{study_name}"):
+            yield
         return
     scheme = url.split(":", 1)[0].split("+", 1)[0]
     if scheme in ("postgresql", "postgres", "mysql"):
@@ -229,7 +244,74 @@ def budget_lock(url: str, study_name: str) -> Iterator[None]:
                 conn.execute(sa.text(unlock), {"k": str(key) if scheme == "mysql" else key})
         engine.dispose()
         return
-    yield
+    yield  # an in-memory SQLite database: one process, nothing to share
+
+
+@contextlib.contextmanager
+def _flock(target: Path) -> Iterator[None]:
+    with open(target.with_name(target.name + ".budget.lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _journal_file_lock(journal: Path) -> Iterator[None]:
+    """Optuna's NFS-safe lock file beside a journal; the holder touches it to show it is alive (Optuna breaks
+    a lock file whose modification time stays unchanged for its grace period)."""
+    from optuna.storages.journal import JournalFileOpenLock
+
+    lock = JournalFileOpenLock(str(journal) + ".budget", grace_period=LOCK_SILENCE)
+    lock_file = Path(str(journal) + ".budget.lock")
+    lock.acquire()
+    try:
+        with _renewing(lambda: os.utime(lock_file)):
+            yield
+    finally:
+        lock.release()
+
+
+@contextlib.contextmanager
+def _redis_lock(url: str, name: str) -> Iterator[None]:
+    """A Redis lock in the journal's own Redis: it expires LOCK_SILENCE seconds after its last renewal."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    # thread_local=False: the renewing thread must see the token the acquiring thread got.
+    lock = client.lock(name, timeout=LOCK_SILENCE, sleep=0.01, thread_local=False)
+    lock.acquire(blocking=True)
+    try:
+        with _renewing(lock.reacquire):
+            yield
+    finally:
+        try:
+            lock.release()
+        except redis.exceptions.LockError:  # expired while held (a pause beyond LOCK_SILENCE): nothing to release
+            pass
+        client.close()
+
+
+@contextlib.contextmanager
+def _renewing(renew) -> Iterator[None]:
+    """Call `renew()` every LOCK_RENEW seconds, from a daemon thread, until the block ends."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(LOCK_RENEW):
+            try:
+                renew()
+            except Exception:  # a failed renewal is retried; the lock only lapses after LOCK_SILENCE
+                pass
+
+    thread = threading.Thread(target=loop, daemon=True, name="headsearch-budget-lock")
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=LOCK_RENEW + 1)
 
 
 class Heartbeat:

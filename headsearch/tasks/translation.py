@@ -32,6 +32,18 @@ def _split_size(name: str, value) -> int | float:
     raise ConfigError(f"data.{name} = {value!r} must be a whole number of pairs (>= 0) or a fraction in (0, 1)")
 
 
+def _revision(value) -> str | None:
+    """A hub revision: a branch, tag or commit, written as one word (YAML may read a tag like 2 as a number)."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str) or not value.strip() or any(c.isspace() for c in value.strip()):
+        raise ConfigError(f"data.revision = {value!r} must be a branch, tag or commit of opus_books on the hub"
+                          " (one word), or null for the default branch")
+    return value.strip()
+
+
 @dataclass(frozen=True)
 class TranslationData(DataOptions):
     """Data options of translation-en-es, checked on construction (before the corpus loads)."""
@@ -46,8 +58,13 @@ class TranslationData(DataOptions):
     # Padded lengths of batches (source and target share one). null: a few fixed lengths up to max_len on
     # CUDA (8, 12, 16, 24, 32, ...; see bucket_lengths); elsewhere each side of a batch to its longest sentence.
     buckets: tuple[int, ...] | None = None
+    # The opus_books revision to download (a branch, tag or commit of Helsinki-NLP/opus_books on the Hugging
+    # Face hub). null: the default branch. Either way the commit loaded is recorded in split.json ("data").
+    # Pin a commit to get the same corpus on every rerun. A --data-file run reads its file and ignores it.
+    revision: str | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "revision", _revision(self.revision))
         object.__setattr__(self, "val_size", _split_size("val_size", self.val_size))
         object.__setattr__(self, "test_size", _split_size("test_size", self.test_size))
         coerce_fields(self, ints=("train_limit", "max_len", "vocab_size", "min_frequency", "eval_batch_size"), optional=("train_limit",))
@@ -187,7 +204,7 @@ class BoundTranslation:
 
         self.cfg, self.device, opts = cfg, torch.device(device), cfg.data
         self.td = td
-        corpus = td.read_parallel_tsv(source.data_file) if source.data_file else td.load_opus_books("en-es")
+        corpus = td.read_parallel_tsv(source.data_file) if source.data_file else td.load_opus_books("en-es", opts.revision)
         split = td.split_indices(len(corpus.src), opts.val_size, opts.test_size, cfg.seed)
         train_idx = seeded_subset(split["train"], opts.train_limit, cfg.seed, "training pairs")
         self.max_len = max_len = opts.max_len

@@ -2,8 +2,8 @@
 
 Two sources of sentence pairs:
 
-* `load_opus_books` — opus_books en-es from the Hugging Face hub (`Helsinki-NLP/opus_books` at a pinned
-  or recorded commit), the corpus of the Deep Head repository (Cruz et al.). Needs the network.
+* `load_opus_books` — opus_books en-es from the Hugging Face hub (`Helsinki-NLP/opus_books` at the
+  revision `data.revision` pins, or the default branch; the commit loaded is recorded), the corpus of the Deep Head repository (Cruz et al.). Needs the network.
 * `read_parallel_tsv` — any local tab-separated parallel file, one pair per line. The copy used for
   tests and examples is the Tatoeba English–Spanish file `spa.txt` from manythings.org/anki
   (sentences from tatoeba.org), released under CC-BY 2.0 (France): credit tatoeba.org and
@@ -113,17 +113,6 @@ def _decode_line(raw: bytes, lineno: int, path: Path) -> str:
 
 
 OPUS_BOOKS_ID = "Helsinki-NLP/opus_books"  # the canonical id ("opus_books" is the legacy alias)
-# The commit of OPUS_BOOKS_ID to load. None: not pinned yet. It was written where no machine reaches the
-# hub, so no commit could be looked up; until someone who can pins it here (a 40-hex commit of the
-# dataset repository), the hub's default branch is resolved to its commit at load time and that commit
-# is recorded with every run (split.json: "data"). OPUS_BOOKS_REVISION_ENV overrides it for one run.
-OPUS_BOOKS_REVISION: str | None = None
-OPUS_BOOKS_REVISION_ENV = "HEADSEARCH_OPUS_BOOKS_REVISION"
-
-
-def opus_books_revision() -> str | None:
-    """The revision of opus_books to load: $HEADSEARCH_OPUS_BOOKS_REVISION, else `OPUS_BOOKS_REVISION`."""
-    return os.environ.get(OPUS_BOOKS_REVISION_ENV, "").strip() or OPUS_BOOKS_REVISION
 
 
 def resolve_hub_commit(dataset_id: str, revision: str | None) -> str | None:
@@ -138,12 +127,13 @@ def resolve_hub_commit(dataset_id: str, revision: str | None) -> str | None:
         return None
 
 
-def load_opus_books(pair: str = "en-es") -> ParallelCorpus:
+def load_opus_books(pair: str = "en-es", revision: str | None = None) -> ParallelCorpus:
     """opus_books (Tiedemann, OPUS) from the Hugging Face hub: the Deep Head repository's corpus. Needs the network.
 
-    Loaded by its canonical id at `opus_books_revision()`, resolved to a commit first (`resolve_hub_commit`) so
-    that the commit loaded is the one recorded: `ParallelCorpus.provenance` holds the id, the config, the
-    revision asked for (None: the default branch) and that commit (None when it could not be resolved)."""
+    Loaded by its canonical id at `revision` (a branch, tag or commit of the dataset repository; None: the
+    default branch; the translation task's `data.revision`), resolved to a commit first (`resolve_hub_commit`)
+    so that the commit loaded is the one recorded: `ParallelCorpus.provenance` holds the id, the config, the
+    revision asked for and that commit (None when it could not be resolved)."""
     langs = pair.split("-")
     if len(langs) != 2 or not all(langs):
         raise ConfigError(f"bad language pair {pair!r}: write it as source-target, e.g. 'en-es'")
@@ -152,7 +142,6 @@ def load_opus_books(pair: str = "en-es") -> ParallelCorpus:
         from datasets import load_dataset
     except ImportError:
         raise DataError("opus_books needs the 'datasets' package — pip install datasets, or pass --data-file") from None
-    revision = opus_books_revision()
     commit = resolve_hub_commit(OPUS_BOOKS_ID, revision)
     try:
         rows = load_dataset(OPUS_BOOKS_ID, pair, split="train", revision=commit or revision)["translation"]

@@ -1,0 +1,53 @@
+"""examples/slurm: the per-task command of the Slurm job array (task.sh), run twice at once on this machine as two
+nodes run it, against one PostgreSQL study. The budget is exact, each node trains in its own process, and no
+architecture is trained twice."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_search import _check_budget_filled_once
+
+SLURM = Path(__file__).resolve().parents[1] / "examples" / "slurm"
+
+
+def node_env(pg_url: str, study: str, cifar_dir: Path, tmp_path: Path) -> dict[str, str]:
+    """What search.sbatch exports, plus a CPU-sized search (HEADSEARCH_ARGS)."""
+    bin_dir = str(Path(sys.executable).parent)  # the headsearch console script of this environment
+    return {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), "OPTUNA_STORAGE": pg_url,
+            "HEADSEARCH_DATA": str(cifar_dir.parent), "HEADSEARCH_STUDY": study, "HEADSEARCH_TRIALS": "4",
+            "HEADSEARCH_RUN_ROOT": str(tmp_path / "runs"), "OMP_NUM_THREADS": "1", "COLUMNS": "200",
+            "HEADSEARCH_ARGS": "--preset tiny --epochs 1 --device cpu --pruner none --set arch.patch_size=8"
+                               " --set data.train_limit=256 --set data.val_size=64 --set data.test_limit=64"}
+
+
+def test_the_sbatch_script_runs_the_task_script_for_every_array_task():
+    sbatch = (SLURM / "search.sbatch").read_text()
+    assert "#SBATCH --array=" in sbatch and "srun bash examples/slurm/task.sh" in sbatch
+    checked = subprocess.run(["bash", "-n", str(SLURM / "search.sbatch")], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr
+
+
+@pytest.mark.slow
+def test_two_nodes_running_the_array_task_fill_the_budget_exactly(pg_url, pg_study, cifar_dir, tmp_path):
+    env = node_env(pg_url, pg_study, cifar_dir, tmp_path)
+    nodes = [subprocess.Popen(["bash", str(SLURM / "task.sh")], cwd=tmp_path, env={**env, "SLURM_ARRAY_TASK_ID": str(i)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    for node, (out, err) in zip(nodes, outputs):
+        assert node.returncode == 0, err[-3000:]
+        assert f"study {pg_study}: " in out  # each node prints the study's summary
+    study = _check_budget_filled_once(pg_url, pg_study, 4)
+    # Each node trained in its own process (task.sh execs headsearch: the node's pid is the trainer's).
+    pids = {int(t.user_attrs["worker"].rsplit(":", 1)[1]) for t in study.trials}
+    assert pids <= {node.pid for node in nodes}
+    architectures = [tuple(sorted(t.params.items())) for t in study.trials]
+    assert len(set(architectures)) == 4, architectures
+
+
+def test_the_task_script_names_what_is_missing(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("OPTUNA_STORAGE", "HEADSEARCH_DATA")}
+    proc = subprocess.run(["bash", str(SLURM / "task.sh")], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert proc.returncode != 0 and "set OPTUNA_STORAGE to a PostgreSQL URL" in proc.stderr
