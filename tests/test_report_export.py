@@ -1,18 +1,22 @@
 """`headsearch report`, `export` and `dashboard` on a real small search, and on hand-made studies.
 
 The real study: a ViT search on a slice of CIFAR-10 (7 trials of 3 short epochs, CPU), built once
-per module through the library. Its first trials are enqueued so that it always holds complete
-trials, an invalid architecture (rejected) and a repeated configuration (a duplicate); the rest are
-sampled. Hand-made studies (no training) cover states and edge cases a small search may not reach.
+per module by `headsearch run`, as a user builds one. Its first trials are enqueued so that it always
+holds complete trials, an invalid architecture (rejected) and a repeated configuration (a duplicate);
+the rest are sampled. Hand-made studies (no training) cover states and edge cases a small search may
+not reach.
 """
 import json
 import math
+import shutil
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
 import warnings
+from collections import Counter
+from html.parser import HTMLParser
 from pathlib import Path
 
 import optuna
@@ -43,6 +47,11 @@ ENQUEUED = [
     {"d_model": 24, "schedule": "uniform", "heads": 16, "skip": "none", "fusion": "none"},  # 16 does not divide 24
     {"d_model": 32, "schedule": "uniform", "heads": 8, "skip": "none", "fusion": "none"},  # = trial 0
 ]
+# The first two as the files `headsearch run --enqueue` reads (architecture fields, as in examples/).
+ENQUEUED_FILES = [
+    {"d_model": 32, "enc_heads": [8, 8], "skip": "none", "fusion": "none"},
+    {"d_model": 32, "enc_heads": [8, 4], "skip": "scores", "fusion": "none"},
+]
 
 
 # ------------------------------------------------------------------------------ the real study
@@ -50,21 +59,35 @@ ENQUEUED = [
 
 @pytest.fixture(scope="module")
 def real(tmp_path_factory, cifar_dir):
-    """A finished ViT search (accuracy, time objectives): its storage URL, study and folder."""
-    from headsearch.search.runner import Search, SearchSettings
+    """A finished ViT search (accuracy, time objectives) made by `headsearch run`: its storage URL, study and folder.
 
+    `run --enqueue` puts first only architectures the space holds, each once (by design), so the invalid
+    architecture and the repeat cannot go through it: the study is built as a user resumes one. A first
+    `run --trials 2 --enqueue A --enqueue B` creates the study and trains A and B; the repeat and the
+    invalid one are then queued with Optuna's `enqueue_trial` (what any Optuna client of the storage can
+    do); the same command with `--trials 7` resumes the search and runs them, then samples the rest."""
+    from conftest import Cli, write_yaml
+
+    cli = Cli()
     root = tmp_path_factory.mktemp("search")
     (root / "space.yaml").write_text(yaml.safe_dump(SPACE))
     url = f"sqlite:///{root / 'search.db'}"
-    settings = SearchSettings(task="vit-cifar10", space=str(root / "space.yaml"), trials=7, sampler="random",
-                              pruner="median", pruner_startup_trials=2, storage=url, study="vit-test", seed=0,
-                              data_dir=str(cifar_dir), run_root=str(root / "runs"), device="cpu", heartbeat=0)
-    search = Search(settings)
-    study = search.open()
-    for params in ENQUEUED:
-        study.enqueue_trial(params)
-    search.run_worker()
+    first = [write_yaml(root / f"enqueue-{i}.yaml", arch) for i, arch in enumerate(ENQUEUED_FILES)]
+    command = ["run", "--task", "vit-cifar10", "--space", root / "space.yaml", "--sampler", "random",
+               "--pruner", "median", "--pruner-startup", 2, "--storage", url, "--study", "vit-test", "--seed", 0,
+               "--data-dir", cifar_dir, "--run-root", root / "runs", "--device", "cpu", "--heartbeat", 0,
+               *[arg for path in first for arg in ("--enqueue", path)]]
+    result = cli([*command, "--trials", len(first)])
+    assert result.exit_code == 0, result.output
     study = optuna.load_study(study_name="vit-test", storage=url)
+    assert [t.params for t in study.trials] == ENQUEUED[: len(first)]
+    assert all(t.state == TrialState.COMPLETE for t in study.trials)
+    for params in ENQUEUED[len(first):]:
+        study.enqueue_trial(params)
+    result = cli([*command, "--trials", 7])
+    assert result.exit_code == 0, result.output
+    study = optuna.load_study(study_name="vit-test", storage=url)
+    assert [t.params for t in study.trials[: len(ENQUEUED)]] == ENQUEUED
     # trial 3 repeats trial 0: told FAIL as a duplicate, not trained and not counted toward the 7
     assert len([t for t in study.trials if "duplicate_of" not in t.user_attrs]) == 7
     return {"url": url, "study": study, "root": root, "data": cifar_dir}
@@ -293,6 +316,18 @@ def _get_json(url: str):
         return json.loads(r.read().decode())
 
 
+def _studies_once_up(proc: subprocess.Popen, base: str, timeout: float = 30.0):
+    """The dashboard's /api/studies once the server at `base` answers (it fails the test if `proc` ends first)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return _get_json(f"{base}/api/studies")
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"dashboard did not answer: {proc.communicate(timeout=5)}")
+            time.sleep(0.3)
+
+
 @pytest.mark.floor
 @pytest.mark.slow
 def test_dashboard_serves_the_study(real, optuna_dashboard, cli, tmp_path):
@@ -303,15 +338,7 @@ def test_dashboard_serves_the_study(real, optuna_dashboard, cli, tmp_path):
                              "--study", "vit-test"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                studies = _get_json(f"{base}/api/studies")
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError(f"dashboard did not answer: {proc.communicate(timeout=5)}")
-                time.sleep(0.3)
+        studies = _studies_once_up(proc, base)
         (summary,) = [s for s in studies["study_summaries"] if s["study_name"] == "vit-test"]
         detail = _get_json(f"{base}/api/studies/{summary['study_id']}")
         assert detail["objective_names"] == ["accuracy", "time"]
@@ -332,6 +359,186 @@ def test_dashboard_serves_the_study(real, optuna_dashboard, cli, tmp_path):
         proc.terminate()
         out, _ = proc.communicate(timeout=10)
     assert f"{base}/dashboard/studies/{summary['study_id']}" in out
+
+
+# ------------------------------------------------------------------------------ the page in a browser
+
+
+class _Element:
+    """An element of a rendered page: its tag, attributes and children (elements and text, in order)."""
+
+    def __init__(self, tag: str, attrs: dict):
+        self.tag, self.attrs, self.children = tag, attrs, []
+
+    @property
+    def classes(self) -> set[str]:
+        return set((self.attrs.get("class") or "").split())
+
+    def find(self, cls: str) -> list["_Element"]:
+        """The descendants with class `cls`, in document order."""
+        found = []
+        for c in self.children:
+            if isinstance(c, _Element):
+                if cls in c.classes:
+                    found.append(c)
+                found += c.find(cls)
+        return found
+
+    def texts(self) -> list[str]:
+        """The non-blank texts inside, stripped, in document order (scripts and styles left out)."""
+        out = []
+        for c in self.children:
+            if isinstance(c, _Element):
+                out += c.texts()
+            elif c.strip():
+                out.append(c.strip())
+        return out
+
+
+class _Page(HTMLParser):
+    """The DOM Chromium dumps (`--dump-dom`), as a tree of _Element, and its elements by id."""
+
+    VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}
+
+    def __init__(self, html: str):
+        super().__init__(convert_charrefs=True)
+        self.root = _Element("#document", {})
+        self.by_id: dict[str, _Element] = {}
+        self._open = [self.root]
+        self.feed(html)
+        self.close()
+
+    def handle_starttag(self, tag, attrs):
+        el = _Element(tag, {k: v or "" for k, v in attrs})
+        self._open[-1].children.append(el)
+        if el.attrs.get("id"):
+            self.by_id.setdefault(el.attrs["id"], el)
+        if tag not in self.VOID:
+            self._open.append(el)
+
+    def handle_startendtag(self, tag, attrs):
+        self.handle_starttag(tag, attrs)
+        if tag not in self.VOID:
+            self._open.pop()
+
+    def handle_endtag(self, tag):
+        for i in range(len(self._open) - 1, 0, -1):
+            if self._open[i].tag == tag:
+                del self._open[i:]
+                break
+
+    def handle_data(self, data):
+        if self._open[-1].tag not in ("script", "style"):
+            self._open[-1].children.append(data)
+
+
+def _chromium() -> str:
+    """Debian's Chromium (`apt-get install chromium`; `.ci/run` installs it when it is missing)."""
+    path = shutil.which("chromium") or "/usr/bin/chromium"
+    if not Path(path).is_file():
+        from conftest import unavailable
+
+        unavailable("Chromium is not installed (apt-get install chromium), so the dashboard page cannot be rendered")
+    return path
+
+
+def _render(chromium: str, page: str, screenshot: Path, processes, size=(1400, 2900)) -> str:
+    """`page` as headless Chromium renders it: the DOM after its scripts ran, and a screenshot of the window.
+    Virtual time stands still while a request is pending, so the 20 s budget is 20 s of the page's own
+    timers once the dashboard has answered (about 3 s of wall time here)."""
+    from conftest import kill_group
+
+    cmd = [chromium, "--headless=new", "--no-sandbox", "--disable-gpu",  # root runs Chromium: no sandbox
+           f"--user-data-dir={screenshot.parent / 'chromium-profile'}", "--no-first-run", "--disable-extensions",
+           "--disable-background-networking", "--hide-scrollbars", f"--window-size={size[0]},{size[1]}",
+           "--virtual-time-budget=20000", f"--screenshot={screenshot}", "--dump-dom", page]
+    browser = processes.start(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        dom, log = browser.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        kill_group(browser.pid)
+        dom, log = browser.communicate()
+        pytest.fail(f"Chromium did not finish rendering {page} in 120 s: {log[-3000:]}")
+    assert browser.returncode == 0 and dom.strip(), (browser.returncode, log[-3000:])
+    return dom
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", data[:16]
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+@pytest.mark.slow
+def test_dashboard_page_draws_the_study_in_a_browser(real, optuna_dashboard, cli, processes, tmp_path):
+    """The study `headsearch run` made and `report --plots` drew, on optuna-dashboard's study page as headless
+    Chromium renders it from what the dashboard serves (the DOM after its scripts ran): the objectives'
+    names, and headsearch's figures drawn by plotly.js (SVG) under the dashboard's own charts, the
+    study's top page being where optuna-dashboard draws the figures saved with save_plotly_graph_object
+    (a div `user-defined-plot:<id>` each): the Pareto front with one point per complete trial, and the
+    multi-objective learning curves with one curve per trained trial, of as many points as it ran epochs."""
+    from optuna_dashboard._custom_plot_data import get_plotly_graph_objects
+
+    chromium = _chromium()
+    url, study = real["url"], real["study"]
+    result = cli(["report", "--storage", url, "--study", "vit-test", "--plots", tmp_path / "plots"])
+    assert result.exit_code == 0, result.output
+    saved = set(get_plotly_graph_objects(_system_attrs(url, "vit-test")))
+    port = _free_port()
+    with open(tmp_path / "dashboard.log", "w") as log:
+        server = processes.start([sys.executable, "-m", "headsearch", "dashboard", "--storage", url, "--port", str(port),
+                                  "--study", "vit-test"], stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    (summary,) = [s for s in _studies_once_up(server, base)["study_summaries"] if s["study_name"] == "vit-test"]
+    shot = tmp_path / "dashboard.png"
+    dom = _render(chromium, f"{base}/dashboard/studies/{summary['study_id']}", shot, processes)
+    processes.stop(server, grace=10)
+    (tmp_path / "dashboard.html").write_text(dom)  # beside the screenshot, to look at when this fails
+    page = _Page(dom)
+
+    # Every figure `report --plots` saved is drawn: an SVG plot in its div.
+    drawn = {k.removeprefix("user-defined-plot:"): el for k, el in page.by_id.items() if k.startswith("user-defined-plot:")}
+    assert set(drawn) == saved and {"headsearch-pareto-front", "headsearch-learning-curves"} <= saved, (set(drawn), saved)
+    for el in drawn.values():
+        assert el.find("main-svg") and el.find("gtitle"), el.texts()
+
+    # The dashboard's own page around them: the study's name, its objectives' names (the metric names `run` set)
+    # and the PNGs `report --plots` uploaded, listed as the study's artifacts.
+    own = Counter(page.root.texts()) - Counter(t for el in drawn.values() for t in el.texts())
+    assert any("vit-test" in t for t in own) and {"accuracy", "time"} <= set(own), sorted(own)[:80]
+    assert {p.name for p in (tmp_path / "plots").glob("*.png")} <= set(own), sorted(own)[:80]
+
+    # The Pareto front: its title and axes, one point per complete trial, the front's points in one trace.
+    front = drawn["headsearch-pareto-front"]
+    assert front.find("gtitle")[0].texts() == ["vit-test: Pareto front on accuracy, time"]
+    assert front.find("xtitle")[0].texts() == [axis_label("accuracy", "maximize")]
+    assert front.find("ytitle")[0].texts() == [axis_label("time", "minimize")]
+    complete = [t for t in study.trials if t.state == TrialState.COMPLETE]
+    points = [len(tr.find("point")) for tr in front.find("scatterlayer")[0].find("trace")]
+    assert sum(points) == len(complete) and len(summarize(url, "vit-test").front) in points, points
+
+    # The learning curves: one drawn curve per trained trial (duplicates left out), in trial order, a point per
+    # epoch it ran, a line through them, dashed when pruned; each named in the legend.
+    curves = drawn["headsearch-learning-curves"]
+    assert curves.find("gtitle")[0].texts()[0] == "vit-test: learning curves"
+    assert curves.find("xtitle")[0].texts() == ["epoch"]
+    trained = [t for t in study.trials if t.intermediate_values and "duplicate_of" not in t.user_attrs]
+    assert {t.state for t in trained} <= {TrialState.COMPLETE, TrialState.PRUNED}
+    lines = [tr for tr in curves.find("scatterlayer")[0].find("trace") if tr.find("js-line")]
+    assert [len(tr.find("point")) for tr in lines] == [len(t.intermediate_values) for t in trained]
+    for tr, t in zip(lines, trained):
+        (line,) = tr.find("js-line")
+        assert line.attrs["d"].count("L") == len(t.intermediate_values) - 1, line.attrs["d"]
+        assert ("stroke-dasharray" in line.attrs.get("style", "")) == (t.state == TrialState.PRUNED), (t.number, line.attrs)
+    legend = [" ".join(e.texts()) for e in curves.find("legendtext")]
+    assert [int(name.split(":")[0]) for name in legend] == [t.number for t in trained], legend
+
+    # The screenshot: a PNG of the whole window, with something drawn in it.
+    assert _png_size(shot) == (1400, 2900) and shot.stat().st_size > 50_000
+    from PIL import Image
+
+    with Image.open(shot) as img:
+        assert len(img.convert("RGB").getcolors(maxcolors=img.width * img.height)) > 100
 
 
 # ------------------------------------------------------------------------------ bad input
