@@ -1,5 +1,5 @@
 """headsearch from Python: train one architecture, search a space, read the report and the trials, load
-the best model. The same runs as the CLI's commands (README: "From Python").
+the best model. The same runs as the CLI's commands (docs/python-and-trackers.md: "From Python").
 
     python examples/api.py --data-dir ../shared/data/cifar10 --work api-demo           # a few minutes on a CPU
     python examples/api.py --data-dir ../shared/data/cifar10 --work api-demo --quick   # seconds: tiny slices

@@ -1,7 +1,7 @@
 """Property-based (hypothesis) tests of the CLI's bad-input promise.
 
-The promise (README, "What bad input gets"): bad input to any `headsearch` command ends with exit code 2, one line
-on stderr that starts with "error: ", no Python traceback, and nothing created on disk: no run
+The promise (docs/reference.md, "What bad input gets"): bad input to any `headsearch` command ends with exit code 2,
+one line on stderr that starts with "error: ", no Python traceback, and nothing created on disk: no run
 directory, no study database, no output file or folder.
 
 Every example here runs the CLI in-process (Typer's CliRunner, as `tests/conftest.py` does) inside a
@@ -802,7 +802,8 @@ def memory_cap(extra_gib: float = 6.0):
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
-# Sizes whose training memory is hundreds of GiB to petabytes: the README's size guard refuses them.
+# Sizes whose training memory is hundreds of GiB to petabytes: the size guard refuses them
+# (docs/reference.md, "What bad input gets").
 ABSURD = {
     VIT: [("arch", "d_model", 2**20), ("arch", "d_ff", 10**9), ("arch", "enc_layers", 10**6),
           ("arch", "enc_heads", [2**16] * 4), ("train", "batch_size", 10**8)],

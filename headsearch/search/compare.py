@@ -209,7 +209,7 @@ def run_metrics(trial, objectives) -> dict[str, float]:
 
 
 def comparison(study, grid: ConfigGrid, task, objectives) -> dict[str, Any]:
-    """The comparison as the JSON schema of README's `headsearch compare` section:
+    """The comparison as the JSON schema of docs/comparing.md's `headsearch compare` section:
     {"configs": [{name, config, runs: [{seed, metrics, run_dir, trial, curve}], mean, std}], "differences": [{a, b,
     metric, mean_diff, ci95, p_value, n, distinguishable}], "best": {...}, "seeds", "missing"}; `curve`: epoch -> the validation
     primary metric (the trial's intermediate values)."""

@@ -18,6 +18,7 @@ table (`headsearch.search.objectives.axis_label`).
 from __future__ import annotations
 
 import re
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,7 +113,7 @@ def plotly_figures(study, report: StudyReport, curves=None) -> dict[str, Any]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # experimental-feature and few-trials warnings of Optuna's plots
         if len(objectives) >= 2:
-            names = [axis_label(o.name, o.direction) for o in objectives]
+            names = [_wrapped(axis_label(o.name, o.direction), "<br>") for o in objectives]
             if len(objectives) <= 3:
                 fig = ov.plot_pareto_front(study, target_names=names)
             else:  # Optuna draws up to 3 axes: the first two, the front still on all objectives
@@ -151,6 +152,14 @@ def _complete_points(study, report: StudyReport) -> list[dict[str, Any]]:
         pts.append({"number": t.number, "values": list(t.values), "arch": t.user_attrs.get("arch", ""),
                     "front": t.number in front, "label": str(t.number) + "".join(f"={d}" for d in dups)})
     return pts
+
+
+LABEL_WIDTH = 45  # characters of an axis label per line: the time axis's label is longer than a figure is tall
+
+
+def _wrapped(label: str, newline: str = "\n") -> str:
+    """An axis label broken into lines that fit beside a figure (matplotlib: "\n"; plotly: "<br>")."""
+    return newline.join(textwrap.wrap(label, LABEL_WIDTH)) or label
 
 
 def _figure(size=(7.5, 5.0)):
@@ -196,8 +205,8 @@ def _pareto(study, report: StudyReport, prefix: Path) -> Path:
     for p in pts:
         ax.annotate(p["label"], (p["values"][0], p["values"][1]), textcoords="offset points", xytext=(4, 4),
                     fontsize=8, color="black" if p["front"] else "dimgrey")
-    ax.set_xlabel(axis_label(ox.name, ox.direction))
-    ax.set_ylabel(axis_label(oy.name, oy.direction))
+    ax.set_xlabel(_wrapped(axis_label(ox.name, ox.direction)))
+    ax.set_ylabel(_wrapped(axis_label(oy.name, oy.direction)))
     ax.set_title(title, fontsize=10)
     if pts:
         ax.legend(loc="best", fontsize=8)
@@ -219,7 +228,7 @@ def _history(study, report: StudyReport, prefix: Path) -> Path:
     if not pts:
         ax.text(0.5, 0.5, "no complete trials yet", ha="center", va="center", transform=ax.transAxes)
     ax.set_xlabel("trial number")
-    ax.set_ylabel(axis_label(o.name, o.direction))
+    ax.set_ylabel(_wrapped(axis_label(o.name, o.direction)))
     ax.set_title(title, fontsize=10)
     return _save_png(fig, prefix.with_name(prefix.name + "-objective.png"))
 
