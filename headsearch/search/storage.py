@@ -18,6 +18,7 @@ import json
 import os
 import re
 import threading
+import time
 import warnings
 import zlib
 from pathlib import Path
@@ -205,8 +206,8 @@ def budget_lock(url: str, study_name: str) -> Iterator[None]:
     """Serialise "count the trials, then start one" across workers, so a budget of N is exact.
 
     - SQLite: an flock on a file beside the database (one machine: SQLite itself is not for NFS).
-    - Journal files: Optuna's JournalFileOpenLock on `FILE.budget.lock` (an O_EXCL create, which NFSv3+
-      honours, where flock is unreliable on many NFS setups).
+    - Journal files: a lock file `FILE.budget.lock` created with O_EXCL (Optuna's JournalFileOpenLock
+      mechanism, which NFSv3+ honours, where flock is unreliable on many NFS setups).
     - Redis journals: a Redis lock (`SET NX` with an expiry) on `headsearch:budget:STUDY` in the same
       Redis.
     - PostgreSQL: an advisory lock; MySQL: GET_LOCK (the database releases both when a worker dies).
@@ -259,18 +260,34 @@ def _flock(target: Path) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _journal_file_lock(journal: Path) -> Iterator[None]:
-    """Optuna's NFS-safe lock file beside a journal; the holder touches it to show it is alive (Optuna breaks
-    a lock file whose modification time stays unchanged for its grace period)."""
-    from optuna.storages.journal import JournalFileOpenLock
-
-    lock = JournalFileOpenLock(str(journal) + ".budget", grace_period=LOCK_SILENCE)
+    """A lock file beside a journal, taken by creating it with O_EXCL and released by removing it: the
+    mechanism of Optuna's JournalFileOpenLock, which NFSv3 and later honour. Written out here because Optuna
+    4.0's class cannot break the lock of a dead holder: the holder touches the file every LOCK_RENEW seconds,
+    and a waiter removes one whose modification time has not changed for LOCK_SILENCE seconds."""
     lock_file = Path(str(journal) + ".budget.lock")
-    lock.acquire()
+    seen, since = None, time.monotonic()
+    while True:
+        try:
+            os.close(os.open(lock_file, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            break
+        except FileExistsError:
+            try:
+                mtime = lock_file.stat().st_mtime_ns
+            except FileNotFoundError:  # released between the two calls
+                continue
+            if mtime != seen:
+                seen, since = mtime, time.monotonic()
+            elif time.monotonic() - since > LOCK_SILENCE:
+                with contextlib.suppress(FileNotFoundError):
+                    lock_file.unlink()
+                continue
+            time.sleep(0.005)
     try:
         with _renewing(lambda: os.utime(lock_file)):
             yield
     finally:
-        lock.release()
+        with contextlib.suppress(FileNotFoundError):
+            lock_file.unlink()
 
 
 @contextlib.contextmanager
