@@ -584,9 +584,9 @@ def _data_fields(task: str) -> dict[str, st.SearchStrategy]:
 
 
 def revision_bad() -> st.SearchStrategy:
-    """TranslationData.revision: valid are null, a number (YAML's reading of a tag like 2) and one word."""
+    """TranslationData.revision: valid are null and one word (a number is refused: YAML may have changed it)."""
     spaced = st.tuples(_WORD, st.sampled_from([" ", "\t", "\n"]), _WORD).map("".join)
-    return st.one_of(st.sampled_from(["", " ", "\t"]), spaced, BOOLS, LISTS, MAPS)
+    return st.one_of(st.sampled_from(["", " ", "\t"]), spaced, st.integers(), st.floats(), BOOLS, LISTS, MAPS)
 
 
 def buckets_bad() -> st.SearchStrategy:
@@ -742,7 +742,7 @@ def edge_values(task: str, section: str, name: str) -> list:
             ("data", "eval_batch_size"): int_edges(1),
             ("data", "buckets"): [[], [16, 8], [8, 8], [8, 17], [1, 8], [0], [8, 1.5], [8, NAN], [8, INF], [True], ["x"],
                                   [None], 8, "8,16", True, {"a": 8}],
-            ("data", "revision"): ["", " ", "two words", "v1\tv2", True, False, ["main"], {"a": 1}],
+            ("data", "revision"): ["", " ", "two words", "v1\tv2", 2, 1.1, NAN, True, False, ["main"], {"a": 1}],
         })
     assert (section, name) in table, f"test bug: no edge values for {section}.{name} (a new field?)"
     return table[(section, name)]

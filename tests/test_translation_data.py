@@ -156,10 +156,15 @@ def test_data_revision_is_a_config_field(tmp_path, cli):
     assert cfg.data.revision == "refs/convert/parquet"
     assert resolve_config(task, config=cfg.to_dict()).data.revision == "refs/convert/parquet"  # round-trips (config.yaml)
     assert resolve_config(task, preset="tiny").data.revision is None
-    assert resolve_config(task, overrides={"data": {"revision": 2}}).data.revision == "2"  # YAML read a tag as a number
+    assert resolve_config(task, overrides={"data": {"revision": "2"}}).data.revision == "2"
     for bad in ("two words", "", True):
-        with pytest.raises(ConfigError, match="data.revision"):
+        with pytest.raises(ConfigError, match="must be a branch, tag or commit"):
             resolve_config(task, overrides={"data": {"revision": bad}})
+    assert parse_sets(["data.revision=1.10"])["data"]["revision"] == 1.1  # YAML's reading of a tag: refused, not guessed
+    assert parse_sets(["data.revision='1.10'"])["data"]["revision"] == "1.10"  # quoted, as the refusal says
+    for number in (2, 1.1):
+        with pytest.raises(ConfigError, match="was read as a number: quote it"):
+            resolve_config(task, overrides={"data": {"revision": number}})
 
     line = cli.error_line(cli(["train", "--task", "translation-en-es", "--set", "data.revision=a b", "--out",
                                str(tmp_path / "bad")]), "data.revision")

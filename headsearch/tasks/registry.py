@@ -145,7 +145,8 @@ def apply_overrides(task: Task, cfg: RunConfig, overrides: Mapping[str, Any]) ->
 
 
 def parse_sets(items: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """`--set SECTION.KEY=VALUE` items (values read as YAML: 0, 1e-3, [flip], null) as config overrides."""
+    """`--set SECTION.KEY=VALUE` items (values read as YAML: 0, 1e-3, [flip], null; quoted: a string) as config
+    overrides."""
     import yaml
 
     out: dict[str, dict[str, Any]] = {}
@@ -158,7 +159,8 @@ def parse_sets(items: Sequence[str]) -> dict[str, dict[str, Any]]:
             parsed = yaml.safe_load(value)
         except yaml.YAMLError:
             raise ConfigError(f"--set {item}: {value!r} is not a value (numbers, true/false, null, [lists])") from None
-        out.setdefault(section, {})[name] = _number(parsed)
+        quoted = value.strip()[:1] in ("'", '"')  # a quoted value stays a string: --set "data.revision='1.10'"
+        out.setdefault(section, {})[name] = parsed if quoted else _number(parsed)
     return out
 
 

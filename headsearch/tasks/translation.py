@@ -33,11 +33,13 @@ def _split_size(name: str, value) -> int | float:
 
 
 def _revision(value) -> str | None:
-    """A hub revision: a branch, tag or commit, written as one word (YAML may read a tag like 2 as a number)."""
+    """A hub revision: a branch, tag or commit, one word. YAML reads 2 or 1.10 as a number (1.10 becomes 1.1),
+    so a number is refused with the way to quote it rather than turned back into a string that may differ."""
     if value is None:
         return None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        value = str(value)
+        raise ConfigError(f"data.revision = {value!r} was read as a number: quote it, e.g. --set \"data.revision='v2'\""
+                          " or revision: 'v2' in YAML")
     if not isinstance(value, str) or not value.strip() or any(c.isspace() for c in value.strip()):
         raise ConfigError(f"data.revision = {value!r} must be a branch, tag or commit of opus_books on the hub"
                           " (one word), or null for the default branch")

@@ -3,7 +3,8 @@
 Two sources of sentence pairs:
 
 * `load_opus_books` — opus_books en-es from the Hugging Face hub (`Helsinki-NLP/opus_books` at the
-  revision `data.revision` pins, or the default branch; the commit loaded is recorded), the corpus of the Deep Head repository (Cruz et al.). Needs the network.
+  revision `data.revision` pins, or the default branch; the commit loaded is recorded), the corpus of the
+  Deep Head repository (Cruz et al.). Needs the network.
 * `read_parallel_tsv` — any local tab-separated parallel file, one pair per line. The copy used for
   tests and examples is the Tatoeba English–Spanish file `spa.txt` from manythings.org/anki
   (sentences from tatoeba.org), released under CC-BY 2.0 (France): credit tatoeba.org and
