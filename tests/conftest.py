@@ -247,6 +247,39 @@ def pg_study(pg_study_names) -> str:
     return pg_study_names()
 
 
+MYSQL_URL = os.environ.get("HEADSEARCH_TEST_MYSQL", "mysql://root@127.0.0.1:3306/test")
+
+
+@pytest.fixture(scope="session")
+def mysql_url() -> str:
+    """A reachable MySQL or MariaDB ($HEADSEARCH_TEST_MYSQL) through PyMySQL."""
+    import importlib.util
+
+    if importlib.util.find_spec("pymysql") is None:
+        unavailable("PyMySQL is not installed (pip install -e '.[dev]')")
+    import sqlalchemy as sa
+
+    from headsearch.search.storage import normalize_url
+
+    try:
+        engine = sa.create_engine(normalize_url(MYSQL_URL), poolclass=sa.pool.NullPool, connect_args={"connect_timeout": 3})
+        with engine.connect() as conn:
+            conn.execute(sa.text("select 1"))
+    except Exception as e:
+        unavailable(f"MySQL not reachable at {MYSQL_URL} (set HEADSEARCH_TEST_MYSQL): {str(e).splitlines()[0]}")
+    return MYSQL_URL
+
+
+@pytest.fixture
+def mysql_study(mysql_url) -> str:
+    """A study name unique to this test in the MySQL database; the study is deleted at the end."""
+    name = f"headsearch-test-{uuid.uuid4().hex[:12]}"
+    yield name
+    from headsearch.search.storage import open_storage
+
+    delete_study_if_present(name, open_storage(mysql_url, heartbeat=None))
+
+
 REDIS_URL = os.environ.get("HEADSEARCH_TEST_REDIS", "redis://127.0.0.1:6379/15")
 
 

@@ -673,9 +673,14 @@ def _check_budget_filled_once(url: str, study_name: str, n: int) -> optuna.Study
 
 
 def shared_storage(kind: str, request, tmp_path: Path) -> tuple[str, str]:
-    """(storage URL, study name) of a storage several workers share: PostgreSQL, a journal file or a Redis journal."""
+    """(storage URL, study name) of a storage several workers share: SQLite, PostgreSQL, MySQL (MariaDB here), a
+    journal file or a Redis journal."""
+    if kind == "sqlite":
+        return sqlite_url(tmp_path / "h.db"), "s"
     if kind == "postgresql":
         return request.getfixturevalue("pg_url"), request.getfixturevalue("pg_study")
+    if kind == "mysql":
+        return request.getfixturevalue("mysql_url"), request.getfixturevalue("mysql_study")
     if kind == "redis":
         return request.getfixturevalue("redis_url"), request.getfixturevalue("redis_study")
     return f"journal:{tmp_path / 'h.log'}", "s"
@@ -683,11 +688,11 @@ def shared_storage(kind: str, request, tmp_path: Path) -> tuple[str, str]:
 
 @pytest.mark.floor
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["postgresql", "journal", "redis"])
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql", "mysql", "journal", "redis"])
 def test_workers_option_runs_exactly_the_budget_on_each_shared_storage(kind, request, tmp_path, spa_file, tokenizer_cache,
                                                                         write_space):
-    """SQLite: test_trials_per_gpu_on_the_cpu_runs_k_workers_and_exactly_the_budget. Each storage has its own budget
-    lock (search/storage.py): an advisory lock, an NFS-safe lock file, a Redis lock."""
+    """`--workers 2` on every storage headsearch accepts, each with its own budget lock (search/storage.py): an
+    flock, an advisory lock, GET_LOCK, an NFS-safe lock file, a Redis lock."""
     url, study_name = shared_storage(kind, request, tmp_path)
     space = write_space(tmp_path / "space.yaml")
     proc = subprocess.Popen(run_cmd(space, url, study_name, 4, spa_file, tmp_path / "runs", "--workers", 2),
@@ -714,7 +719,7 @@ def test_plain_postgresql_url_opens_with_the_postgres_extra(pg_url):
 
 @pytest.mark.floor
 @pytest.mark.parametrize("url, drivers, hint", [
-    ("mysql://u@127.0.0.1:3306/x", ["MySQLdb"], "the mysql driver is not installed: pip install pymysql"),
+    ("mysql://u@127.0.0.1:3306/x", ["MySQLdb", "pymysql"], "the mysql driver is not installed: pip install pymysql"),
     ("postgresql://u@127.0.0.1:5432/x", ["psycopg", "psycopg2"],
      "the postgresql driver is not installed: pip install 'headsearch[postgres]' (psycopg2)"),
     ("redis://127.0.0.1:6379", ["redis"], "the redis driver is not installed: pip install 'headsearch[redis]' (redis)"),

@@ -39,14 +39,18 @@ def absolute_url(url: str) -> str:
 
 
 def normalize_url(url: str) -> str:
-    """`postgresql://` means psycopg (v3) to SQLAlchemy 2.1; use psycopg2 when that is what is installed."""
+    """`postgresql://` means psycopg (v3) to SQLAlchemy 2.1, `mysql://` means mysqlclient (MySQLdb): use
+    psycopg2 or PyMySQL instead when that is what is installed."""
+    import importlib.util
+
     scheme, sep, rest = url.partition("://")
     if scheme in ("postgresql", "postgres") and sep:
-        import importlib.util
-
         if importlib.util.find_spec("psycopg") is None and importlib.util.find_spec("psycopg2") is not None:
             return f"postgresql+psycopg2://{rest}"
         return f"postgresql://{rest}"
+    if scheme == "mysql" and sep:
+        if importlib.util.find_spec("MySQLdb") is None and importlib.util.find_spec("pymysql") is not None:
+            return f"mysql+pymysql://{rest}"
     return url
 
 
@@ -235,7 +239,9 @@ def budget_lock(url: str, study_name: str) -> Iterator[None]:
         engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
         with engine.connect() as conn:
             if scheme == "mysql":
-                conn.execute(sa.text("SELECT GET_LOCK(:k, 600)"), {"k": str(key)})
+                # GET_LOCK returns 0 when its wait times out: ask again rather than go on without the lock.
+                while conn.execute(sa.text("SELECT GET_LOCK(:k, 60)"), {"k": str(key)}).scalar() != 1:
+                    pass
             else:
                 conn.execute(sa.text("SELECT pg_advisory_lock(:k)"), {"k": key})
             try:
