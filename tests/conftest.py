@@ -13,7 +13,7 @@ import subprocess
 import uuid
 import warnings
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Iterator, NoReturn
 
 import pytest
 import yaml
@@ -204,23 +204,45 @@ def delete_study_if_present(name: str, storage) -> None:
         pass
 
 
+def reachable(service: str, url: str, env: str, module: str, connect) -> str:
+    """`url` once `module` (its driver) imports and `connect()` succeeds; otherwise `unavailable`, saying which."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        unavailable(f"{module} is not installed (pip install -e '.[dev]')")
+    try:
+        connect()
+    except Exception as e:
+        unavailable(f"{service} not reachable at {url} (set {env}): {str(e).splitlines()[0]}")
+    return url
+
+
+def _select_1(url: str) -> None:
+    import sqlalchemy as sa
+
+    from headsearch.search.storage import normalize_url
+
+    engine = sa.create_engine(normalize_url(url), poolclass=sa.pool.NullPool, connect_args={"connect_timeout": 3})
+    with engine.connect() as conn:
+        conn.execute(sa.text("select 1"))
+
+
+def unique_study(url: str) -> Iterator[str]:
+    """A study name unique to this test run, for a fixture to yield; the study is deleted from `url` at the end."""
+    from headsearch.search.storage import open_storage
+
+    name = f"headsearch-test-{uuid.uuid4().hex[:12]}"
+    yield name
+    delete_study_if_present(name, open_storage(url, heartbeat=None))
+
+
 @pytest.fixture(scope="session")
 def pg_url() -> str:
     """A reachable PostgreSQL ($HEADSEARCH_TEST_PG) with Optuna's tables already there (the race of
     creating them from several workers at once on a fresh database has its own test)."""
-    import importlib.util
-
-    if importlib.util.find_spec("psycopg2") is None:
-        unavailable("psycopg2 is not installed (pip install -e '.[dev]')")
     import optuna
-    import sqlalchemy as sa
 
-    try:
-        engine = sa.create_engine(PG_URL, poolclass=sa.pool.NullPool, connect_args={"connect_timeout": 3})
-        with engine.connect() as conn:
-            conn.execute(sa.text("select 1"))
-    except Exception as e:
-        unavailable(f"PostgreSQL not reachable at {PG_URL} (set HEADSEARCH_TEST_PG): {str(e).splitlines()[0]}")
+    reachable("PostgreSQL", PG_URL, "HEADSEARCH_TEST_PG", "psycopg2", lambda: _select_1(PG_URL))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         optuna.storages.RDBStorage(PG_URL)
@@ -248,65 +270,36 @@ def pg_study(pg_study_names) -> str:
 
 
 MYSQL_URL = os.environ.get("HEADSEARCH_TEST_MYSQL", "mysql://root@127.0.0.1:3306/test")
+REDIS_URL = os.environ.get("HEADSEARCH_TEST_REDIS", "redis://127.0.0.1:6379/15")
 
 
 @pytest.fixture(scope="session")
 def mysql_url() -> str:
     """A reachable MySQL or MariaDB ($HEADSEARCH_TEST_MYSQL) through PyMySQL."""
-    import importlib.util
-
-    if importlib.util.find_spec("pymysql") is None:
-        unavailable("PyMySQL is not installed (pip install -e '.[dev]')")
-    import sqlalchemy as sa
-
-    from headsearch.search.storage import normalize_url
-
-    try:
-        engine = sa.create_engine(normalize_url(MYSQL_URL), poolclass=sa.pool.NullPool, connect_args={"connect_timeout": 3})
-        with engine.connect() as conn:
-            conn.execute(sa.text("select 1"))
-    except Exception as e:
-        unavailable(f"MySQL not reachable at {MYSQL_URL} (set HEADSEARCH_TEST_MYSQL): {str(e).splitlines()[0]}")
-    return MYSQL_URL
+    return reachable("MySQL", MYSQL_URL, "HEADSEARCH_TEST_MYSQL", "pymysql", lambda: _select_1(MYSQL_URL))
 
 
 @pytest.fixture
-def mysql_study(mysql_url) -> str:
+def mysql_study(mysql_url) -> Iterator[str]:
     """A study name unique to this test in the MySQL database; the study is deleted at the end."""
-    name = f"headsearch-test-{uuid.uuid4().hex[:12]}"
-    yield name
-    from headsearch.search.storage import open_storage
-
-    delete_study_if_present(name, open_storage(mysql_url, heartbeat=None))
-
-
-REDIS_URL = os.environ.get("HEADSEARCH_TEST_REDIS", "redis://127.0.0.1:6379/15")
+    yield from unique_study(mysql_url)
 
 
 @pytest.fixture(scope="session")
 def redis_url() -> str:
     """A reachable Redis ($HEADSEARCH_TEST_REDIS; database 15 by default) for Redis-journal storages."""
-    import importlib.util
+    def ping() -> None:
+        import redis
 
-    if importlib.util.find_spec("redis") is None:
-        unavailable("the redis package is not installed (pip install -e '.[dev]')")
-    import redis
-
-    try:
         redis.Redis.from_url(REDIS_URL, socket_connect_timeout=3).ping()
-    except Exception as e:
-        unavailable(f"Redis not reachable at {REDIS_URL} (set HEADSEARCH_TEST_REDIS): {str(e).splitlines()[0]}")
-    return REDIS_URL
+
+    return reachable("Redis", REDIS_URL, "HEADSEARCH_TEST_REDIS", "redis", ping)
 
 
 @pytest.fixture
-def redis_study(redis_url) -> str:
+def redis_study(redis_url) -> Iterator[str]:
     """A study name unique to this test in the Redis journal; the study is deleted at the end."""
-    name = f"headsearch-test-{uuid.uuid4().hex[:12]}"
-    yield name
-    from headsearch.search.storage import open_storage
-
-    delete_study_if_present(name, open_storage(redis_url, heartbeat=None))
+    yield from unique_study(redis_url)
 
 
 @pytest.fixture(scope="session")

@@ -463,12 +463,6 @@ def _render(chromium: str, page: str, screenshot: Path, processes, size=(1400, 2
     return dom
 
 
-def _png_size(path: Path) -> tuple[int, int]:
-    data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", data[:16]
-    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
-
-
 @pytest.mark.slow
 def test_dashboard_page_draws_the_study_in_a_browser(real, optuna_dashboard, cli, processes, tmp_path):
     """The study `headsearch run` made and `report --plots` drew, on optuna-dashboard's study page as headless
@@ -536,10 +530,11 @@ def test_dashboard_page_draws_the_study_in_a_browser(real, optuna_dashboard, cli
     assert [int(name.split(":")[0]) for name in legend] == [t.number for t in trained], legend
 
     # The screenshot: a PNG of the whole window, with something drawn in it.
-    assert _png_size(shot) == (1400, 2900) and shot.stat().st_size > 50_000
     from PIL import Image
 
+    assert shot.stat().st_size > 50_000
     with Image.open(shot) as img:
+        assert (img.format, img.size) == ("PNG", (1400, 2900))
         assert len(img.convert("RGB").getcolors(maxcolors=img.width * img.height)) > 100
 
 

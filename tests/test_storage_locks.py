@@ -10,14 +10,9 @@ import pytest
 
 from headsearch.search import storage
 from headsearch.search.storage import budget_lock
+from test_search import shared_storage
 
 KINDS = ["sqlite", "postgresql", "mysql", "journal", "redis"]
-
-
-def lock_url(kind: str, request, tmp_path: Path) -> str:
-    if kind in ("postgresql", "mysql", "redis"):
-        return request.getfixturevalue({"postgresql": "pg_url", "mysql": "mysql_url", "redis": "redis_url"}[kind])
-    return f"sqlite:///{tmp_path / 'h.db'}" if kind == "sqlite" else f"journal:{tmp_path / 'h.log'}"
 
 
 @pytest.mark.floor
@@ -25,7 +20,7 @@ def lock_url(kind: str, request, tmp_path: Path) -> str:
 def test_the_budget_lock_lets_one_holder_in_at_a_time(kind, request, tmp_path):
     """Four threads each add 1 to a counter 25 times, reading and writing it in two steps under the lock
     with a pause between: any overlap loses an update."""
-    url, study = lock_url(kind, request, tmp_path), f"lock-{uuid.uuid4().hex[:8]}"
+    url, study = shared_storage(kind, request, tmp_path)[0], f"lock-{uuid.uuid4().hex[:8]}"
     counter = tmp_path / "counter"
     counter.write_text("0")
 
@@ -51,7 +46,7 @@ def test_a_live_holder_keeps_the_lock_and_a_dead_ones_lock_is_broken(kind, reque
     about 1.5 s later, not never."""
     monkeypatch.setattr(storage, "LOCK_SILENCE", 1.5)
     monkeypatch.setattr(storage, "LOCK_RENEW", 0.2)
-    url, study = lock_url(kind, request, tmp_path), f"lock-{uuid.uuid4().hex[:8]}"
+    url, study = shared_storage(kind, request, tmp_path)[0], f"lock-{uuid.uuid4().hex[:8]}"
     events: list[tuple[str, float]] = []
     held = threading.Event()
 

@@ -228,7 +228,7 @@ def budget_lock(url: str, study_name: str) -> Iterator[None]:
         with _journal_file_lock(path):
             yield
         return
-    if url.startswith("redis://") or url.startswith("rediss://"):
+    if url.startswith("redis://"):
         with _redis_lock(url, f"headsearch:budget:{study_name}"):
             yield
         return
