@@ -185,20 +185,40 @@ def open_storage(url: str, heartbeat: int | None = 30, max_retry: int = 2):
 
 @contextlib.contextmanager
 def _schema_lock(url: str) -> Iterator[None]:
-    """Workers starting together on an empty PostgreSQL database would race to create Optuna's tables."""
-    if not url.split(":", 1)[0].startswith("postgres"):
+    """Serialise opening an RDB storage across processes. Workers starting together on an empty database
+    (a Slurm array's nodes, `--workers N`, a new CI machine) would race to create Optuna's tables and its
+    version row: on MySQL/MariaDB the losers fail with "Table ... already exists". PostgreSQL: an advisory
+    lock; MySQL: GET_LOCK (both session locks: a killed opener's lock goes with its connection); SQLite: an
+    flock on the file beside the database that the budget lock uses."""
+    scheme = url.split(":", 1)[0].split("+", 1)[0]
+    if url.startswith("sqlite:///") and (db := sqlite_path(url)) is not None:
+        with _flock(db):
+            yield
+        return
+    if scheme not in ("postgresql", "postgres", "mysql"):
         yield
         return
     import sqlalchemy as sa
 
+    key = zlib.crc32(b"headsearch:schema")
     engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
-    with engine.connect() as conn:
-        conn.execute(sa.text("SELECT pg_advisory_lock(:k)"), {"k": zlib.crc32(b"headsearch:schema")})
-        try:
-            yield
-        finally:
-            conn.execute(sa.text("SELECT pg_advisory_unlock(:k)"), {"k": zlib.crc32(b"headsearch:schema")})
-    engine.dispose()
+    try:
+        with engine.connect() as conn:
+            if scheme == "mysql":
+                # GET_LOCK returns 0 when its wait times out: ask again rather than go on without the lock.
+                while conn.execute(sa.text("SELECT GET_LOCK(:k, 60)"), {"k": f"headsearch:schema:{key}"}).scalar() != 1:
+                    pass
+                unlock, params = "SELECT RELEASE_LOCK(:k)", {"k": f"headsearch:schema:{key}"}
+            else:
+                conn.execute(sa.text("SELECT pg_advisory_lock(:k)"), {"k": key})
+                unlock, params = "SELECT pg_advisory_unlock(:k)", {"k": key}
+            try:
+                yield
+            finally:
+                with contextlib.suppress(Exception):  # a lost connection released the lock with it
+                    conn.execute(sa.text(unlock), params)
+    finally:
+        engine.dispose()
 
 
 LOCK_SILENCE = 30  # seconds: a budget lock not renewed for this long belongs to a dead worker and is broken
