@@ -39,6 +39,23 @@ def folder_problem(root: Path, purpose: str) -> str | None:
     return None
 
 
+def file_problem(path: Path, purpose: str) -> str | None:
+    """What stops `path` being written (created, or replaced) as the file of `purpose`, its missing folders
+    made first: as `folder_problem`'s, the rest of a sentence that starts with the option and `path`; None if
+    nothing. An existing file is no problem (it is replaced whole)."""
+    path = Path(path)
+    if path.is_dir():
+        return f" is a folder: give the path of a file for {purpose}, e.g. {path / 'out.json'}"
+    existing = path.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        return f" is inside {existing}, which is a file: give a path in a folder for {purpose}"
+    if not os.access(existing, os.W_OK | os.X_OK):  # the file is replaced through a temporary file beside it
+        return f": {existing} is not writable, give a path in another folder"
+    return None
+
+
 def write_atomic(path: Path, data: str | bytes) -> None:
     """Write to a temporary file in the same folder, then rename: readers never see half a file."""
     path = Path(path)

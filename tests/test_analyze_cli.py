@@ -107,7 +107,7 @@ def test_out_naming_a_file_gets_one_line(vit_run, cifar_dir, tmp_path, cli):
     out = tmp_path / "taken"
     out.write_text("x")
     result = cli(["analyze", vit_run, "--data-dir", cifar_dir, "--out", out])
-    cli.error_line(result, "is a file: pass a folder")
+    cli.error_line(result, "--out", "is a file: give a folder")
     assert out.read_text() == "x"
 
 

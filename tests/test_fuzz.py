@@ -39,7 +39,10 @@ What is generated (values that parse as the option's type, so Click's own usage 
     e.g. head counts that divide nothing); for these the storage must hold no study afterwards;
  4. devices that do not exist here (--device foo / cuda / cuda:7 / mps ...) for train, run, analyze;
  5. the other flags that parse but are invalid (analyze --samples/--format, report --format, export's
-    selectors, --trial, --best and --study, dashboard --port).
+    selectors, --trial, --best and --study, dashboard --port);
+ 6. names and output paths of every command (`NAMES_AND_PATHS`, one row each): study names that cannot name a
+    run folder (an empty one included), outputs below a file or in a read-only folder, a folder where a
+    file goes, storage files that cannot be; each refused before anything loads, trains or is written.
 
 Every kind of junk is a pytest parameter, so every kind is tried on every run; hypothesis draws the
 details. The examples are derandomised (the same on every run; HEADSEARCH_FUZZ_RANDOM=1 draws new
@@ -1893,3 +1896,164 @@ def test_other_flags_that_parse_but_are_invalid(data, run_templates, study_templ
             args = [command, "--storage", url, "--study", data.draw(_not_known(("s",)))] + (["--pareto", *out] if command == "export" else [])
         b.invoke(args, limit=LOAD_LIMIT)
         b.assert_bad_input()
+
+
+# ------------------------------------------------------------------------------------------------ 6. names and output paths
+
+# Issue 38, item 5: every name and output path is checked before anything loads, trains or is written. Each row
+# is one bad argument of one command: (the command's arguments, given the Box; a fragment of its error line;
+# the folders to make read-only first). The rest of each command is valid and cheap, so a check that came late
+# would load, train (the watchdog's SLOW), or write (what the Box finds left behind). A study database is
+# copied in where a command reads one: `study_db`, made with Optuna alone (no training). Existing files and
+# folders where the other kind goes are also in the tables above (test_train_out_taken, test_run_root_is_a_file,
+# test_reading_commands_output_is_a_file, the storage tables).
+
+@pytest.fixture(scope="module")
+def study_db(tmp_path_factory) -> Path:
+    """A storage holding study "s" (one complete trial, no run behind it): made by Optuna, in a second."""
+    import optuna
+
+    db = tmp_path_factory.mktemp("study-db") / "h.db"
+    study = optuna.create_study(study_name="s", storage=f"sqlite:///{db}", directions=["maximize", "minimize"])
+    study.add_trial(optuna.trial.create_trial(values=[0.5, 1.0], user_attrs={"config": copy.deepcopy(VIT_BASE)}))
+    return db
+
+
+def _spaced(b: Box) -> Path:
+    """A space of two cheap architectures (a table needs two)."""
+    return b.write_yaml("space.yaml", {**VIT_SPACE, "skip": ["none", "output"]})
+
+
+def _run(b: Box, data: Path, *extra) -> list:
+    return _override(run_args(VIT, b, _spaced(b), data, "--trials", "1"), list(extra))
+
+
+# VIT_BASE's train and data sections as --set flags (compare and table take a config's architecture only).
+CHEAP_SETS = [x for section in ("train", "data") for k, v in VIT_BASE[section].items() for x in ("--set", f"{section}.{k}={v}")]
+
+
+def _compare(b: Box, data: Path, *extra) -> list:
+    one = b.write_yaml("a.yaml", VIT_BASE)
+    two = b.write_yaml("b.yaml", {**VIT_BASE, "arch": {"enc_heads": [2, 2, 2, 2]}})
+    args = ["compare", one, two, "--task", VIT, "--seeds", "2", "--data-dir", data, "--storage", f"sqlite:///{b.path('h.db')}",
+            "--run-root", b.path("runs"), "--device", "cpu", "--epochs", "1", *CHEAP_SETS]
+    return _override(args, list(extra))
+
+
+def _table(b: Box, data: Path, *extra) -> list:
+    args = ["table", "--task", VIT, "--space", _spaced(b), "--preset", "tiny", "--epochs", "1", "--seeds", "2",
+            "--data-dir", data, "--storage", f"sqlite:///{b.path('h.db')}", "--run-root", b.path("runs"),
+            "--out", b.path("table.json"), "--device", "cpu", *CHEAP_SETS]
+    return _override(args, list(extra))
+
+
+def _stored(b: Box, db: Path) -> str:
+    return f"sqlite:///{b.copy(db, 'study.db', 'a study database (study s, one complete trial)')}"
+
+
+def _file_in(b: Box, rel: str = "taken") -> Path:
+    return b.write(rel, "x")
+
+
+# name -> (args(b, data, db), fragment of the error line, folders made read-only)
+NAMES_AND_PATHS = {
+    # a study the command creates: its run directories go in RUN_ROOT/<study>/
+    "run --study ''": (lambda b, d, db: _run(b, d, "--study", ""), "--study '' is empty", ()),
+    "run --study of spaces": (lambda b, d, db: _run(b, d, "--study", "   "), "is empty", ()),
+    "run --study ' s'": (lambda b, d, db: _run(b, d, "--study", " s"), "begins or ends with a space", ()),
+    "run --study a/b": (lambda b, d, db: _run(b, d, "--study", "a/b"), "holds a slash", ()),
+    "run --study ..": (lambda b, d, db: _run(b, d, "--study", ".."), "is not a folder name", ()),
+    "run --study with a newline": (lambda b, d, db: _run(b, d, "--study", "a\nb"), "control character", ()),
+    "run --study too long": (lambda b, d, db: _run(b, d, "--study", "s" * 256), "too long for a folder name", ()),
+    "run --study a file in --run-root": (lambda b, d, db: _file_in(b, "runs/s") and _run(b, d, "--study", "s"),
+                                         "runs/s is a file", ()),
+    "compare --study ''": (lambda b, d, db: _compare(b, d, "--study", ""), "--study '' is empty", ()),
+    "compare --study a/b": (lambda b, d, db: _compare(b, d, "--study", "a/b"), "holds a slash", ()),
+    "table --study ''": (lambda b, d, db: _table(b, d, "--study", ""), "--study '' is empty", ()),
+    "table --study ..": (lambda b, d, db: _table(b, d, "--study", ".."), "is not a folder name", ()),
+    # a study the command reads
+    "report --study ''": (lambda b, d, db: ["report", "--storage", _stored(b, db), "--study", ""], "--study '' is empty", ()),
+    "export --study ''": (lambda b, d, db: ["export", "--storage", _stored(b, db), "--study", "", "--pareto", "--out", b.path("out")],
+                          "--study '' is empty", ()),
+    "dashboard --study ''": (lambda b, d, db: ["dashboard", "--storage", _stored(b, db), "--study", "", "--port", free_port()],
+                             "--study '' is empty", ()),
+    # storages of a study the command creates: checked before the data loads
+    "run --storage ''": (lambda b, d, db: _run(b, d, "--storage", ""), "--storage '' is empty", ()),
+    "run --storage sqlite below a file": (lambda b, d, db: _run(b, d, "--storage", f"sqlite:///{_file_in(b)}/h.db"),
+                                          "which is a file", ()),
+    "run --storage journal below a file": (lambda b, d, db: _run(b, d, "--storage", f"journal:{_file_in(b)}/j.log"),
+                                           "which is a file", ()),
+    "run --storage in a read-only folder": (lambda b, d, db: _run(b, d, "--storage", f"sqlite:///{b.mkdir('ro')}/h.db"),
+                                            "is not writable", ("ro",)),
+    "compare --storage a folder": (lambda b, d, db: _compare(b, d, "--storage", f"sqlite:///{b.mkdir('db')}"),
+                                   "is a folder, not a database file", ()),
+    "compare --storage journal below a file": (lambda b, d, db: _compare(b, d, "--storage", f"journal:{_file_in(b)}/j.log"),
+                                               "which is a file", ()),
+    "table --storage journal a folder": (lambda b, d, db: _table(b, d, "--storage", f"journal:{b.mkdir('journal')}"),
+                                         "is a folder, not a journal file", ()),
+    "table --storage sqlite junk": (lambda b, d, db: _table(b, d, "--storage", f"sqlite:///{b.write('junk.db', b'junk')}"),
+                                    "is not a SQLite database", ()),
+    # output folders and files
+    "train --out in a read-only folder": (lambda b, d, db: train_args(VIT, b, d, d, "--config", b.write_yaml("c.yaml", VIT_BASE),
+                                                                      "--out", b.mkdir("ro") / "run"), "is not writable", ("ro",)),
+    "run --run-root in a read-only folder": (lambda b, d, db: _run(b, d, "--run-root", b.mkdir("ro") / "runs"),
+                                             "is not writable", ("ro",)),
+    "run --tensorboard in a read-only folder": (lambda b, d, db: _run(b, d, "--tensorboard", b.mkdir("ro") / "tb"),
+                                                "is not writable", ("ro",)),
+    "compare --out a file": (lambda b, d, db: _compare(b, d, "--out", _file_in(b)), "--out", ()),
+    "compare --out below a file": (lambda b, d, db: _compare(b, d, "--out", _file_in(b) / "cmp"), "which is a file", ()),
+    "compare --out in a read-only folder": (lambda b, d, db: _compare(b, d, "--out", b.mkdir("ro") / "cmp"), "is not writable", ("ro",)),
+    "compare --run-root a file": (lambda b, d, db: _compare(b, d, "--run-root", _file_in(b)), "--run-root", ()),
+    "table --out a folder": (lambda b, d, db: _table(b, d, "--out", b.mkdir("out")), "is a folder: give the path of a file", ()),
+    "table --out below a file": (lambda b, d, db: _table(b, d, "--out", _file_in(b) / "table.json"), "which is a file", ()),
+    "table --out in a read-only folder": (lambda b, d, db: _table(b, d, "--out", b.mkdir("ro") / "table.json"),
+                                          "is not writable", ("ro",)),
+    "table --run-root below a file": (lambda b, d, db: _table(b, d, "--run-root", _file_in(b) / "runs"), "which is a file", ()),
+    "report --plots below a file": (lambda b, d, db: ["report", "--storage", _stored(b, db), "--plots", _file_in(b) / "plots"],
+                                    "which is a file", ()),
+    "report --plots in a read-only folder": (lambda b, d, db: ["report", "--storage", _stored(b, db), "--plots", b.mkdir("ro") / "p"],
+                                             "is not writable", ("ro",)),
+    "report --plots, the artifact folder a file": (
+        lambda b, d, db: _file_in(b, "study-artifacts") and ["report", "--storage", _stored(b, db), "--plots", b.path("plots")],
+        "study-artifacts, beside the storage's file, and it is a file", ()),
+    "report --plots with --robust": (lambda b, d, db: ["report", "--storage", _stored(b, db), "--robust", "2", "--plots", b.path("p"),
+                                                       "--run-root", b.path("runs"), "--device", "cpu"], "--plots does not go with --robust", ()),
+    "export --out in a read-only folder": (lambda b, d, db: ["export", "--storage", _stored(b, db), "--pareto", "--out", b.mkdir("ro") / "o"],
+                                           "is not writable", ("ro",)),
+    "dashboard --artifact-dir below a file": (lambda b, d, db: ["dashboard", "--storage", _stored(b, db), "--port", free_port(),
+                                                                "--artifact-dir", _file_in(b) / "a"], "which is a file", ()),
+    "dashboard, the artifact folder a file": (
+        lambda b, d, db: _file_in(b, "study-artifacts") and ["dashboard", "--storage", _stored(b, db), "--port", free_port()],
+        "pass --artifact-dir", ()),
+    "analyze --out below a file": (lambda b, d, db: ["analyze", b.mkdir("run"), "--data-dir", d, "--out", _file_in(b) / "a",
+                                                     "--device", "cpu"], "which is a file", ()),
+    "analyze --out in a read-only folder": (lambda b, d, db: ["analyze", b.mkdir("run"), "--data-dir", d, "--out", b.mkdir("ro") / "a",
+                                                              "--device", "cpu"], "is not writable", ("ro",)),
+}
+
+
+def read_only(monkeypatch, folders: list[Path]) -> None:
+    """`folders` read-only to headsearch's checks, whoever runs the tests (root writes anywhere): os.access
+    says no to writing there. The folders themselves stay writable, so the Box cleans up as always."""
+    real = os.access
+    shut = [f.resolve() for f in folders]
+
+    def access(path, mode, *args, **kwargs):
+        if mode & os.W_OK and Path(path).resolve() in shut:
+            return False
+        return real(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(os, "access", access)
+
+
+@pytest.mark.parametrize("name", list(NAMES_AND_PATHS))
+def test_names_and_output_paths_are_checked_first(name, cifar_dir, study_db, cache, monkeypatch):
+    make, fragment, shut = NAMES_AND_PATHS[name]
+    with box(cache) as b:
+        args = make(b, cifar_dir, study_db)  # the real data: a comparison's checks read it whole
+        read_only(monkeypatch, [b.path(f) for f in shut])
+        b.invoke(args)
+        b.assert_bad_input()
+        line = b.result.output.strip()
+        assert fragment in line, f"the error line does not say {fragment!r}" + b.describe()
+        assert_no_study(b)

@@ -611,7 +611,8 @@ def test_summarize_hand_made_study_states_duplicates_and_savings(tmp_path):
     _hand_made(url)
     rep = summarize(url, None)
     # 3 is a duplicate as earlier studies recorded them (COMPLETE, with its twin's values): folded into 1
-    assert rep.counts == {"complete": 4, "pruned": 1, "rejected": 1, "failed": 1, "duplicate": 0, "running": 0, "waiting": 1}
+    assert rep.counts == {"complete": 4, "pruned": 1, "rejected": 1, "failed": 1, "duplicate": 0, "running": 0, "waiting": 1,
+                          "over_budget": 0}
     assert [r.number for r in rep.front] == [0, 1] and rep.front[1].duplicates == [3]
     assert rep.front[0].schedule == [1, 1, 1, 1] and rep.front[0].values == {"accuracy": 0.5, "time": 10.0}
     # Trained: 0, 1, 2 (complete) and 4 (pruned after 1 of 4 epochs); not 3 (duplicate), 5 (rejected), 6 (failed).

@@ -140,7 +140,8 @@ def test_duplicates_are_neither_trained_nor_counted_and_an_exhausted_space_ends_
 def test_a_proposal_of_a_pruned_or_running_architecture_is_a_duplicate(tmp_path, spa_file, tiny_translation, cache_env, one_thread):
     """Held = complete, pruned or running: the check runs under the budget lock, before training."""
     space = write_space(tmp_path / "s.yaml", tiny_translation, schedule={"families": ["uniform"], "heads": [1, 2]}, epochs=1)
-    s = settings(tmp_path, spa_file, space, trials=4, sampler="random", pruner="none")
+    # Heartbeats on: a worker waits for running trials (with --heartbeat 0 it would stop: nothing tells a dead one)
+    s = settings(tmp_path, spa_file, space, trials=4, sampler="random", pruner="none", heartbeat=30)
     search = Search(s)
     study = search.open()
     first = search._next_trial(study)  # asked, sampled and kept: RUNNING now, and holding its architecture

@@ -37,10 +37,14 @@ def compare(
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda ..."),
 ) -> None:
     """Train every CONFIG with seeds 0..N-1; means, spreads and paired differences with 95% intervals."""
+    from headsearch.cli.checks import check_new_storage, check_new_study_name, check_output_folder
     from headsearch.cli.common import fail
 
     if fmt not in FORMATS:
         fail(f"--format {fmt!r} is not known: use one of {', '.join(FORMATS)}")
+    check_new_study_name(study)  # names and where the results go: before anything trains
+    check_new_storage(storage)
+    check_output_folder(out, "--out", "comparison.json and curves.png")
     search, result = compare_or_fail(
         lambda: _prepare(configs, task, seeds, data_dir, data_file, preset, epochs, sets, storage, study, run_root,
                          workers, cohort, device), run_root, out)
@@ -71,12 +75,12 @@ def run_comparison(search, grid, out: Path):
     """Train what the comparison's study lacks (a live view on stderr), then read it back: (result, files written).
     Failed workers end the command as `run`'s do."""
     from headsearch.cli.common import fail, worker_failure_line
-    from headsearch.cli.progress import SearchProgress
+    from headsearch.cli.progress import SearchProgress, grid_label
     from headsearch.search.compare import comparison, write_comparison
     from headsearch.search.workers import open_search, run_search
 
     study_obj = open_search(search)
-    with SearchProgress(study_obj, grid.points) as display:
+    with SearchProgress(study_obj, grid.points, label=grid_label(grid)) as display:
         failures = run_search(search, [display], argv=sys.argv, poll=display.refresh, announce=display.announce)
     if failures:
         fail(worker_failure_line(failures), code=2 if all(f.bad_input for f in failures) else 1)
@@ -116,13 +120,14 @@ def print_result(result: dict, fmt: str, task) -> None:
 
 
 def print_comparison(result: dict, task, console=None) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    from headsearch.cli.progress import log_title, output_console
+
+    console = console or output_console()  # a log's tables: not wrapped
     metrics = [m.format(primary=task.primary.name) for m in TABLE_METRICS]
     metrics = [m for m in metrics if any(m in c["mean"] for c in result["configs"])]
-    table = Table(title=f"{result['study']}: {result['seeds']} seeds per config (mean ± std)")
+    table = Table(title=log_title(f"{result['study']}: {result['seeds']} seeds per config (mean ± std)", console))
     table.add_column("config")
     table.add_column("runs", justify="right")
     for m in metrics:
@@ -132,7 +137,7 @@ def print_comparison(result: dict, task, console=None) -> None:
     console.print(table)
     shown = [d for d in result["differences"] if d["metric"] in metrics]
     if shown:
-        diffs = Table(title="paired differences b - a over seeds (95% bootstrap interval, paired t-test)")
+        diffs = Table(title=log_title("paired differences b - a over seeds (95% bootstrap interval, paired t-test)", console))
         for col in ("a", "b", "metric", "mean b - a", "95% interval", "p"):
             diffs.add_column(col, justify="right" if col in ("mean b - a", "p") else "left")
         for d in shown:

@@ -168,12 +168,15 @@ def run(
     enqueue: list[Path] = typer.Option([], "--enqueue", help="A config (architecture fields, as in examples/) to train first: a warm start from known architectures (repeatable)."),
 ) -> None:
     """Search head schedules, skip kinds and fusion types with Optuna; prune poor trials."""
+    from headsearch.cli.checks import check_new_storage, check_new_study_name
     from headsearch.cli.progress import SearchProgress, print_search_summary
     from headsearch.errors import HeadsearchError
     from headsearch.search.runner import Search, SearchSettings
     from headsearch.search.workers import open_search, run_search
     from headsearch.tasks import parse_sets
 
+    check_new_study_name(study)  # names and where the study goes: before any data loads or a study exists
+    check_new_storage(storage)
     try:
         overrides = parse_sets(sets) or None
     except HeadsearchError as e:
@@ -237,6 +240,7 @@ def analyze(
     from rich.console import Console
 
     from headsearch.analysis.run import analyze_run
+    from headsearch.cli.checks import check_output_folder
     from headsearch.cli.progress import print_analysis
     from headsearch.errors import HeadsearchError
     from headsearch.search.artifacts import upload_to_trial
@@ -246,6 +250,7 @@ def analyze(
         fail(f"--format {fmt!r} is not known: use table or json")
     if samples < 1:
         fail("--samples must be at least 1")
+    check_output_folder(out, "--out", "analysis.json and the figures")
     err = Console(stderr=True)
     try:
         with err.status("analysing") as status:

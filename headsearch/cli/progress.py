@@ -1,16 +1,75 @@
 """Rich displays: training (a progress bar per epoch and a line per evaluated epoch), a search (a
-live table of trials by state, the best values and the current trial), and their results."""
+live table of trials by state, the best values and the current trial), and their results.
+
+A search whose console is not a terminal (a Slurm job's log, `nohup`, a pipe) prints plain lines instead of
+the live table (`TrialLog`): one per finished trial and a status line every `STATUS_EVERY` seconds; results
+print through `output_console`, whose lines are never wrapped there."""
 from __future__ import annotations
 
+import math
+import os
+import socket
+import time
 from pathlib import Path
+from typing import Callable
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from headsearch.search.runner import SearchCallback, arch_summary
-from headsearch.search.snapshot import snapshot
+from headsearch.search.snapshot import snapshot, trial_state
 from headsearch.training.trainer import Callback, EpochRecord, StepInfo, TrainResult
+
+
+# Seconds between a search's status lines when its console is not a terminal; the environment variable
+# HEADSEARCH_STATUS_EVERY (seconds) overrides it.
+STATUS_EVERY = 120.0
+# The width of a console that is not a terminal: wide enough that no table or line of a log wraps.
+LOG_WIDTH = 10_000
+
+
+def output_console(stderr: bool = False) -> Console:
+    """The console a command's results print on: Rich's own on a terminal; elsewhere (a file, a pipe, a Slurm
+    job's log) one `LOG_WIDTH` columns wide, so that tables and long lines stay whole instead of wrapping at 80."""
+    console = Console(stderr=stderr)
+    return console if console.is_terminal else Console(stderr=stderr, width=LOG_WIDTH)
+
+
+def log_title(title: str, console: Console):
+    """A table's title, whole on one line on a console that is not a terminal (Rich wraps a title to its
+    table's width, which breaks a log's line)."""
+    from rich.text import Text
+
+    return title if console.is_terminal else Text(title, no_wrap=True, overflow="ignore")
+
+
+def status_every() -> float:
+    """`STATUS_EVERY`, or the seconds HEADSEARCH_STATUS_EVERY gives."""
+    from headsearch.errors import HeadsearchError
+
+    raw = os.environ.get("HEADSEARCH_STATUS_EVERY", "").strip()
+    if not raw:
+        return STATUS_EVERY
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise HeadsearchError(f"HEADSEARCH_STATUS_EVERY={raw!r}: give the seconds between status lines, a number above 0")
+    return seconds
+
+
+def duration(seconds: float) -> str:
+    """0.4s, 42s, 12m05s, 3h07m."""
+    if seconds < 9.95:
+        return f"{seconds:.1f}s"
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def _fmt(metrics: dict[str, float]) -> str:
@@ -67,7 +126,7 @@ class TrainProgress(Callback):
 
 
 def print_result(run_dir: Path, result: TrainResult, console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or output_console()
     table = Table(title=f"{result.primary_metric}: best validation {result.best_value:.4g} at epoch {result.best_epoch}")
     table.add_column("figure")
     table.add_column("value", justify="right")
@@ -82,10 +141,122 @@ def print_result(run_dir: Path, result: TrainResult, console: Console | None = N
     console.print(f"run directory: {run_dir}")
 
 
-class SearchProgress(SearchCallback):
-    """Live view of a search: trials by state, the best value of each objective, the current trial."""
+def grid_label(grid) -> Callable:
+    """How `TrialLog` names a comparison's or a table's run (a ConfigGrid point): its config and seed."""
+    names = [c.name for c in grid.candidates]
 
-    def __init__(self, study, trials: int, console: Console | None = None):
+    def label(t) -> str:
+        i, seed = t.params.get("config"), t.params.get("seed")
+        if isinstance(i, int) and 0 <= i < len(names) and seed is not None:
+            return f"{names[i]} seed {seed}"
+        return t.user_attrs.get("arch", "")
+
+    return label
+
+
+class TrialLog:
+    """A search's progress as plain lines, for a console that is not a terminal (a Slurm job's log, a pipe):
+    one line per trial that finishes (number, architecture, state, its objective values or why it was
+    pruned, rejected or failed), read from the study, so that the trials of worker processes count as the
+    display's own do, each printed once; and a status line every `every` seconds (default `status_every()`):
+    the time since the start, the trials finished and running, and the best value of each objective so far."""
+
+    COUNTED = ("complete", "pruned", "rejected")  # what --trials counts
+    UNSHOWN = ("over_budget",)  # bookkeeping: asked when the budget was full, never started
+
+    def __init__(self, study, trials: int, console: Console, label: Callable | None = None,
+                 every: float | None = None, clock: Callable[[], float] = time.monotonic):
+        self.study, self.trials, self.console, self.clock = study, trials, console, clock
+        self.label = label or (lambda t: t.user_attrs.get("arch", ""))
+        self.every = status_every() if every is None else every
+        self.started = clock()
+        self.next_status = self.started + self.every
+        self.seen: set[int] = set()
+        self.finished = 0
+        self.direction = None
+        self.host = socket.gethostname()  # the "worker" user_attr's host of this machine's trials
+
+    def print(self, line: str) -> None:
+        self.console.print(line, soft_wrap=True, markup=False, highlight=False, emoji=False)  # one line, whatever the width
+
+    def start(self) -> None:
+        """Take the trials finished already (a resumed study) as printed; say how many there are."""
+        meta = self.study.user_attrs.get("headsearch") or {}
+        self.direction = (meta.get("objectives") or [{}])[0].get("direction")
+        for t in self.study.get_trials(deepcopy=False):
+            state = trial_state(t)
+            if state not in ("running", "waiting"):
+                self.seen.add(t.number)
+                self.finished += state in self.COUNTED
+        if self.finished:
+            self.print(f"resuming study {self.study.study_name}: {self.finished} of {self.trials} trials finished already")
+
+    def due(self) -> bool:
+        return self.clock() >= self.next_status
+
+    def poll(self, end: str | None = None) -> None:
+        """Print the trials finished since the last poll, then the status line when it is due (always when
+        `end`, the word the last one starts with: done, stopped)."""
+        trials = self.study.get_trials(deepcopy=False)
+        for t in trials:
+            state = trial_state(t)
+            if t.number in self.seen or state in ("running", "waiting"):
+                continue
+            self.seen.add(t.number)
+            self.finished += state in self.COUNTED
+            if state not in self.UNSHOWN:
+                self.print(self.trial_line(t, state))
+        if end or self.due():
+            self.status(trials, end)
+
+    def trial_line(self, t, state: str) -> str:
+        """trial 3 complete: 4-4 skip=none fusion=none  accuracy 0.8125  time 1.234  (12s; 3/12 finished)"""
+        from headsearch.search.report import trial_note
+
+        if state == "complete":
+            names = self.study.metric_names or [f"objective {i}" for i in range(len(t.values or []))]
+            detail = "  ".join(f"{k} {v:.4g}" for k, v in zip(names, t.values or []))
+        elif state == "pruned" and not isinstance(t.user_attrs.get("pruned"), dict):
+            detail = f"after {len(t.intermediate_values)} epoch(s)"
+        else:
+            detail = trial_note(t, state, self.direction)
+        took = ""
+        if state not in ("rejected", "duplicate") and t.datetime_start and t.datetime_complete:
+            took = duration((t.datetime_complete - t.datetime_start).total_seconds())
+        host = str(t.user_attrs.get("worker", "")).rsplit(":", 1)[0]
+        if host and host != self.host:  # another node's trial (a Slurm array shares one study)
+            took = f"{took} on {host}".strip()
+        tail = "; ".join(x for x in (took, f"{self.finished}/{self.trials} finished") if x)
+        body = "  ".join(x for x in (self.label(t), detail) if x)
+        return f"trial {t.number} {state}: {body}  ({tail})"
+
+    def status(self, trials, end: str | None = None) -> None:
+        """status after 4m00s: 7/12 finished (...), 1 running (...); best so far: ..."""
+        snap = snapshot(self.study, trials)
+        c, now = snap.counts, self.clock()
+        self.next_status = now + self.every
+        line = (f"{end or 'status'} after {duration(now - self.started)}: {snap.finished}/{self.trials} finished"
+                f" ({c['complete']} complete, {c['pruned']} pruned, {c['rejected']} rejected, {c['failed']} failed)")
+        if c["duplicate"]:
+            line += f", {c['duplicate']} duplicate proposals skipped"
+        running = [t for t in trials if trial_state(t) == "running"]
+        if running:
+            line += f", {len(running)} running (" + ", ".join(self.running_text(t) for t in running) + ")"
+        if snap.best:
+            line += "; best so far: " + "  ".join(f"{k} {v:.4g}" for k, v in snap.best.items())
+        self.print(line)
+
+    def running_text(self, t) -> str:
+        epochs = max(t.intermediate_values, default=0)
+        return " ".join(x for x in (f"trial {t.number}", self.label(t)) if x) + (f" after epoch {epochs}" if epochs else " in epoch 1")
+
+
+class SearchProgress(SearchCallback):
+    """Live view of a search: trials by state, the best value of each objective, the current trial. On a
+    console that is not a terminal, plain lines instead (`TrialLog`); `label(trial)` names a trial there
+    (default: its architecture)."""
+
+    def __init__(self, study, trials: int, console: Console | None = None, label: Callable | None = None):
         from rich.live import Live
 
         self.study, self.trials = study, trials
@@ -95,24 +266,37 @@ class SearchProgress(SearchCallback):
         self.step = ""
         self.log: list[str] = []
         self.snap = None
-        self.live = Live(self._render(), console=self.console, refresh_per_second=4, transient=False)
+        self.plain = None if self.console.is_terminal else TrialLog(study, trials, self.console, label)
+        self.live = None if self.plain else Live(self._render(), console=self.console, refresh_per_second=4, transient=False)
 
     def __enter__(self) -> "SearchProgress":
+        if self.plain:
+            self.plain.start()
+            return self
         self.refresh()
         self.live.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self.refresh()
-        self.live.__exit__(*exc)
-        if not self.console.is_terminal:
-            self.console.line()  # Live ends its last line only on a terminal
+        try:  # the last look at the study; after an error (the storage gone, say) the error is what is reported
+            if self.plain:
+                self.plain.poll("stopped" if exc[0] is not None else "done")
+            else:
+                self.refresh()
+        except Exception:
+            if exc[0] is None:
+                raise
+        if not self.plain:
+            self.live.__exit__(*exc)
 
     def announce(self, line: str) -> None:
         """The search's plan (workers, trials per GPU, step mode, MPS): one line above the live table."""
         self.console.print(f"plan: {line}", soft_wrap=True, markup=False, highlight=False)  # one line, whatever the width
 
     def refresh(self) -> None:
+        if self.plain:
+            self.plain.poll()
+            return
         self.snap = snapshot(self.study)
         self.live.update(self._render())
 
@@ -137,15 +321,26 @@ class SearchProgress(SearchCallback):
         self.refresh()
 
     def on_step(self, info: StepInfo) -> None:
+        if self.plain:
+            if self.plain.due():  # the status line, on time within a long epoch
+                self.plain.poll()
+            return
         self.epoch = f"epoch {info.epoch}/{info.epochs}"
         self.step = f"step {info.epoch_step}/{info.steps_per_epoch} loss {info.loss:.3f} ({info.samples_per_s:,.0f} samples/s)"
         self.live.update(self._render())
 
     def on_epoch_end(self, record: EpochRecord) -> None:
+        if self.plain:
+            if self.plain.due():
+                self.plain.poll()
+            return
         self.epoch = f"epoch {record.epoch} val: {_fmt(record.metrics)}"
         self.refresh()
 
     def on_trial_end(self, number: int, state: str) -> None:
+        if self.plain:
+            self.plain.poll()  # its line, read back from the study as a worker process's trials are
+            return
         t = self.study.trials[number]
         detail = ""
         if state == "COMPLETE":
@@ -165,7 +360,7 @@ class SearchProgress(SearchCallback):
 
 
 def print_search_summary(study, storage: str, console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or output_console()
     snap = snapshot(study)
     c = snap.counts
     console.print(f"study {study.study_name}: {c['complete']} complete, {c['pruned']} pruned, {c['rejected']} rejected,"

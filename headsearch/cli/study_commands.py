@@ -11,6 +11,7 @@ from typing import Optional
 
 import typer
 
+from headsearch.cli.checks import check_artifact_folder, check_output_folder, check_study_to_read
 from headsearch.cli.common import fail, fail_on_fault, storage_option
 
 STORAGE_HELP = "Optuna storage URL of the search (sqlite:///FILE.db, postgresql://..., journal:FILE.log, redis://...)."
@@ -43,6 +44,13 @@ def report(
 
     if fmt not in FORMATS:
         fail(f"--format {fmt!r} is not known: use one of {', '.join(FORMATS)}")
+    check_study_to_read(study)
+    if plots is not None:
+        if robust:
+            fail("--plots does not go with --robust (it writes curves.png in RUN_ROOT/<study>-robust/compare):"
+                 " run `headsearch report --plots DIR` without --robust for the search's plots")
+        check_output_folder(plots, "--plots", "the plots")
+        check_artifact_folder(storage)  # the PNGs are uploaded there
     _quiet_optuna()
     if robust:
         return _robust_report(study, storage, robust, fmt, run_root, device)
@@ -115,7 +123,8 @@ def print_report(rep, console=None) -> None:
     console.print(f"[bold]study {rep.study}[/bold]  task {rep.task or '-'}  objectives: {objs}  storage {rep.storage}")
     console.print(f"trials: {c['complete']} complete, {c['pruned']} pruned, {c['rejected']} rejected, {c['failed']} failed,"
                   f" {c['running']} running, {c['waiting']} waiting"
-                  + (f"; {c['duplicate']} duplicate proposals (not trained, not counted)" if c["duplicate"] else ""))
+                  + (f"; {c['duplicate']} duplicate proposals (not trained, not counted)" if c["duplicate"] else "")
+                  + (f"; {c['over_budget']} asked over the budget (not trained, not counted)" if c["over_budget"] else ""))
 
     title = "Pareto front" if rep.multi_objective else "best trial"
     front = Table(title=f"{title} ({len(rep.front)} trials)")
@@ -213,6 +222,8 @@ def export(
     n = sum([trial is not None, pareto, best is not None])
     if n != 1:
         fail("pass exactly one of --trial N, --pareto, --best METRIC")
+    check_study_to_read(study)
+    check_output_folder(out, "--out", "the YAML files")
     _quiet_optuna()
     from headsearch.search.export import export_configs
 
@@ -242,8 +253,8 @@ def dashboard(
         fail("optuna-dashboard is not installed: pip install 'headsearch[dashboard]'")
     if not 0 < port < 65536:
         fail(f"--port {port} is not a port number (1-65535)")
-    if artifact_dir is not None and artifact_dir.exists() and not artifact_dir.is_dir():
-        fail(f"--artifact-dir {artifact_dir} is a file: pass a folder")
+    check_study_to_read(study)
+    check_artifact_folder(storage, artifact_dir, "--artifact-dir", writes=False)  # served, not written
     _quiet_optuna()
     from headsearch.search.artifacts import default_artifact_dir
     from headsearch.search.report import open_existing_storage, study_names

@@ -32,13 +32,17 @@ def table(
     sets: list[str] = typer.Option([], "--set", help=SET_HELP + " For every run (a cheaper epoch, say); recorded in the table."),
 ) -> None:
     """Train every architecture of a space (seeds 0..N-1, no pruning) and write them as a benchmark table."""
+    from headsearch.cli.checks import check_new_storage, check_new_study_name, check_output_file
     from headsearch.cli.common import fail, fail_on_fault, worker_failure_line
-    from headsearch.cli.progress import SearchProgress
+    from headsearch.cli.progress import SearchProgress, grid_label
     from headsearch.errors import HeadsearchError
     from headsearch.search.table import read_table, table_search, write_table
     from headsearch.search.workers import open_search, run_search
     from headsearch.tasks import parse_sets
 
+    check_new_study_name(study)  # names and where the table goes: before anything trains
+    check_new_storage(storage)
+    check_output_file(out, "--out", "the table's JSON")
     kept = "finished runs are kept in the study; run the same command to train the rest"
     try:
         search, grid, space_search = table_search(
@@ -46,7 +50,7 @@ def table(
             data_file=str(data_file) if data_file else None, storage=storage, study=study, run_root=str(run_root),
             device=device, workers=workers, cohort=cohort, sample=sample, sample_seed=sample_seed, sets=parse_sets(sets))
         study_obj = open_search(search)
-        with SearchProgress(study_obj, grid.points) as display:
+        with SearchProgress(study_obj, grid.points, label=grid_label(grid)) as display:
             failures = run_search(search, [display], argv=sys.argv, poll=display.refresh, announce=display.announce)
         if failures:
             fail(worker_failure_line(failures), code=2 if all(f.bad_input for f in failures) else 1)
@@ -76,19 +80,19 @@ def device_name(search) -> str:
 
 
 def print_table(built: dict) -> None:
-    from rich.console import Console
     from rich.table import Table
 
+    from headsearch.cli.progress import log_title, output_console
     from headsearch.search.table import seconds_of, summary_rows
 
+    console = output_console()  # a log's table: not wrapped
     rows = sorted(summary_rows(built), key=lambda r: -r["final"] if built["direction"] == "maximize" else r["final"])
-    t = Table(title=f"{built['task']} x {built['space']['name']}: {len(rows)} of {built['architectures_in_space']}"
-                    f" architectures, {built['epochs']} epochs, seeds per architecture as shown")
+    t = Table(title=log_title(f"{built['task']} x {built['space']['name']}: {len(rows)} of {built['architectures_in_space']}"
+                              f" architectures, {built['epochs']} epochs, seeds per architecture as shown", console))
     for col in ("architecture", "params", "seeds", f"final val {built['primary_metric']} (mean)", "epoch seconds alone (mean)"):
         t.add_column(col, justify="left" if col == "architecture" else "right")
     for r in rows:
         t.add_row(r["arch"], f"{r['params']:,}", str(r["seeds"]), f"{r['final']:.4f}", f"{r['epoch_seconds']:.2f}")
-    console = Console()
     console.print(t)
     console.print(f"training time of the table's runs, alone on {built['device']}: {seconds_of(built) / 60:.1f} min")
 

@@ -86,7 +86,8 @@ def _one_trial(study, number: int):
         state = trial_state(t)
         why = {"pruned": "was pruned before it finished", "rejected": "was rejected (an invalid architecture)",
                "failed": "failed", "running": "is still running", "waiting": "has not started",
-               "duplicate": f"proposed trial {t.user_attrs.get('duplicate_of')}'s architecture again and was not trained"}[state]
+               "duplicate": f"proposed trial {t.user_attrs.get('duplicate_of')}'s architecture again and was not trained",
+               "over_budget": "was asked when the budget was full already and was not trained"}[state]
         raise HeadsearchError(
             f"trial {number} of study {study.study_name} {why}: only complete trials have results to reproduce;"
             f" pick a complete one (--pareto, --best METRIC, or a number from `headsearch report`)")

@@ -29,8 +29,8 @@ from headsearch.search.report import StudyReport, importance_evaluator
 
 GREY = "#b0b0b0"
 FRONT = "#d62728"
-STATE_STYLE = {"complete": "-", "pruned": "--", "failed": ":", "running": "-", "waiting": "-", "duplicate": ":"}
-PLOTLY_DASH = {"complete": "solid", "pruned": "dash", "failed": "dot", "running": "solid", "waiting": "solid", "duplicate": "dot"}
+STATE_STYLE = {"complete": "-", "pruned": "--", "failed": ":", "running": "-", "waiting": "-", "duplicate": ":", "over_budget": ":"}
+PLOTLY_DASH = {"complete": "solid", "pruned": "dash", "failed": "dot", "running": "solid", "waiting": "solid", "duplicate": "dot", "over_budget": "dot"}
 
 
 def check_plot_libraries() -> None:

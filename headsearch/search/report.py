@@ -200,7 +200,8 @@ def pruned_text(p: dict[str, Any], direction: str | None = None) -> str:
     return text
 
 
-def _note(t, state: str, primary_direction: str | None) -> str:
+def trial_note(t, state: str, primary_direction: str | None) -> str:
+    """Why a finished trial ended as it did (`state`: snapshot.trial_state's name); "" for a complete one."""
     a = t.user_attrs
     if state == "pruned" and isinstance(a.get("pruned"), dict):
         return pruned_text(a["pruned"], primary_direction)
@@ -210,6 +211,8 @@ def _note(t, state: str, primary_direction: str | None) -> str:
         return str(a.get("fail_reason", "failed (no reason recorded)"))
     if state == "duplicate":
         return f"proposed trial {a['duplicate_of']}'s architecture again: not trained, not counted"
+    if state == "over_budget":
+        return f"asked when {a['over_budget']} earlier trials filled the budget already: not trained, not counted"
     if a.get("duplicate_of") is not None:  # studies before headsearch 0.x reused a twin's results
         return f"duplicate of trial {a['duplicate_of']} (results reused)"
     return ""
@@ -411,7 +414,7 @@ def summarize(storage_url: str, study_name: str | None = None, *, study=None) ->
         state = trial_state(t)
         values = {o.name: (t.values[i] if t.values is not None else None) for i, o in enumerate(objectives)}
         rows.append(TrialRow(number=t.number, state=state, arch=t.user_attrs.get("arch", ""), values=values,
-                             epochs_run=t.user_attrs.get("epochs_run"), note=_note(t, state, primary_direction),
+                             epochs_run=t.user_attrs.get("epochs_run"), note=trial_note(t, state, primary_direction),
                              duplicate_of=t.user_attrs.get("duplicate_of")))
     counts = count_states(trials)
     if sum(counts.values()) != len(trials):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -39,7 +40,8 @@ from headsearch.search.pruning import (PROGRESS_RULES, Progress, RulePruner, com
                                       make_optuna_pruner, progress_of)
 from headsearch.search.settings import SearchSettings, check_settings, load_callback
 from headsearch.search.space import SearchSpace, load_space
-from headsearch.search.storage import Heartbeat, budget_lock
+from headsearch.search.liveness import Heartbeat, SilenceWatch, StorageUnavailable, never_beaten, retry_callback
+from headsearch.search.storage import budget_lock
 from headsearch.search.study import StudyStorage, check_sampler, default_sampler, make_sampler, open_study
 from headsearch.tasks import DataSource, Task, apply_overrides, flag_overrides, get_task, resolve_config, task_reference
 from headsearch.training import check_fits, preflight
@@ -51,6 +53,12 @@ __all__ = ["Search", "SearchCallback", "SearchSettings", "TrialPruning", "arch_s
 
 FEASIBILITY_SAMPLES = 200  # random architectures tried before a space is declared to have no valid one
 WAIT = object()  # _next_trial: the budget is held by running trials; ask again later
+# The states of the trials that fill the budget (besides a rejected architecture, PRUNED: counted too).
+COUNTED_STATES = ("COMPLETE", "PRUNED", "RUNNING", "WAITING")
+
+
+class _OverBudget(Exception):
+    """The trial just asked found the budget full in the storage's own order (`Search._fence`)."""
 # Proposals of an architecture some trial holds that the sampler may make in a row before the search takes
 # an architecture no trial holds itself (at random, seeded): each is a FAIL trial marked duplicate_of.
 DUPLICATE_ASKS = 5
@@ -125,6 +133,7 @@ class Search:
         self._listed, self._architectures = False, None  # architectures(), listed once
         self._sampled: dict[int, RunConfig] = {}  # configs sampled under the budget lock, by trial number
         self.current_trial: int | None = None  # the number of the trial this worker is running, if any
+        self._silence: SilenceWatch | None = None  # running trials without a sign of life, as this worker saw them
         self.store: StudyStorage | None = None  # the storage of the study `open` (or `adopt`) gave this search
         # Threads a process alone on this machine uses: what the fair time measures with on a CPU
         # (a worker among several runs with fewer; `headsearch.search.workers` sets it from the parent's).
@@ -218,12 +227,17 @@ class Search:
                 return self._next_trial_locked(study)
 
     def _next_trial_locked(self, study):
-        from optuna.storages import fail_stale_trials
+        while True:
+            try:
+                return self._next_trial_once(study)
+            except _OverBudget:
+                continue  # another worker took the last place meanwhile: count again
+
+    def _next_trial_once(self, study):
         from optuna.trial import TrialState
 
         while True:
-            if self._store(study).heartbeats:
-                fail_stale_trials(study)  # a dead worker's trial -> FAIL, re-enqueued as WAITING
+            self._fail_dead_trials(study)  # a dead worker's trial -> FAIL, re-enqueued as WAITING
             trials = study.get_trials(deepcopy=False)
             states = [t.state for t in trials]
             waiting = states.count(TrialState.WAITING)
@@ -237,9 +251,9 @@ class Search:
                 )
             running = states.count(TrialState.RUNNING)
             counted = sum(states.count(s) for s in (TrialState.COMPLETE, TrialState.PRUNED)) + running + waiting
-            # Nothing left to ask: running trials hold the rest. With heartbeats, wait for them: one may
-            # belong to a dead worker and come back as a retry (or fail and free its place).
-            done = WAIT if running and self._store(study).heartbeats else None
+            # Nothing left to ask: running trials hold the rest. With heartbeats (leases on a journal), wait for
+            # them: one may belong to a dead worker and come back as a retry (or fail and free its place).
+            done = WAIT if running and self._store(study).tells_dead_workers else None
             if waiting == 0 and counted >= self.settings.trials:
                 return done
             next_point = getattr(self.space, "next_point", None)  # a grid that says which point comes next
@@ -250,7 +264,7 @@ class Search:
                 study.enqueue_trial(point)
             if next_point is not None or waiting:  # a grid's point, or an enqueued one (a retry, a warm start)
                 study.sampler = self.make_sampler(len(trials))
-                trial = study.ask()
+                trial = self._ask(study)
                 if next_point is not None or self._unless_held(study, trial, trials) is not None:
                     return trial
                 continue  # an enqueued architecture that a trial holds already: told FAIL, not trained
@@ -273,11 +287,84 @@ class Search:
                     return done
                 study.enqueue_trial(point)
             study.sampler = self.make_sampler(len(trials))
-            trial = study.ask()
+            trial = self._ask(study)
             if self._unless_held(study, trial, trials) is not None:
                 return trial
             trials.append(self._store(study).frozen_trial(trial.number))
         return done  # not reached: the last attempt takes an unheld point or returns
+
+    def _ask(self, study):
+        """`study.ask()`, its first heartbeat (or lease) recorded at once, under the budget lock, then fenced."""
+        trial = study.ask()
+        self._store(study).beat(trial.number)
+        self._fence(study, trial)
+        return trial
+
+    def _fence(self, study, trial) -> None:
+        """Make the budget exact whatever happened to the lock: if the trials created before `trial`, in the
+        storage's own order, already fill the budget, `trial` is told FAIL as over-budget (never trained, not
+        counted, holds no architecture) and `_OverBudget` raised. Every worker sees the same order, so whoever
+        asked last backs off: a worker paused past its lock's silence limit, a broken lock, a symlinked path
+        that got a second lock, an NFS client caching a lock file's time, enqueued trials beyond --trials."""
+        from optuna.trial import TrialState
+
+        counted = tuple(TrialState[name] for name in COUNTED_STATES)
+        # Trial ids, not numbers: an id is the storage's order of creation (a database's key, a journal's
+        # record), where two trials created at once on a database without the lock could share a number.
+        mine = trial._trial_id
+        before = sum(1 for t in study.get_trials(deepcopy=False) if t._trial_id < mine and t.state in counted)
+        if before < self.settings.trials:
+            return
+        trial.set_user_attr("over_budget", before)
+        study.tell(trial, state=TrialState.FAIL)
+        self._store(study).ended(trial.number)
+        raise _OverBudget
+
+    def _fail_dead_trials(self, study) -> None:
+        """Fail the RUNNING trials of dead workers, each re-enqueued as WAITING (Optuna's retry callback, up to
+        twice): on a database, Optuna's stale heartbeats, and trials that never recorded one (a worker killed
+        between `ask` and its first heartbeat); on a journal file or a Redis journal, trials whose lease was
+        not renewed. Silence is judged over 3 heartbeats of this worker's own clock."""
+        from optuna.trial import TrialState
+
+        store = self._store(study)
+        if not store.tells_dead_workers:
+            return
+        if self._silence is None:
+            self._silence = SilenceWatch(3 * store.heartbeat)
+        if store.heartbeats:
+            # Optuna's own test (`fail_stale_trials`), with a reason recorded: a heartbeat older than the grace
+            # period by the database's clock.
+            for trial_id in store.storage._get_stale_trial_ids(store.study_id):
+                self._give_up(study, trial_id, "interrupted (its heartbeat stopped: its worker died or lost the storage)")
+            ids = never_beaten(store.storage, store.study_id)
+            reason = "interrupted (its worker stopped before its first heartbeat)"
+            silent = self._silence.silent({("id", i): None for i in ids})
+            dead = [i for _, i in silent]
+        else:
+            running = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.RUNNING]
+            reason = "interrupted (its worker stopped renewing its lease)"
+            silent = self._silence.silent({("lease", t.number): store.leases.read(t.number) for t in running})
+            dead = [store.trial_id(n) for _, n in silent]
+        for key, trial_id in zip(silent, dead):
+            self._silence.forget(key)
+            self._give_up(study, trial_id, reason)
+
+    def _give_up(self, study, trial_id: int, reason: str) -> None:
+        """Tell a dead worker's trial FAIL with `reason` (not counted, holds no architecture) and retry it."""
+        from optuna.exceptions import UpdateFinishedTrialError
+        from optuna.trial import TrialState
+
+        storage = self._store(study).storage
+        try:
+            storage.set_trial_user_attr(trial_id, "fail_reason", reason)
+            if not storage.set_trial_state_values(trial_id, state=TrialState.FAIL):
+                return
+        except UpdateFinishedTrialError:  # it ended meanwhile (its worker was alive after all)
+            return
+        frozen = storage.get_trial(trial_id)
+        self._store(study).ended(frozen.number)
+        retry_callback()(study, frozen)
 
     def _unless_held(self, study, trial, trials: list):
         """`trial`, its config sampled and kept for `_begin_trial`; or None when a trial in `trials` holds its
@@ -310,11 +397,16 @@ class Search:
             if trial is None:
                 break
             if trial is WAIT:
-                time.sleep(min(self.settings.heartbeat, 10))
+                time.sleep(self.wait_seconds())
                 continue
             self.current_trial = trial.number
             self.run_trial(study, trial, worker_index, callbacks, argv)
             self.current_trial = None
+
+    def wait_seconds(self) -> float:
+        """How long a worker waits before counting again while running trials hold the rest of the budget:
+        a tenth of the silence after which a dead worker's trial is failed, between 1 and 10 seconds."""
+        return min(10.0, max(1.0, 0.3 * (self.settings.heartbeat or 10)))
 
     def check_data(self) -> None:
         """Load the data once on the CPU and let it go: missing or malformed data fails here (worker processes
@@ -381,8 +473,10 @@ class Search:
             error = None
 
     def _heartbeat(self, study, number: int) -> Heartbeat:
+        """The running trial's heartbeats (a database) or lease renewals (a journal), after the first one `_ask`
+        recorded."""
         store = self._store(study)
-        return Heartbeat(store.storage, store.trial_id(number), self.settings.heartbeat)
+        return Heartbeat(lambda: store.beat(number), self.settings.heartbeat)
 
     def _begin_trial(self, study, trial, device, callbacks: Sequence[SearchCallback]) -> "TrialRun | str":
         """A trial's config, run directory, pruning and fair clock, or the name of the state it ended in
@@ -418,14 +512,38 @@ class Search:
                    callbacks: Sequence[SearchCallback], reraise: bool = True) -> str:
         """Tell the study how a trial ended: COMPLETE with its objectives (`result`), PRUNED, or FAIL with
         its reason. An interruption or an unexpected error is re-raised after the trial is told (unless
-        `reraise` is False: a cohort telling its other trials first)."""
+        `reraise` is False: a cohort telling its other trials first). Two endings are not told: the storage
+        gone (`StorageUnavailable`, re-raised: the trial's heartbeat or lease stops and a resumed search
+        retries it, so it is never recorded failed for good), and a trial another worker already gave up
+        (this worker was paused past 3 heartbeats: its retry trains it again): "LOST"."""
+        from optuna.exceptions import UpdateFinishedTrialError
+
+        if run.tensorboard is not None:
+            run.tensorboard.close()
+        if isinstance(error, StorageUnavailable):
+            raise error
+        try:
+            if not self._store(study).frozen_trial(run.trial.number).state.is_finished():
+                return self._tell_end(study, run, result, error, callbacks, reraise)
+        except UpdateFinishedTrialError:  # given up between the check and the tell
+            pass
+        finally:
+            self._store(study).ended(run.trial.number)
+        print(f"trial {run.trial.number} was failed by another worker while this one was paused (past 3 heartbeats):"
+              " its result is dropped and its retry trains it again", file=sys.stderr, flush=True)
+        for cb in callbacks:
+            cb.on_trial_end(run.trial.number, "LOST")
+        if reraise and error is not None and not isinstance(error, Exception):  # Ctrl-C still stops the worker
+            raise error
+        return "LOST"
+
+    def _tell_end(self, study, run: "TrialRun", result, error: BaseException | None,
+                  callbacks: Sequence[SearchCallback], reraise: bool) -> str:
         import optuna
         import torch
         from optuna.trial import TrialState
 
         trial, pruning = run.trial, run.pruning
-        if run.tensorboard is not None:
-            run.tensorboard.close()
         state, values = TrialState.FAIL, None
         if error is None:
             values = [o.value(result) for o in self.objectives]
@@ -504,7 +622,7 @@ class Search:
                     elif trial is WAIT:
                         if cohort.occupied:
                             break  # train the trials at hand; ask again after their epoch
-                        time.sleep(min(self.settings.heartbeat, 10))
+                        time.sleep(self.wait_seconds())
                     else:
                         self._join(study, trial, cohort, device, callbacks, argv, beats)
                 if not cohort.occupied:

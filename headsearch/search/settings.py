@@ -60,19 +60,49 @@ def check_settings(s: SearchSettings) -> None:
         raise ConfigError(f"--track-diversity {s.diversity_samples} must be 0 (off) or a number of samples")
     if s.heartbeat < 0:
         raise ConfigError(f"--heartbeat {s.heartbeat}: give seconds between heartbeats (0 turns them off)")
-    check_run_root(Path(s.run_root))
+    if s.study is not None:
+        if problem := study_name_problem(s.study):
+            raise ConfigError(f"--study {s.study!r} {problem}")
+    check_run_root(Path(s.run_root), s.study)
     if s.tensorboard is not None:
         from headsearch.training.tensorboard import check_tensorboard
 
         check_tensorboard(s.tensorboard)
 
 
-def check_run_root(root: Path) -> None:
-    """The trials' run directories go under `root`: it must be (or become) a writable folder."""
+def check_run_root(root: Path, study: str | None = None) -> None:
+    """The trials' run directories go under `root`/`study`: it must be (or become) a writable folder."""
     from headsearch.io import folder_problem
 
     if problem := folder_problem(root, "the trials' run directories"):
         raise ConfigError(f"--run-root {root}{problem}")
+    if study and (Path(root) / study).exists() and not (Path(root) / study).is_dir():
+        raise ConfigError(f"--run-root {root}: {Path(root) / study} is a file, where study {study}'s run directories"
+                          " go: move it away or give another --run-root")
+
+
+# The longest study name that is still a folder name (its run directories go in RUN_ROOT/<study>/).
+MAX_STUDY_NAME_BYTES = 255
+
+
+def study_name_problem(name: str) -> str | None:
+    """What makes `name` unusable as the name of a study a command creates, whose run directories go in
+    RUN_ROOT/<name>/: the rest of a sentence that starts with the option and the name, advice included;
+    None if nothing."""
+    if not name.strip():
+        return "is empty: give the study a name, or leave --study out for the default name"
+    if name != name.strip():
+        return "begins or ends with a space: give the name without it"
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        return "holds a control character (a newline, a tab): give a name of printable characters"
+    if "/" in name or "\\" in name:
+        return "holds a slash: the study's run directories go in RUN_ROOT/<study>/, so give a name without / or \\"
+    if name in (".", ".."):
+        return "is not a folder name: the study's run directories go in RUN_ROOT/<study>/, so give another name"
+    if len(name.encode("utf-8", "surrogateescape")) > MAX_STUDY_NAME_BYTES:
+        return (f"is longer than {MAX_STUDY_NAME_BYTES} bytes, too long for a folder name (its run directories go in"
+                " RUN_ROOT/<study>/): give a shorter name")
+    return None
 
 
 def check_process_counts(s: SearchSettings) -> None:

@@ -16,19 +16,22 @@ class Snapshot:
         return self.counts["complete"] + self.counts["pruned"] + self.counts["rejected"]
 
 
-TRIAL_STATES = ("complete", "pruned", "rejected", "failed", "running", "waiting", "duplicate")
+TRIAL_STATES = ("complete", "pruned", "rejected", "failed", "running", "waiting", "duplicate", "over_budget")
 
 
 def trial_state(t) -> str:
     """A trial's state as headsearch names it (one of TRIAL_STATES): a rejected architecture is stored
     PRUNED with user_attr "rejected"; a proposal of an architecture another trial holds, FAIL with
-    user_attr "duplicate_of" (never trained, not counted toward --trials)."""
+    user_attr "duplicate_of" (never trained, not counted toward --trials); a trial asked when the budget was
+    full already (the budget's fence, headsearch.search.runner), FAIL with user_attr "over_budget" (the same)."""
     from optuna.trial import TrialState
 
     if t.state == TrialState.PRUNED:
         return "rejected" if "rejected" in t.user_attrs else "pruned"
     if t.state == TrialState.FAIL and t.user_attrs.get("duplicate_of") is not None:
         return "duplicate"
+    if t.state == TrialState.FAIL and t.user_attrs.get("over_budget") is not None:
+        return "over_budget"
     return {TrialState.COMPLETE: "complete", TrialState.FAIL: "failed", TrialState.RUNNING: "running",
             TrialState.WAITING: "waiting"}[t.state]
 
@@ -40,11 +43,13 @@ def count_states(trials) -> dict[str, int]:
     return counts
 
 
-def snapshot(study) -> Snapshot:
+def snapshot(study, trials=None) -> Snapshot:
+    """The study's snapshot; of `trials` (the study's, read already) when given."""
     from optuna.study import StudyDirection
     from optuna.trial import TrialState
 
-    trials = study.get_trials(deepcopy=False)
+    if trials is None:
+        trials = study.get_trials(deepcopy=False)
     snap = Snapshot(count_states(trials))
     names = study.metric_names or [f"objective {i}" for i in range(len(study.directions))]
     complete = [t for t in trials if t.state == TrialState.COMPLETE and t.values is not None]

@@ -134,15 +134,35 @@ class StudyStorage:
     frozen record right after it was told.
     """
 
-    def __init__(self, storage, study_name: str) -> None:
+    def __init__(self, storage, study_name: str, leases=None, heartbeat: int | None = None) -> None:
         self.storage, self.study_name = storage, study_name
         self.study_id = storage.get_study_id_from_name(study_name)
         self._ids: dict[int, int] = {}  # trial number -> trial id (fixed once the trial exists)
+        self.leases = leases  # a journal's or Redis journal's TrialLeases (headsearch.search.liveness), or None
+        self.heartbeat = heartbeat  # seconds between a running trial's heartbeats or lease renewals (None: none)
 
     @property
     def heartbeats(self) -> bool:
         """Whether the storage records heartbeats (Optuna's RDB storage; journal and in-memory ones do not)."""
-        return hasattr(self.storage, "record_heartbeat")
+        return hasattr(self.storage, "record_heartbeat") and bool(self.storage.get_heartbeat_interval())
+
+    @property
+    def tells_dead_workers(self) -> bool:
+        """Whether a dead worker's RUNNING trial is found and retried on this storage: heartbeats on a database,
+        leases on a journal (a waiting worker waits for them; without, it stops when only running trials are left)."""
+        return self.heartbeats or (self.leases is not None and bool(self.heartbeat))
+
+    def beat(self, number: int) -> None:
+        """A sign of life for running trial `number`: its heartbeat, or its lease renewed."""
+        if self.heartbeats:
+            self.storage.record_heartbeat(self.trial_id(number))
+        elif self.leases is not None and self.heartbeat:
+            self.leases.renew(number)
+
+    def ended(self, number: int) -> None:
+        """Trial `number` is over (told, or given up): its lease goes."""
+        if self.leases is not None:
+            self.leases.release(number)
 
     def trial_id(self, number: int) -> int:
         if number not in self._ids:
@@ -162,13 +182,16 @@ class StudyStorage:
 
 
 def open_study(storage_url: str, heartbeat: int | None, study_name: str, *, metric_names: Sequence[str],
-               directions: Sequence[str], attrs: Mapping[str, Any], sampler, pruner):
+               directions: Sequence[str], attrs: Mapping[str, Any], sampler, pruner, patience: float | None = None):
     """Create the study, or load it and check it is the same search (`attrs`: its `headsearch` attributes).
     Returns (the study, its `StudyStorage`). For an RDB storage the study reads through Optuna's cache of
-    finished trials around the same `RDBStorage`; writes go straight to the database either way."""
+    finished trials around the same `RDBStorage`; writes go straight to the database either way. The storage
+    is patient (headsearch.search.liveness): an unreachable storage is waited for up to `patience` seconds."""
     import optuna
 
-    storage = open_storage(storage_url, heartbeat)
+    from headsearch.search.liveness import TrialLeases, patient
+
+    storage = patient(open_storage(storage_url, heartbeat), storage_url, patience)
     study = optuna.create_study(storage=storage, study_name=study_name, directions=list(directions),
                                 sampler=sampler, pruner=pruner, load_if_exists=True)
     stored = study.user_attrs.get("headsearch")
@@ -179,7 +202,8 @@ def open_study(storage_url: str, heartbeat: int | None, study_name: str, *, metr
             study.set_metric_names(list(metric_names))
     else:
         check_same_search(stored, attrs, study_name, storage_url)
-    return study, StudyStorage(storage, study_name)
+    leases = TrialLeases(storage_url, study_name) if TrialLeases.supported(storage_url) else None
+    return study, StudyStorage(storage, study_name, leases=leases, heartbeat=heartbeat)
 
 
 def check_same_search(stored: Mapping[str, Any], mine: Mapping[str, Any], study_name: str, storage_url: str) -> None:

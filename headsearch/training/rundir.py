@@ -66,7 +66,9 @@ def check_run_dir(path: Path) -> None:
     parent = path
     while not parent.exists():
         parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+    if not parent.is_dir():
+        raise HeadsearchError(f"output directory {path} is inside {parent}, which is a file: choose another --out")
+    if not os.access(parent, os.W_OK | os.X_OK):
         raise HeadsearchError(f"cannot write the output directory {path}: {parent} is not writable, choose another --out")
 
 

@@ -1,0 +1,298 @@
+"""Whether the storage is there, and whether each running trial's worker is alive.
+
+- **A patient storage** (`patient`): an Optuna storage whose calls, when the storage cannot be reached (a
+  database restarting, a Redis stall, a dropped connection), are tried again for up to `patience` seconds
+  with a line on stderr, then raise `StorageUnavailable` (one line: what to do). Nothing is recorded as
+  failed for good: the running trial's heartbeat or lease stops, and a resumed search retries it.
+- **Leases** (`TrialLeases`): Optuna records heartbeats on database storages only (its journal-heartbeat
+  proposal was closed unmerged), so on a journal file or a Redis journal a killed worker's trial would stay
+  RUNNING and hold a budget place forever. headsearch keeps a lease per running trial there, renewed with
+  the heartbeat: a file per trial in `FILE.leases/` beside a journal, a key per trial in a Redis journal.
+- **Silence** (`SilenceWatch`): a lease, or a database trial that never recorded a heartbeat, is judged by
+  what this worker saw of it on its own monotonic clock: unchanged for `silence` seconds means its worker
+  is gone. No clocks of two machines are compared (a journal's NFS mtimes, a skewed node).
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+import threading
+import time
+import uuid
+import zlib
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from headsearch.errors import HeadsearchError
+
+STORAGE_PATIENCE = 120.0  # seconds a storage may be unreachable before the search stops (HEADSEARCH_STORAGE_PATIENCE)
+
+
+class StorageUnavailable(HeadsearchError):
+    """The storage could not be reached for `patience` seconds: the search stops; resuming retries its trials."""
+
+
+def storage_patience() -> float:
+    raw = os.environ.get("HEADSEARCH_STORAGE_PATIENCE")
+    try:
+        return float(raw) if raw else STORAGE_PATIENCE
+    except ValueError:
+        raise HeadsearchError(f"HEADSEARCH_STORAGE_PATIENCE={raw!r} is not a number of seconds: unset it or give e.g. 120") from None
+
+
+def _chain(e: BaseException) -> Iterable[BaseException]:
+    seen: set[int] = set()
+    err: BaseException | None = e
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        yield err
+        err = err.__cause__ if err.__cause__ is not None else err.__context__
+
+
+# The driver errors that mean the server is not there, or not now (not a bad query, not a constraint).
+_GONE = ("OperationalError", "InterfaceError", "DisconnectionError", "ConnectionError", "TimeoutError",
+         "BusyLoadingError", "ConnectionRefusedError", "ConnectionResetError", "BrokenPipeError")
+_DRIVERS = ("sqlalchemy", "redis", "psycopg", "pymysql", "MySQLdb", "sqlite3", "builtins")
+
+
+def unavailable(e: BaseException) -> str | None:
+    """The first line of why the storage could not be reached when `e` (or what caused it) says so; None
+    for any other error (a bug, a finished trial updated, a constraint), which is not retried."""
+    for err in _chain(e):
+        kind = type(err)
+        if kind.__name__ in _GONE and (kind.__module__ or "").startswith(_DRIVERS):
+            text = str(err).strip()
+            first = text.splitlines()[0] if text else kind.__name__
+            return re.sub(r"^\([\w.]+\) ", "", first)[:200]
+    return None
+
+
+# The storage calls a search makes (Optuna's BaseStorage, and the heartbeat's): each is retried whole.
+RETRIED = ("create_new_study", "delete_study", "set_study_user_attr", "set_study_system_attr", "get_study_id_from_name",
+           "get_study_name_from_id", "get_study_directions", "get_study_user_attrs", "get_study_system_attrs",
+           "get_all_studies", "create_new_trial", "set_trial_param", "get_trial_id_from_study_id_trial_number",
+           "get_trial_number_from_id", "get_trial_param", "set_trial_state_values", "set_trial_intermediate_value",
+           "set_trial_user_attr", "set_trial_system_attr", "get_trial", "get_all_trials", "get_n_trials",
+           "get_best_trial", "get_trial_params", "get_trial_user_attrs", "get_trial_system_attrs",
+           "record_heartbeat", "_get_stale_trial_ids", "read_logs", "append_logs",
+           # what Optuna's cache in front of a database storage calls (private, Optuna 4.0 to 5.0)
+           "_create_new_trial", "_get_best_trial_id", "_get_trials", "_set_trial_param")
+
+
+class _Notice:
+    """At most one line every `every` seconds, whoever calls (the training loop, the heartbeat thread)."""
+
+    def __init__(self, every: float = 10.0):
+        self.every, self._last, self._lock = every, 0.0, threading.Lock()
+
+    def __call__(self, line: str) -> None:
+        with self._lock:
+            if time.monotonic() - self._last < self.every:
+                return
+            self._last = time.monotonic()
+        print(line, file=sys.stderr, flush=True)
+
+
+def patient(storage, url: str, patience: float | None = None, say: Callable[[str], None] | None = None):
+    """`storage` (an Optuna storage object, changed in place and returned) whose calls are tried again while
+    the storage cannot be reached, for up to `patience` seconds (`storage_patience()`), then raise
+    StorageUnavailable. Its class becomes a subclass of its own, so Optuna treats it exactly as before
+    (an RDBStorage still gets Optuna's cache, heartbeats still count as heartbeats)."""
+    patience = storage_patience() if patience is None else patience
+    say = say or _Notice()
+    # A journal's calls are retried at its backend's reads and appends (retrying a whole storage call would
+    # append its records twice); a database's at each storage call (each is one transaction).
+    backend = getattr(storage, "_backend", None)
+    _make_patient(backend if backend is not None else storage, url, patience, say)
+    return storage
+
+
+def _make_patient(obj, url: str, patience: float, say) -> None:
+    cls = type(obj)
+    if getattr(cls, "_headsearch_patient", False):
+        return
+
+    def retrying(name: str, method):
+        def call(self, *args, **kwargs):
+            start, wait = time.monotonic(), 0.25
+            while True:
+                try:
+                    return method(self, *args, **kwargs)
+                except Exception as e:
+                    why = unavailable(e)
+                    if why is None:
+                        raise
+                    waited = time.monotonic() - start
+                    if waited >= patience:
+                        raise StorageUnavailable(
+                            f"storage {url} unreachable for {waited:.0f} s ({why}): the search stopped; finished trials"
+                            " are kept, and the same command resumes once the storage is back (the running trial is"
+                            " retried)") from None
+                    say(f"storage {url} unreachable ({why}); retrying for up to {patience - waited:.0f} s more")
+                    time.sleep(min(wait, max(0.0, patience - waited)))
+                    wait = min(wait * 2, 5.0)
+
+        call.__name__ = name
+        return call
+
+    methods = {name: retrying(name, getattr(cls, name)) for name in RETRIED if callable(getattr(cls, name, None))}
+    obj.__class__ = type(cls.__name__, (cls,), {**methods, "_headsearch_patient": True, "__module__": cls.__module__})
+
+
+# ----------------------------------------------------------------------------------------------- leases
+
+
+class TrialLeases:
+    """A lease per running trial on a journal file (`FILE.leases/STUDY-KEY/NUMBER`, a small file rewritten
+    on each renewal) or a Redis journal (`headsearch:lease:STUDY:NUMBER`, a counter). A lease proves its
+    worker alive by changing; `SilenceWatch` judges it."""
+
+    def __init__(self, url: str, study_name: str):
+        from headsearch.search.storage import journal_path, normalize_url
+
+        self.url, self.study_name = normalize_url(url), study_name
+        self.owner = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        path = journal_path(self.url)
+        self.folder = None
+        self._redis = None
+        if path is not None:
+            safe = re.sub(r"[^\w.-]", "_", study_name)[:60]
+            self.folder = Path(os.path.realpath(path)).with_name(Path(path).name + ".leases") / \
+                f"{safe}-{zlib.crc32(study_name.encode()):08x}"
+        self._counts: dict[int, int] = {}
+
+    @staticmethod
+    def supported(url: str) -> bool:
+        from headsearch.search.storage import journal_path, normalize_url
+
+        url = normalize_url(url)
+        return journal_path(url) is not None or url.startswith("redis://")
+
+    def _client(self):
+        if self._redis is None:
+            import redis
+
+            self._redis = redis.Redis.from_url(self.url, socket_timeout=30, socket_connect_timeout=10)
+        return self._redis
+
+    def _key(self, number: int) -> str:
+        return f"headsearch:lease:{self.study_name}:{number}"
+
+    def renew(self, number: int) -> None:
+        """Start or renew the lease of trial `number` (its worker is alive)."""
+        n = self._counts[number] = self._counts.get(number, 0) + 1
+        if self.folder is not None:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            tmp = self.folder / f".{number}.{self.owner.replace(':', '-')}.tmp"
+            tmp.write_text(f"{self.owner} {n}\n")
+            os.replace(tmp, self.folder / str(number))
+        else:
+            # The key expires a day after its last renewal: leases of finished trials clean themselves up.
+            self._client().set(self._key(number), f"{self.owner} {n}", ex=86_400)
+
+    def release(self, number: int) -> None:
+        self._counts.pop(number, None)
+        try:
+            if self.folder is not None:
+                (self.folder / str(number)).unlink(missing_ok=True)
+            else:
+                self._client().delete(self._key(number))
+        except Exception:  # a lease left behind only costs a file or a key; a finished trial is never judged
+            pass
+
+    def read(self, number: int) -> Any:
+        """What the lease of trial `number` holds now (None: no lease)."""
+        if self.folder is not None:
+            try:
+                return (self.folder / str(number)).read_text()
+            except FileNotFoundError:
+                return None
+        return self._client().get(self._key(number))
+
+
+class SilenceWatch:
+    """Which running trials have been silent for `silence` seconds, as this worker saw them: a trial is
+    silent while what `read(trial)` gives does not change (a lease not renewed, a heartbeat never recorded)."""
+
+    def __init__(self, silence: float):
+        self.silence = silence
+        self._seen: dict[Any, tuple[Any, float]] = {}
+
+    def silent(self, current: dict[Any, Any]) -> list:
+        """`current`: {trial: what its sign of life reads now}, for the trials running now. Returns those
+        unchanged for `silence` seconds of this worker's clock."""
+        now = time.monotonic()
+        for key in list(self._seen):
+            if key not in current:
+                del self._seen[key]
+        out = []
+        for key, value in current.items():
+            seen = self._seen.get(key)
+            if seen is None or seen[0] != value:
+                self._seen[key] = (value, now)
+            elif now - seen[1] >= self.silence:
+                out.append(key)
+        return out
+
+    def forget(self, key: Any) -> None:
+        self._seen.pop(key, None)
+
+
+def never_beaten(storage, study_id: int) -> list[int]:
+    """Ids of the study's RUNNING trials that have no heartbeat record (an RDB storage): a worker killed
+    between `ask` and its first heartbeat leaves one, which Optuna's `fail_stale_trials` never fails."""
+    import sqlalchemy as sa
+
+    engine = getattr(storage, "engine", None) or getattr(getattr(storage, "_backend", None), "engine", None)
+    if engine is None:
+        return []
+    query = sa.text("SELECT t.trial_id FROM trials t LEFT JOIN trial_heartbeats h ON h.trial_id = t.trial_id"
+                    " WHERE t.study_id = :s AND t.state = 'RUNNING' AND h.trial_id IS NULL")
+    with engine.connect() as conn:
+        return [row[0] for row in conn.execute(query, {"s": study_id})]
+
+
+def retry_callback(max_retry: int = 2):
+    """Optuna's callback that re-enqueues a failed trial as WAITING (at most `max_retry` times)."""
+    import warnings
+
+    import optuna
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        try:
+            from optuna.storages import RetryHeartbeatStaleTrialCallback as Retry  # Optuna >= 4.9
+        except ImportError:
+            from optuna.storages import RetryFailedTrialCallback as Retry
+        return Retry(max_retry=max_retry)
+
+
+class Heartbeat:
+    """Call `beat()` every `interval` seconds from a daemon thread while a trial runs (its heartbeat on a
+    database, its lease on a journal: `StudyStorage.beat`). The first beat is the caller's, under the budget
+    lock, right after `ask`: no trial is ever RUNNING without one."""
+
+    def __init__(self, beat: Callable[[], None], interval: int | None):
+        self.beat, self.interval = beat, interval
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> "Heartbeat":
+        if self.interval:
+            self._thread = threading.Thread(target=self._beat, daemon=True, name="headsearch-heartbeat")
+            self._thread.start()
+        return self
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.beat()
+            except Exception:  # a transient storage error must not kill training; the next beat retries
+                pass
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
