@@ -262,3 +262,29 @@ def test_shell_completion_completes_commands_and_options():
     assert complete("headsearch ta") == ["tasks", "table"]
     assert complete("headsearch run --pru") == ["--pruner", "--pruner-startup", "--pruner-warmup", "--pruner-min-epochs",
                                                 "--pruner-reduction-factor"]
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["export", "--study", "s", "--out", ""], "--out"),
+    (["report", "--plots="], "--plots"),
+    (["run", "--task", "vit-cifar10", "--run-root", " "], "--run-root"),
+    (["train", "--task", "vit-cifar10", "--tensorboard", ""], "--tensorboard"),
+    (["dashboard", "--artifact-dir="], "--artifact-dir"),
+    (["export", "--study", "s", "--out", "best/"], None),
+    (["run", "--study", ""], None),  # a name, not an output: its own check (test_fuzz.NAMES_AND_PATHS)
+])
+def test_an_empty_output_path_is_found_on_the_raw_command_line(argv, flag):
+    """Typer reads `--out ""` as Path("."), the current folder: the raw argument is the only place to see it."""
+    from headsearch.cli.checks import empty_output_flag
+
+    assert empty_output_flag(argv) == flag
+
+
+def test_an_empty_output_path_is_one_line_and_writes_nothing(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "headsearch", "export", "--storage", f"sqlite:///{tmp_path / 'h.db'}",
+                           "--study", "s", "--pareto", "--out", ""], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip() == "error: --out is empty: give the path to write to (. for the current folder)"
+    assert list(tmp_path.iterdir()) == []

@@ -147,7 +147,7 @@ def _out_not_empty(d, cifar, write_yaml):
 
 def _out_under_a_file(d, cifar, write_yaml):
     (d / "a-file").write_text("not a folder\n")
-    return ["--task", "vit-cifar10", "--data-dir", cifar, "--out", d / "a-file" / "run"], "cannot write the output directory"
+    return ["--task", "vit-cifar10", "--data-dir", cifar, "--out", d / "a-file" / "run"], "which is a file: choose another --out"
 
 
 _EARLY = [_unknown_task, _unknown_preset, _missing_config, _malformed_config, _heads_do_not_divide,

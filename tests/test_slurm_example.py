@@ -1,5 +1,5 @@
-"""examples/slurm: the per-task command of the Slurm job array (task.sh), run twice at once on this machine as two
-nodes run it, against one PostgreSQL study. The budget is exact, each node trains in its own process, and no
+"""examples/slurm: the per-task command of the Slurm job array (task.sh), run three times at once on this machine as
+three nodes run it, against one PostgreSQL study on a new, empty database. The budget is exact, each node trains in its own process, and no
 architecture is trained twice."""
 import os
 import subprocess
@@ -7,8 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from test_search import _check_budget_filled_once
+from test_search import FreshDatabase, _check_budget_filled_once
 
 SLURM = Path(__file__).resolve().parents[1] / "examples" / "slurm"
 
@@ -31,20 +30,24 @@ def test_the_sbatch_script_runs_the_task_script_for_every_array_task():
 
 
 @pytest.mark.slow
-def test_two_nodes_running_the_array_task_fill_the_budget_exactly(pg_url, pg_study, cifar_dir, tmp_path):
-    env = node_env(pg_url, pg_study, cifar_dir, tmp_path)
-    nodes = [subprocess.Popen(["bash", str(SLURM / "task.sh")], cwd=tmp_path, env={**env, "SLURM_ARRAY_TASK_ID": str(i)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-    outputs = [node.communicate(timeout=300) for node in nodes]
-    for node, (out, err) in zip(nodes, outputs):
-        assert node.returncode == 0, err[-3000:]
-        assert f"study {pg_study}: " in out  # each node prints the study's summary
-    study = _check_budget_filled_once(pg_url, pg_study, 4)
-    # Each node trained in its own process (task.sh execs headsearch: the node's pid is the trainer's).
-    pids = {int(t.user_attrs["worker"].rsplit(":", 1)[1]) for t in study.trials}
-    assert pids <= {node.pid for node in nodes}
-    architectures = [tuple(sorted(t.params.items())) for t in study.trials]
-    assert len(set(architectures)) == 4, architectures
+def test_three_nodes_starting_together_on_a_fresh_database_fill_the_budget_exactly(pg_url, cifar_dir, tmp_path):
+    """The array's first submission: three tasks start at once on a new, empty database (Optuna creates its tables
+    on first use, under headsearch's schema lock). Every task exits 0 and the study holds exactly --trials."""
+    with FreshDatabase(pg_url) as url:
+        study = "slurm-fresh"
+        env = node_env(url, study, cifar_dir, tmp_path)
+        nodes = [subprocess.Popen(["bash", str(SLURM / "task.sh")], cwd=tmp_path, env={**env, "SLURM_ARRAY_TASK_ID": str(i)},
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(3)]
+        outputs = [node.communicate(timeout=300) for node in nodes]
+        for node, (out, err) in zip(nodes, outputs):
+            assert node.returncode == 0, err[-3000:]
+            assert f"study {study}: " in out  # each node prints the study's summary
+        trials = _check_budget_filled_once(url, study, 4).trials
+        # Each node trained in its own process (task.sh execs headsearch: the node's pid is the trainer's).
+        pids = {int(t.user_attrs["worker"].rsplit(":", 1)[1]) for t in trials}
+        assert pids <= {node.pid for node in nodes}
+        architectures = [tuple(sorted(t.params.items())) for t in trials]
+        assert len(set(architectures)) == 4, architectures
 
 
 def test_the_task_script_names_what_is_missing(tmp_path):

@@ -4,6 +4,7 @@ behaving under faults: a holder never removes another's lock file, a stale one i
 ended under a holder or a waiter is no traceback, session timeouts, symlinks, unwritable lock files, Optuna's own
 journal lock left by a killed writer, a frozen Redis. The whole searches with `--workers 2` on each storage are
 in test_search.py."""
+import os
 import threading
 import time
 import uuid
@@ -533,3 +534,34 @@ def test_every_redis_client_headsearch_makes_has_socket_timeouts(redis_url, monk
         assert options["socket_timeout"] == 7 and options["socket_connect_timeout"] == storage.REDIS_CONNECT_TIMEOUT
     assert "socket_timeout=2" in redis_url_with_timeouts(redis_url + "?socket_timeout=2")
     assert redis_url_with_timeouts(redis_url + "?socket_timeout=2").count("socket_timeout=") == 1
+
+
+@pytest.mark.parametrize("kind", ["postgresql", "mysql"])
+def test_a_lock_connection_probes_a_silent_peer_within_a_minute(kind, request):
+    """Row 13: a holder whose host loses power keeps its session (and so its lock) until TCP notices; with the
+    system's keepalive timings that is about two hours. The lock connection probes after 30 s idle, every 10 s,
+    3 times: the server drops a dead holder's session, and its lock with it, within about a minute."""
+    import socket
+
+    url = request.getfixturevalue("pg_url" if kind == "postgresql" else "mysql_url")
+    engine = storage._lock_engine(storage.normalize_url(url))
+    try:
+        with engine.connect() as conn:
+            raw = conn.connection.dbapi_connection
+            if kind == "postgresql":
+                params = raw.get_dsn_parameters()
+                assert (params["keepalives"], params["keepalives_idle"], params["keepalives_interval"],
+                        params["keepalives_count"]) == ("1", "30", "10", "3")
+                sock = socket.socket(fileno=os.dup(raw.fileno()))
+            else:
+                sock = raw._sock
+            try:
+                assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 30
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == 10
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == 3
+            finally:
+                if kind == "postgresql":
+                    sock.detach()
+    finally:
+        engine.dispose()

@@ -108,3 +108,19 @@ def check_new_storage(url: str) -> None:
             check_sqlite_file(url, path)
     except HeadsearchError as e:
         fail(str(e))
+
+
+# Options naming where a command writes. Typer turns an empty value into Path("."), the current folder, before
+# a command sees it, so an empty one is caught on the raw command line (`refuse_empty_outputs`).
+OUTPUT_FLAGS = ("--out", "--plots", "--run-root", "--tensorboard", "--artifact-dir")
+
+
+def empty_output_flag(argv: list[str]) -> Optional[str]:
+    """The first output option of `argv` given an empty value (`--out ""` or `--out=`), else None."""
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if flag not in OUTPUT_FLAGS:
+            continue
+        if (eq and not value.strip()) or (not eq and i + 1 < len(argv) and not argv[i + 1].strip()):
+            return flag
+    return None

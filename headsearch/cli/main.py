@@ -275,6 +275,11 @@ def main() -> None:
     (each once), except Optuna's ExperimentalWarnings for features headsearch uses knowingly."""
     import warnings
 
+    from headsearch.cli.checks import empty_output_flag
+
+    if (flag := empty_output_flag(sys.argv[1:])) is not None:  # before Typer reads it as the current folder
+        typer.echo(f"error: {flag} is empty: give the path to write to (. for the current folder)", err=True)
+        sys.exit(2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("default")
         try:

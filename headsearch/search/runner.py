@@ -53,15 +53,15 @@ __all__ = ["Search", "SearchCallback", "SearchSettings", "TrialPruning", "arch_s
 
 FEASIBILITY_SAMPLES = 200  # random architectures tried before a space is declared to have no valid one
 WAIT = object()  # _next_trial: the budget is held by running trials; ask again later
-# The states of the trials that fill the budget (besides a rejected architecture, PRUNED: counted too).
+# Proposals of an architecture some trial holds that the sampler may make in a row before the search takes
+# an architecture no trial holds itself (at random, seeded): each is a FAIL trial marked duplicate_of.
+DUPLICATE_ASKS = 5
+# The states of the trials that fill the budget (a rejected architecture is PRUNED: counted too).
 COUNTED_STATES = ("COMPLETE", "PRUNED", "RUNNING", "WAITING")
 
 
 class _OverBudget(Exception):
     """The trial just asked found the budget full in the storage's own order (`Search._fence`)."""
-# Proposals of an architecture some trial holds that the sampler may make in a row before the search takes
-# an architecture no trial holds itself (at random, seeded): each is a FAIL trial marked duplicate_of.
-DUPLICATE_ASKS = 5
 
 
 @dataclass
