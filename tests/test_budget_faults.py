@@ -132,6 +132,7 @@ def test_a_worker_paused_between_count_and_ask_backs_off_at_the_fence(kind, requ
     assert sum(t.state in COUNTED for t in trials) == 1
 
 
+@pytest.mark.floor  # the retry callback differs between Optuna 4.0 and 5
 @pytest.mark.parametrize("kind", ["journal", "redis"])
 def test_a_killed_workers_trial_on_a_journal_is_retried_once_its_lease_lapses(kind, request, tmp_path, planted,
                                                                               processes):

@@ -253,6 +253,17 @@ def never_beaten(storage, study_id: int) -> list[int]:
         return [row[0] for row in conn.execute(query, {"s": study_id})]
 
 
+def finished_trial_error() -> type[Exception]:
+    """What a storage raises when a finished trial is written to: Optuna's UpdateFinishedTrialError, or, before
+    it existed (Optuna 4.0), a RuntimeError ("Trial#N has already finished and can not be updated")."""
+    try:
+        from optuna.exceptions import UpdateFinishedTrialError
+
+        return UpdateFinishedTrialError
+    except ImportError:
+        return RuntimeError
+
+
 def retry_callback(max_retry: int = 2):
     """Optuna's callback that re-enqueues a failed trial as WAITING (at most `max_retry` times)."""
     import warnings

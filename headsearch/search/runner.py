@@ -40,7 +40,8 @@ from headsearch.search.pruning import (PROGRESS_RULES, Progress, RulePruner, com
                                       make_optuna_pruner, progress_of)
 from headsearch.search.settings import SearchSettings, check_settings, load_callback
 from headsearch.search.space import SearchSpace, load_space
-from headsearch.search.liveness import Heartbeat, SilenceWatch, StorageUnavailable, never_beaten, retry_callback
+from headsearch.search.liveness import (Heartbeat, SilenceWatch, StorageUnavailable, finished_trial_error, never_beaten,
+                                        retry_callback)
 from headsearch.search.storage import budget_lock
 from headsearch.search.study import StudyStorage, check_sampler, default_sampler, make_sampler, open_study
 from headsearch.tasks import DataSource, Task, apply_overrides, flag_overrides, get_task, resolve_config, task_reference
@@ -352,7 +353,6 @@ class Search:
 
     def _give_up(self, study, trial_id: int, reason: str) -> None:
         """Tell a dead worker's trial FAIL with `reason` (not counted, holds no architecture) and retry it."""
-        from optuna.exceptions import UpdateFinishedTrialError
         from optuna.trial import TrialState
 
         storage = self._store(study).storage
@@ -360,7 +360,7 @@ class Search:
             storage.set_trial_user_attr(trial_id, "fail_reason", reason)
             if not storage.set_trial_state_values(trial_id, state=TrialState.FAIL):
                 return
-        except UpdateFinishedTrialError:  # it ended meanwhile (its worker was alive after all)
+        except finished_trial_error():  # it ended meanwhile (its worker was alive after all)
             return
         frozen = storage.get_trial(trial_id)
         self._store(study).ended(frozen.number)
@@ -516,8 +516,6 @@ class Search:
         gone (`StorageUnavailable`, re-raised: the trial's heartbeat or lease stops and a resumed search
         retries it, so it is never recorded failed for good), and a trial another worker already gave up
         (this worker was paused past 3 heartbeats: its retry trains it again): "LOST"."""
-        from optuna.exceptions import UpdateFinishedTrialError
-
         if run.tensorboard is not None:
             run.tensorboard.close()
         if isinstance(error, StorageUnavailable):
@@ -525,7 +523,7 @@ class Search:
         try:
             if not self._store(study).frozen_trial(run.trial.number).state.is_finished():
                 return self._tell_end(study, run, result, error, callbacks, reraise)
-        except UpdateFinishedTrialError:  # given up between the check and the tell
+        except finished_trial_error():  # given up between the check and the tell
             pass
         finally:
             self._store(study).ended(run.trial.number)
