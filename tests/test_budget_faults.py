@@ -200,7 +200,7 @@ def test_heartbeat_0_on_a_database_does_not_spin_while_others_run(tmp_path, plan
     """Row 10. With `--heartbeat 0` a dead worker's trial cannot be told from a live one, so a worker that finds
     only running trials left stops instead of polling the database ~90 times a second for ever."""
     url = f"sqlite:///{tmp_path / 'h.db'}"
-    s = settings(tmp_path, url, "s", trials=1, heartbeat=0)
+    s = settings(tmp_path, url, "s", trials=1, heartbeat=0, timeout=5)  # a regression spins for 5 s, not for ever
     search = Search(s)
     study = search.open()
     load(url, "s").ask()  # another worker's running trial holds the budget
@@ -408,3 +408,27 @@ def test_a_postgresql_restart_mid_search_is_waited_out_or_stops_in_one_line_then
     finally:
         with contextlib.suppress(Exception):
             server.stop()
+
+
+def test_a_worker_paused_mid_trial_past_its_heartbeats_drops_its_result_and_goes_on(tmp_path, planted, processes):
+    """A worker stopped (SIGSTOP) in the middle of a trial for longer than 3 heartbeats looks dead: another worker
+    fails its trial and retries it. When the first resumes, its next write meets a finished trial: it says so in
+    one line, drops the result (the retry trains it again) and goes on with the search; no traceback, no trial
+    counted twice."""
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    proc = outage_run(processes, tmp_path, url, trials=2, patience=60)
+    wait_for(lambda: mid_trial(url) or proc.poll() is not None, "a trial mid-run", 120)
+    os.kill(proc.pid, signal.SIGSTOP)
+    paused = next(t.number for t in load(url, "s").get_trials(deepcopy=False) if t.state == TrialState.RUNNING)
+    time.sleep(3.5)  # past 3 heartbeats of 1 s
+    other = Search(settings(tmp_path, url, "s", trials=2, epochs=12))
+    other._next_trial(other.open())  # finds the paused worker's trial silent: fails it, re-enqueues it, asks it
+    os.kill(proc.pid, signal.SIGCONT)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    assert "Traceback" not in err
+    assert f"trial {paused} was failed by another worker while this one was paused" in err
+    trials = load(url, "s").get_trials(deepcopy=False)
+    assert trials[paused].state == TrialState.FAIL
+    assert trials[paused].user_attrs["fail_reason"].startswith("interrupted (its heartbeat stopped")
+    assert sum(t.state == TrialState.COMPLETE for t in trials) <= 2
