@@ -9,6 +9,7 @@ the median front recall, and the epochs trained relative to no pruning in the sa
     python benchmarks/search_quality.py --table my.json --space my-space.yaml --budgets 20,40
     python benchmarks/search_quality.py --samplers nsga2,tpe,random,gp:20 --pruners pareto --workers 1 --budgets 12,20,39
     python benchmarks/search_quality.py --pruners none,pareto,pareto@2x2,pareto@2x3 --workers 1   # rungs M x R^k
+    python benchmarks/search_quality.py --pruners none,pareto~0,pareto~2 --workers 1,8   # noise margins (sigmas)
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def main() -> None:
     p.add_argument("--workers", default="1,4", help="comma list of workers replayed")
     p.add_argument("--pruners", default=",".join(PRUNERS),
                    help="comma list of pruners; NAME@MxR (pareto, asha) sets the rungs: first at epoch M, then x R, the top"
-                        " 1/R going on")
+                        " 1/R going on; NAME~Z (pareto) the noise margin in sigmas (pareto@2x2~1); #S the startup trials (pareto#8)")
     p.add_argument("--samplers", default=None,
                    help="comma list of samplers (nsga2, tpe, random, gp; default: the search's default); NAME:N replays"
                         " that one with N seeds only (a slow sampler)")
@@ -59,14 +60,15 @@ def main() -> None:
     for workers in [int(w) for w in args.workers.split(",")]:
         for budget in budgets:
             for sampler, seeds in samplers:
-                base_epochs = None
+                base_epochs = base_seconds = None
                 # "none" first: the other rows' epochs are compared with it (left out when not asked for)
                 for pruner in (["none"] if "none" in pruners else []) + [q for q in pruners if q != "none"]:
-                    hv, recall, epochs, front, duplicates, replay_seconds = [], [], [], [], [], []
-                    name, rungs = _rungs(pruner)
+                    hv, recall, epochs, front, duplicates, replay_seconds, simulated = [], [], [], [], [], [], []
+                    name, rungs, margin = _rungs(pruner)
                     for seed in range(seeds):
                         search = simulation_search(table, space=space, trials=budget, sampler=sampler, pruner=name, seed=seed,
-                                                   pruner_min_epochs=rungs[0], pruner_reduction_factor=rungs[1])
+                                                   pruner_min_epochs=rungs[0], pruner_reduction_factor=rungs[1],
+                                                   pruner_noise_margin=margin, pruner_startup_trials=_startup(pruner)[1])
                         truth = truth or true_points(table, [o.name for o in search.objectives], search.directions)
                         t1 = time.perf_counter()
                         r = replay(search, table, workers=workers, truth=truth)
@@ -74,18 +76,21 @@ def main() -> None:
                         hv.append(r.hypervolume)
                         recall.append(r.recall)
                         epochs.append(r.epochs)
+                        simulated.append(r.seconds)
                         front.append(len(r.front))
                         duplicates.append(r.duplicates)
-                    mean_epochs = statistics.fmean(epochs)
+                    mean_epochs, mean_seconds = statistics.fmean(epochs), statistics.fmean(simulated)
                     if pruner == "none":
-                        base_epochs = mean_epochs
+                        base_epochs, base_seconds = mean_epochs, mean_seconds
                     rows.append([workers, budget, sampler, pruner, seeds, f"{statistics.median(hv):.3f}",
                                  f"{_quantile(hv, 0.1):.3f}", f"{statistics.median(recall):.2f}", f"{mean_epochs:.0f}",
-                                 f"{base_epochs / mean_epochs:.2f}x" if base_epochs else "-", f"{statistics.fmean(front):.1f}",
+                                 f"{base_epochs / mean_epochs:.2f}x" if base_epochs else "-", f"{mean_seconds:.0f}",
+                                 f"{base_seconds / mean_seconds:.2f}x" if base_seconds else "-", f"{statistics.fmean(front):.1f}",
                                  f"{statistics.fmean(duplicates):.1f}", f"{statistics.fmean(replay_seconds):.2f}"])
     total_seconds = time.perf_counter() - t0
     headers = ["workers", "trials", "sampler", "pruner", "replays", "hypervolume (median)", "hypervolume (10th pct)",
-               "front recall (median)", "epochs (mean)", "fewer epochs than none", "front size (mean)",
+               "front recall (median)", "epochs (mean)", "fewer epochs than none", "simulated seconds (mean)",
+               "fewer seconds than none", "front size (mean)",
                "duplicate proposals (mean)", "seconds per replay"]
     notes += [
         f"table: {args.table.relative_to(ROOT) if args.table.is_relative_to(ROOT) else args.table} ({size} architectures,"
@@ -103,13 +108,21 @@ def main() -> None:
     report("Search quality against a table: replayed searches", markdown_table(headers, rows), torch.device("cpu"), args, notes)
 
 
-def _rungs(pruner: str) -> tuple[str, tuple[int | None, int | None]]:
-    """"pareto@2x3" -> ("pareto", (2, 3)); "pareto" -> ("pareto", (None, None)): the rule's defaults."""
+def _startup(pruner: str) -> tuple[str, int | None]:
+    """"pareto@2x3#8" -> ("pareto@2x3", 8): the trials that must reach a rung before it judges; None: the default."""
+    pruner, _, startup = pruner.partition("#")
+    return pruner, int(startup) if startup else None
+
+
+def _rungs(pruner: str) -> tuple[str, tuple[int | None, int | None], float | None]:
+    """"pareto@2x3~1" -> ("pareto", (2, 3), 1.0); "pareto" -> ("pareto", (None, None), None): the rule's defaults."""
+    pruner, _ = _startup(pruner)
+    pruner, _, margin = pruner.partition("~")
     name, _, rungs = pruner.partition("@")
     if not rungs:
-        return name, (None, None)
+        return name, (None, None), float(margin) if margin else None
     m, _, r = rungs.partition("x")
-    return name, (int(m), int(r))
+    return name, (m if m == "auto" else int(m), int(r)), float(margin) if margin else None
 
 
 def _list_sample(table, args) -> None:

@@ -1719,7 +1719,11 @@ def bad_setting(draw, name: str):
     if name == "pruner-warmup":
         return ["--pruner-warmup", draw(st.integers(-10**6, -1))]
     if name == "pruner-min-epochs":
-        return ["--pruner-min-epochs", draw(st.integers(-10**6, 0))]
+        return ["--pruner-min-epochs", draw(st.one_of(st.integers(-10**6, 0).map(str), _not_known(("auto",))))]
+    if name == "pruner-noise-margin":
+        return [f"--pruner-noise-margin={draw(st.one_of(below(0, False), NONFINITE))!r}"]
+    if name == "pruner-noise":
+        return [f"--pruner-noise={draw(st.one_of(below(0, False), NONFINITE))!r}"]
     if name == "pruner-reduction-factor":
         return ["--pruner-reduction-factor", draw(st.integers(-10**6, 1))]
     if name == "heartbeat":
@@ -1742,7 +1746,8 @@ def bad_setting(draw, name: str):
 
 
 SETTINGS = ["trials", "workers", "trials-per-gpu", "workers and trials-per-gpu", "timeout", "sampler", "pruner",
-            "objectives", "pruner-startup", "pruner-warmup", "pruner-min-epochs", "pruner-reduction-factor", "heartbeat",
+            "objectives", "pruner-startup", "pruner-warmup", "pruner-min-epochs", "pruner-reduction-factor",
+            "pruner-noise-margin", "pruner-noise", "heartbeat",
             "track-diversity", "epochs", "seed", "compile", "preset", "task"]
 
 

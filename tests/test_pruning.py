@@ -21,6 +21,7 @@ from headsearch.search.pruning import (
     RulePruner,
     RungRule,
     comparison_curves,
+    comparison_trials,
     make_curve_pruner,
     make_optuna_pruner,
 )
@@ -538,9 +539,32 @@ def test_comparison_curves_pick_complete_trials_for_median_and_percentile():
     assert comparison_curves(trials, "percentile", running.number) == complete
     # with the pruned trial: complete ones and the pruned one, not the rejected one nor the trial judged
     assert comparison_curves(trials, "asha", running.number) == [*complete, {1: 0.0}]
-    assert comparison_curves(trials, "asha", 3) == complete  # trial 3 (the pruned one) not against itself
+    # trial 3 (the pruned one) not against itself; the running trial 5 (no epoch yet) is among them
+    assert comparison_curves(trials, "asha", 3) == [*complete, {}]
     with pytest.raises(ConfigError, match="unknown pruner 'none'"):
         comparison_curves(trials, "none", running.number)
+
+
+def test_the_rung_rules_judge_against_running_trials_the_percentile_rules_do_not():
+    # Asynchronous successive halving (Li et al. 2020) ranks a trial among every trial that reached the rung:
+    # with 8 workers the first 8 trials are all running when they reach it, and would otherwise go unjudged.
+    study, running, store = known_trials_stored()
+    store.set_intermediate_value(running.number, 1, 0.9)  # running, at epoch 1 of 2
+    trials = study.get_trials(deepcopy=False)
+    complete = [{1: 0.5, 2: 0.5}, {1: 0.6, 2: 0.6}, {1: 0.7, 2: 0.7}]
+    for rule in ("asha", "pareto", "multi-metric"):
+        assert [t.number for t in comparison_trials(trials, rule, 99)] == [0, 1, 2, 3, 5]
+    assert comparison_curves(trials, "asha", 99) == [*complete, {1: 0.0}, {1: 0.9}]
+    assert comparison_curves(trials, "median", 99) == complete
+    # So a new trial is ranked behind the running 0.9 too: asha with r = 2 keeps the top ceil(6 / 2) = 3 of the
+    # six. 0.65 is 3rd (0.9, 0.7 ahead): kept. 0.55 is 4th (0.9, 0.7, 0.6 ahead): pruned, the 3rd best 0.6 its
+    # threshold. Without the running trial it would be 3rd of five (top ceil(5 / 2) = 3) and kept.
+    rule = RungRule("maximize", min_epochs=1, reduction_factor=2, n_startup_trials=4)
+    others = comparison_curves(trials, "asha", 99)
+    assert not rule.decide(1, {1: 0.65}, others).prune
+    d = rule.decide(1, {1: 0.55}, others)
+    assert (d.prune, d.threshold, d.n_compared) == (True, 0.6, 5)
+    assert not rule.decide(1, {1: 0.55}, others[:-1]).prune
 
 
 def test_a_pruned_trials_curve_does_not_move_the_median_but_counts_at_a_rung():

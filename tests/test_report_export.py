@@ -212,8 +212,10 @@ def test_report_plots_written_and_uploaded_as_artifacts(real, tmp_path, cli):
     pngs, htmls = sorted(out.glob("*.png")), sorted(out.glob("*.html"))
     for kind in ("pareto-front", "learning-curves", "param-importances", "anytime"):
         assert (out / f"vit-test-{kind}.png").is_file()
+    rep = summarize(url, "vit-test")
     assert {p.name for p in htmls} == {"vit-test-pareto-front.html", "vit-test-learning-curves.html"} | {
-        f"vit-test-param-importances-{i.objective}.html" for i in summarize(url, "vit-test").importances if not i.error}
+        f"vit-test-param-importances-{i.objective}.html" for i in rep.importances if not i.error} | (
+        {"vit-test-rungs.html"} if rep.rung_check else set())
     for p in pngs:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
     for p in htmls:
@@ -639,9 +641,12 @@ def test_single_objective_report_plots_and_importance_reasons(tmp_path):
     rep = summarize(url, None, study=study)
     assert [r.number for r in rep.front] == [1]  # the best trial (its duplicate 3 folded in)
     paths, figures = write_plots(study, rep, tmp_path / "plots")
-    assert {p.name for p in paths} == {f"hand-{k}.png" for k in ("objective", "learning-curves", "param-importances", "anytime")} | {
-        f"hand-{k}.html" for k in ("objective", "learning-curves", "param-importances-accuracy")}
-    assert set(figures) == {"headsearch-objective", "headsearch-learning-curves", "headsearch-param-importances-accuracy"}
+    assert rep.rung_check  # 3 trials ran to the end: the rungs' figure is drawn
+    assert {p.name for p in paths} == {f"hand-{k}.png" for k in ("objective", "learning-curves", "param-importances", "anytime",
+                                                                 "rungs")} | {
+        f"hand-{k}.html" for k in ("objective", "learning-curves", "param-importances-accuracy", "rungs")}
+    assert set(figures) == {"headsearch-objective", "headsearch-learning-curves", "headsearch-param-importances-accuracy",
+                            "headsearch-rungs"}
     assert all(p.stat().st_size > 1000 for p in paths)
     ids = upload_plots(study, paths, default_artifact_dir(url), stored)
     assert len(set(ids)) == len(paths) and (tmp_path / "one-artifacts").is_dir()

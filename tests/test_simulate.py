@@ -18,7 +18,7 @@ import yaml
 from optuna.trial import TrialState
 
 from headsearch.errors import ConfigError
-from headsearch.search.pruning import (MultiMetricRule, ParetoRule, Progress, make_curve_pruner, make_optuna_pruner,
+from headsearch.search.pruning import (MultiMetricRule, curve_noise, ParetoRule, Progress, make_curve_pruner, make_optuna_pruner,
                                       non_dominated_ranks)
 from headsearch.search.runner import Search, SearchSettings, config_key
 from headsearch.search.simulate import hypervolume, replay, simulation_search, true_points
@@ -172,7 +172,8 @@ def test_non_dominated_ranks_by_hand():
 
 @pytest.mark.floor
 def test_the_pareto_rule_never_prunes_a_fast_trial_that_nothing_dominates():
-    rule = ParetoRule("maximize", kinds=("quality", "time"), min_epochs=1, reduction_factor=3, n_startup_trials=3)
+    rule = ParetoRule("maximize", kinds=("quality", "time"), min_epochs=1, reduction_factor=3, n_startup_trials=3,
+                      noise_margin=0)
     others = [P([0.50], seconds=10.0), P([0.45], seconds=9.0), P([0.40], seconds=8.0), P([0.35], seconds=7.0)]
     fast = rule.decide(1, P([0.10], seconds=1.0), others)  # the worst accuracy, but the fastest by far
     assert not fast.prune and fast.note.startswith("front 1: 0 trials")
@@ -183,7 +184,8 @@ def test_the_pareto_rule_never_prunes_a_fast_trial_that_nothing_dominates():
 
 
 def test_the_pareto_rule_prunes_a_trial_with_at_least_k_trials_in_fronts_ahead():
-    rule = ParetoRule("maximize", kinds=("quality", "time"), min_epochs=1, reduction_factor=3, n_startup_trials=3)
+    rule = ParetoRule("maximize", kinds=("quality", "time"), min_epochs=1, reduction_factor=3, n_startup_trials=3,
+                      noise_margin=0)
     others = [P([0.50], seconds=5.0), P([0.45], seconds=5.0), P([0.40], seconds=5.0), P([0.30], seconds=9.0),
               P([0.20], seconds=9.0)]
     # n = 5 others, k = ceil(6 / 3) = 2 go on. (0.42, 5 s): only (0.50, 5) and (0.45, 5) dominate it, and
@@ -198,7 +200,8 @@ def test_the_pareto_rule_prunes_a_trial_with_at_least_k_trials_in_fronts_ahead()
 
 
 def test_the_pareto_rule_judges_params_exactly_and_only_at_rungs_with_enough_trials():
-    rule = ParetoRule("maximize", kinds=("quality", "params"), min_epochs=1, reduction_factor=2, n_startup_trials=2)
+    rule = ParetoRule("maximize", kinds=("quality", "params"), min_epochs=1, reduction_factor=2, n_startup_trials=2,
+                      noise_margin=0)
     others = [P([0.5, 0.6], params=100), P([0.5, 0.6], params=200)]
     # (0.5, 150 params) is dominated by (0.5, 100) only: 1 ahead, k = ceil(3/2) = 2 -> kept.
     assert not rule.decide(1, P([0.5], params=150), others).prune
@@ -211,6 +214,67 @@ def test_the_pareto_rule_judges_params_exactly_and_only_at_rungs_with_enough_tri
     assert ParetoRule("minimize", kinds=("quality", None), n_startup_trials=1, min_epochs=1).decide(1, P([math.nan]), [P([1.0])]).prune
     with pytest.raises(ConfigError):
         ParetoRule("maximize", kinds=(None,))
+
+
+def test_an_auto_first_rung_is_the_earliest_epoch_that_ranks_the_finished_trials_as_they_end():
+    def done(curve, number):
+        return Progress({e + 1: v for e, v in enumerate(curve)}, None, 1.0, number, finished=True)
+
+    # Five finished 4-epoch trials: epoch 1 ranks them backwards (rho -1), epoch 2 as they end (rho 1).
+    finished = [done([0.5 - 0.1 * i, 0.1 + 0.1 * i, 0.1 + 0.1 * i, 0.2 + 0.1 * i], i) for i in range(5)]
+    rule = ParetoRule("maximize", min_epochs="auto", reduction_factor=2, n_startup_trials=2, noise_margin=0)
+    assert rule.first_rung(finished) == 2
+    assert [e for e in range(1, 9) if rule.is_rung(e, finished)] == [2, 4, 8]
+    assert rule.first_rung(finished[:4]) == 3  # four finished: too few to trust, epoch 3 (the default)
+    running = Progress({1: 0.9}, None, 1.0, 9)  # a running trial does not count as finished
+    assert rule.first_rung([*finished[:4], running]) == 3
+    backwards = [done([0.5 - 0.1 * i, 0.5 - 0.1 * i, 0.5 - 0.1 * i, 0.2 + 0.1 * i], i) for i in range(5)]
+    assert rule.first_rung(backwards) is None  # no epoch before the last ranks them: nothing is judged
+    assert rule.decide(2, Progress({1: 0.0, 2: 0.0}, None, 1.0), backwards).note == "not a rung"
+    assert rule.decide(2, Progress({1: 0.0, 2: 0.0}, None, 1.0), finished).prune  # behind all five at epoch 2
+    with pytest.raises(ConfigError, match="only the pareto rule"):
+        make_curve_pruner("asha", "maximize", min_epochs="auto")
+    with pytest.raises(ConfigError, match="min_epochs must be an integer"):
+        ParetoRule("maximize", min_epochs="soon")
+
+
+def test_curve_noise_by_hand():
+    # Steps at epoch 2: 0.10, 0.12, 0.08, 0.30 -> median 0.11, |r| = .01 .01 .03 .19; at epoch 3: 0.0, 0.02,
+    # -0.02, 0.0 -> median 0.0, |r| = 0 .02 .02 0. Pooled median of the eight |r|: (0.01 + 0.02) / 2 = 0.015.
+    curves = [{1: 0.1, 2: 0.2, 3: 0.2}, {1: 0.1, 2: 0.22, 3: 0.24}, {1: 0.1, 2: 0.18, 3: 0.16}, {1: 0.1, 2: 0.4, 3: 0.4}]
+    assert curve_noise(curves, 3) == pytest.approx(1.4826 * 0.015 / math.sqrt(2))
+    # Epoch 2 alone: |r| = .01 .01 .03 .19, median 0.02.
+    assert curve_noise(curves, 2) == pytest.approx(1.4826 * 0.02 / math.sqrt(2))
+    assert curve_noise(curves, 1) is None  # one epoch shows no noise
+    assert curve_noise(curves[:1], 3) is None  # a step needs another curve's to be told from learning
+    assert curve_noise([{1: 0.1, 2: 0.2}, {1: 0.1, 2: 0.3}], 2) is None  # 2 residuals < 4
+
+
+@pytest.mark.floor
+def test_the_pareto_rule_prunes_only_beyond_the_noise_margin_and_names_the_trials_ahead():
+    def at(values, seconds, number):  # a curve that ends at `values` on epoch 2; steps of 0.1 +- noise
+        return Progress({1: values - 0.1, 2: values}, None, seconds, number)
+
+    others = [at(0.50, 5.0, 0), at(0.48, 5.0, 1), at(0.30, 9.0, 2), at(0.20, 9.0, 3)]
+    # n = 4, k = ceil(5 / 2) = 3 go on (r = 2). Every step is 0.1: no noise -> margin 0 with any multiple.
+    rule = ParetoRule("maximize", min_epochs=2, reduction_factor=2, n_startup_trials=2, noise_margin=1.0)
+    d = rule.decide(2, at(0.45, 5.5, 9), others)  # (0.45, 11 s): 0.50 and 0.48 at 10 s dominate it: 2 < 3, kept
+    assert not d.prune and d.margin == pytest.approx(0, abs=1e-12) and d.point == (-0.45, 11.0)
+    # A given noise: sigma 0.02, margin 1 sigma. (0.47, 11 s) is treated as 0.49: only 0.50 dominates it.
+    fixed = ParetoRule("maximize", min_epochs=2, reduction_factor=3, n_startup_trials=2, noise=0.02, noise_margin=1.0)
+    # k = ceil(5 / 3) = 2. Without the margin 0.50 and 0.48 are ahead -> pruned; with it only 0.50 -> kept.
+    assert ParetoRule("maximize", min_epochs=2, reduction_factor=3, n_startup_trials=2, noise_margin=0).decide(
+        2, at(0.47, 5.5, 9), others).prune
+    d = fixed.decide(2, at(0.47, 5.5, 9), others)
+    assert not d.prune and d.margin == pytest.approx(0.02) and d.ahead == (0,)
+    # (0.44, 11 s) as 0.46: both ahead beyond the noise -> pruned, and the two are named.
+    d = fixed.decide(2, at(0.44, 5.5, 9), others)
+    assert d.prune and d.ahead == (0, 1) and "beyond a noise margin of 0.02" in d.note
+    assert d.reason()["ahead"] == [0, 1] and d.reason()["point"] == [-0.44, 11.0]
+    # Estimated from the curves: one epoch shows none, so a first rung at epoch 1 is not judged.
+    early = ParetoRule("maximize", min_epochs=1, reduction_factor=2, n_startup_trials=2)
+    d = early.decide(1, Progress({1: 0.0}, None, 5.0), [Progress({1: 0.5}, None, 1.0)] * 3)
+    assert not d.prune and d.note == "the curves' noise is not known yet (one epoch)"
 
 
 # The peer's rule (OptunaHub's multi_metric_pruner, as MultiMetricRule writes it). Points (accuracy, seconds) at
@@ -514,6 +578,89 @@ def test_the_default_pareto_rule_judges_at_epochs_3_9_27_and_a_search_can_set_it
                        storage=f"sqlite:///{tmp_path / 'r.db'}", pruner_min_epochs=2, pruner_reduction_factor=2)
     _, rule = Search(s).make_pruner()
     assert (rule.min_epochs, rule.reduction_factor) == (2, 2)
+    # The noise margin: 0.9 sigmas of the noise estimated from the curves, unless told (issue 39, RESULTS.md)
+    assert (ParetoRule("maximize").noise_margin, ParetoRule("maximize").noise) == (0.9, None)
+    told = Search(SearchSettings(**{**s.__dict__, "pruner_noise_margin": 2.0, "pruner_noise": 0.01}))
+    assert (told.make_pruner()[1].noise_margin, told.make_pruner()[1].noise) == (2.0, 0.01)
+    assert told.study_attrs()["headsearch"]["pruner_options"] == {
+        "min_epochs": 2, "reduction_factor": 2, "n_startup_trials": 2, "n_warmup_epochs": 0, "noise_margin": 2.0,
+        "noise": 0.01}
     with pytest.raises(ConfigError, match="reduction_factor must be an integer >= 2"):
         Search(SearchSettings(**{**s.__dict__, "pruner_reduction_factor": 1}))
     assert not (tmp_path / "r.db").exists()
+
+
+def equal_speeds(monkeypatch, seconds: float = 1.0) -> None:
+    """Every architecture's epoch seconds alone the same fixed value (`fixed_speeds` with one speed): a cohort
+    trains its slots' epochs in lockstep, and with equal seconds the replay's simulated clock puts its events
+    in the same lockstep (ties in scheduling order, which is slot order there)."""
+    from headsearch.training.clock import AloneClock
+
+    def alone_clock(self, study, trial, cfg, device):
+        return AloneClock(self._device_share(device), known=seconds)
+
+    monkeypatch.setattr(Search, "alone_clock", alone_clock)
+
+
+def judged_beside_running(trials) -> list[int]:
+    """The pruned trials whose decision counted a trial that was still RUNNING when it was judged: its
+    `n_compared` exceeds the trials that had reached its epoch and finished (been told) no later than it was.
+    (A trial told before it may still have been running at its judgement, in the same cohort epoch: the
+    count errs on the side of finished, so a trial listed here surely counted a running one.)"""
+    out = []
+    for t in trials:
+        reason = t.user_attrs.get("pruned")
+        if t.state != TrialState.PRUNED or not reason:
+            continue
+        finished = [o for o in trials if o.number != t.number and o.state in (TrialState.COMPLETE, TrialState.PRUNED)
+                    and "rejected" not in o.user_attrs and reason["epoch"] in o.intermediate_values
+                    and o.datetime_complete <= t.datetime_complete]
+        if reason["n_compared"] > len(finished):
+            out.append(t.number)
+    return out
+
+
+@pytest.mark.floor
+@pytest.mark.slow
+def test_a_replay_on_two_workers_makes_exactly_the_decisions_of_a_real_cohort_of_two(monkeypatch, tmp_path, cifar_dir, cifar,
+                                                                                    one_thread):
+    """`headsearch run --cohort 2` on the tiny ViT (two trials trained together, each joining at its own epoch 1),
+    replayed on two workers: the same decisions, with the Pareto rule judging trials against running ones.
+
+    Why the order is the same: the real cohort trains both slots' epoch e together, then closes slot 0's epoch
+    (recorded, judged), then slot 1's, then tells the trials that ended and fills their slots. The replay's
+    clock, with every architecture's epoch seconds equal, has both slots' epoch e end at the same simulated
+    time, slot 0's first (ties go in scheduling order, and a slot's next epoch is scheduled when its last is
+    handled: slot order, a refilled slot included). Each side's judgement sees the same curves: slot 0 sees slot
+    1 up to epoch e - 1, slot 1 sees slot 0 up to e (the pareto rule compares COMPLETE, PRUNED and RUNNING trials
+    alike, so that the replay has told slot 0's end before it judges slot 1 changes nothing; median, on COMPLETE
+    trials only, could differ there). One thing differs: when slot 0's trial ends at epoch e, the replay asks
+    its successor before it handles slot 1's epoch e, the cohort after; so the sampler is the random one, whose
+    proposals do not depend on the study's history (NSGA-II's generations count the COMPLETE trials when it is
+    asked: slot 1's trial completing in that epoch would count in the cohort and not in the replay)."""
+    equal_speeds(monkeypatch)
+    rungs = dict(pruner_min_epochs=2, pruner_reduction_factor=2)
+    search, space = real_search("vit-cifar10", tmp_path, None, cifar_dir, None, trials=9, pruner="pareto",
+                                sampler="random", pruner_startup_trials=2, seed=3, cohort=2, **rungs)
+    assert search.machine_plan().cohort == 2
+    search.run_worker()  # as `headsearch run --cohort 2`: run_cohort_worker, a real Cohort of 2 slots
+    real = load(search.settings.storage)
+    real_trials = real.get_trials(deepcopy=False)
+    trained = [t for t in real_trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+    assert {t.user_attrs["cohort"]["size"] for t in trained} == {2}
+    assert {t.user_attrs["cohort"]["slot"] for t in trained} == {0, 1}
+    assert {t.user_attrs["epoch_seconds_alone"] for t in trained} == {1.0}
+    assert any(t.state == TrialState.PRUNED for t in real_trials), "the check needs a pruned trial"
+    assert judged_beside_running(real_trials), "the check needs a trial pruned against a running one"
+    table = table_of_search(real, search)
+    path = write_table(table, tmp_path / "table.json")
+
+    sim = simulation_search(load_table(path), space=space, trials=9, pruner="pareto", sampler="random",
+                            pruner_startup_trials=2, seed=3, sets=VIT_SETS, **rungs)
+    result = replay(sim, load_table(path), workers=2)
+    assert [r["number"] for r in result.trials] == [t.number for t in real_trials]
+    assert decisions_of_rows(result.trials) == decisions_of_rows(rows_of(real_trials))
+    base = search.base.to_dict()
+    assert sorted(result.front) == sorted({arch_key(overrides_of(t.user_attrs["config"], base)) for t in real.best_trials})
+    # Two at a time: the simulated clock ran fewer epoch-seconds than the epochs it trained.
+    assert result.seconds < result.epochs

@@ -145,8 +145,10 @@ def run(
     pruner: Optional[str] = typer.Option(None, "--pruner", help="pareto (several objectives) | median | percentile | asha (successive halving, one bracket) | hyperband (Optuna's, one objective) | multi-metric (OptunaHub's multi_metric_pruner rule, several objectives) | none (default: pareto for several objectives, median for one)."),
     pruner_startup: Optional[int] = typer.Option(None, "--pruner-startup", help="Finished trials needed before pruning starts."),
     pruner_warmup: Optional[int] = typer.Option(None, "--pruner-warmup", help="Epochs a trial always runs before it can be pruned."),
-    pruner_min_epochs: Optional[int] = typer.Option(None, "--pruner-min-epochs", help="pareto and asha: the first rung (default 3 for pareto, 1 for asha)."),
+    pruner_min_epochs: Optional[str] = typer.Option(None, "--pruner-min-epochs", help="pareto and asha: the first rung (default 3 for pareto, 1 for asha); pareto: auto, the earliest epoch whose ranks predict the finished trials' final ones."),
     pruner_reduction_factor: Optional[int] = typer.Option(None, "--pruner-reduction-factor", help="pareto and asha: rungs at min-epochs x factor^k, where the top 1/factor go on (default 3)."),
+    pruner_noise_margin: Optional[float] = typer.Option(None, "--pruner-noise-margin", help="pareto: prune only what is dominated by more than this many sigmas of the metric's noise (default 0.9; 0: plain dominance)."),
+    pruner_noise: Optional[float] = typer.Option(None, "--pruner-noise", help="pareto: the metric's noise sigma, e.g. the spread between seeds `compare` measured (default: estimated from the curves)."),
     storage: str = storage_option(),
     study: Optional[str] = typer.Option(None, "--study", help="Study name (default <task>-<space>[-<preset>])."),
     seed: int = typer.Option(0, "--seed", help="Seed of the sampler and of every trial's training."),
@@ -181,11 +183,16 @@ def run(
         overrides = parse_sets(sets) or None
     except HeadsearchError as e:
         fail(str(e))
+    if pruner_min_epochs is not None and pruner_min_epochs != "auto":
+        if not pruner_min_epochs.isdigit():
+            fail(f"--pruner-min-epochs {pruner_min_epochs}: give a number of epochs (1 or more) or auto")
+        pruner_min_epochs = int(pruner_min_epochs)
     settings = SearchSettings(
         task=task, space=space, trials=trials, timeout=timeout,
         objectives=tuple(o.strip() for o in objectives.split(",") if o.strip()) if objectives else None,
         sampler=sampler, pruner=pruner, pruner_startup_trials=pruner_startup, pruner_warmup_epochs=pruner_warmup,
         pruner_min_epochs=pruner_min_epochs, pruner_reduction_factor=pruner_reduction_factor,
+        pruner_noise_margin=pruner_noise_margin, pruner_noise=pruner_noise,
         storage=storage, study=study, seed=seed, epochs=epochs, preset=preset,
         data_dir=str(data_dir) if data_dir else None, data_file=str(data_file) if data_file else None,
         workers=workers, trials_per_gpu=trials_per_gpu, compile=compile_mode, run_root=str(run_root), device=device,

@@ -154,6 +154,46 @@ def grid_label(grid) -> Callable:
     return label
 
 
+class RungWatch:
+    """The search checks its own first rung while it runs: once the trials that ran to the end rank poorly at
+    the first rung (`headsearch.search.rungcheck.low_first_rung`), `warning` returns that line, once per run.
+
+    Cheap by design, as it runs on every poll of the display: it recomputes only when the number of COMPLETE
+    trials changed (nothing else changes the answer), at most every `every` seconds (a burst of finishing
+    workers is checked once), and then only the first rung's correlation. A study whose pruner has no rungs
+    is never checked."""
+
+    EVERY = 30.0
+
+    def __init__(self, study, every: float = EVERY, clock: Callable[[], float] = time.monotonic):
+        from headsearch.search.rungcheck import rung_schedule
+
+        self.meta = study.user_attrs.get("headsearch") or {}
+        schedule = rung_schedule(self.meta)
+        self.first = schedule[0] if schedule else None
+        self.every, self.clock = every, clock
+        self.done = self.first is None  # warned already, or nothing to check
+        self.checked = 0  # COMPLETE trials at the last check
+        self.next_check = -math.inf
+
+    def warning(self, trials, final: bool = False) -> str | None:
+        """The warning when it is first due, else None; `final`: the run's last look, not held back by `every`."""
+        from optuna.trial import TrialState
+
+        from headsearch.search.rungcheck import MIN_TRIALS, check_rungs
+
+        if self.done:
+            return None
+        complete = sum(1 for t in trials if t.state == TrialState.COMPLETE)
+        now = self.clock()
+        if complete < MIN_TRIALS or complete == self.checked or (now < self.next_check and not final):
+            return None
+        self.checked, self.next_check = complete, now + self.every
+        _, text = check_rungs(trials, self.meta, epochs=[self.first])
+        self.done = text is not None
+        return text
+
+
 class TrialLog:
     """A search's progress as plain lines, for a console that is not a terminal (a Slurm job's log, a pipe):
     one line per trial that finishes (number, architecture, state, its objective values or why it was
@@ -165,8 +205,10 @@ class TrialLog:
     UNSHOWN = ("over_budget",)  # bookkeeping: asked when the budget was full, never started
 
     def __init__(self, study, trials: int, console: Console, label: Callable | None = None,
-                 every: float | None = None, clock: Callable[[], float] = time.monotonic):
+                 every: float | None = None, clock: Callable[[], float] = time.monotonic,
+                 rungs: RungWatch | None = None):
         self.study, self.trials, self.console, self.clock = study, trials, console, clock
+        self.rungs = rungs  # the first rung's check: its warning printed once, among the trial lines
         self.label = label or (lambda t: t.user_attrs.get("arch", ""))
         self.every = status_every() if every is None else every
         self.started = clock()
@@ -206,6 +248,8 @@ class TrialLog:
             self.finished += state in self.COUNTED
             if state not in self.UNSHOWN:
                 self.print(self.trial_line(t, state))
+        if self.rungs is not None and (warning := self.rungs.warning(trials, final=end is not None)):
+            self.print(f"warning: {warning}")
         if end or self.due():
             self.status(trials, end)
 
@@ -266,7 +310,8 @@ class SearchProgress(SearchCallback):
         self.step = ""
         self.log: list[str] = []
         self.snap = None
-        self.plain = None if self.console.is_terminal else TrialLog(study, trials, self.console, label)
+        self.rungs = RungWatch(study)
+        self.plain = None if self.console.is_terminal else TrialLog(study, trials, self.console, label, rungs=self.rungs)
         self.live = None if self.plain else Live(self._render(), console=self.console, refresh_per_second=4, transient=False)
 
     def __enter__(self) -> "SearchProgress":
@@ -282,7 +327,7 @@ class SearchProgress(SearchCallback):
             if self.plain:
                 self.plain.poll("stopped" if exc[0] is not None else "done")
             else:
-                self.refresh()
+                self.refresh(final=True)
         except Exception:
             if exc[0] is None:
                 raise
@@ -293,11 +338,14 @@ class SearchProgress(SearchCallback):
         """The search's plan (workers, trials per GPU, step mode, MPS): one line above the live table."""
         self.console.print(f"plan: {line}", soft_wrap=True, markup=False, highlight=False)  # one line, whatever the width
 
-    def refresh(self) -> None:
+    def refresh(self, final: bool = False) -> None:
         if self.plain:
             self.plain.poll()
             return
-        self.snap = snapshot(self.study)
+        trials = self.study.get_trials(deepcopy=False)  # read once: the snapshot and the rung check share it
+        self.snap = snapshot(self.study, trials)
+        if warning := self.rungs.warning(trials, final=final):
+            self.console.print(f"warning: {warning}", soft_wrap=True, markup=False, highlight=False)  # above the live table
         self.live.update(self._render())
 
     def _render(self) -> Table:

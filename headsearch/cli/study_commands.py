@@ -36,6 +36,7 @@ def report(
     robust: int = typer.Option(0, "--robust", help="Retrain the Pareto front with seeds 0..N-1 (`headsearch compare`) and show it on mean values with 95% intervals."),
     run_root: Path = typer.Option(Path("runs"), "--run-root", help="With --robust: run directories go in RUN_ROOT/<study>-robust/."),
     device: str = typer.Option("auto", "--device", help="With --robust: auto, cpu, cuda ..."),
+    pruning_audit: bool = typer.Option(False, "--pruning-audit", help="Also replay the study's stored curves under other pruning rules and rungs: epochs each would have trained, and the front members it would have pruned."),
 ) -> None:
     """Summarise a search: Pareto front, trial counts, parameter importances, what pruning saved."""
     import json
@@ -45,6 +46,8 @@ def report(
     if fmt not in FORMATS:
         fail(f"--format {fmt!r} is not known: use one of {', '.join(FORMATS)}")
     check_study_to_read(study)
+    if pruning_audit and (robust or fmt == "csv"):
+        fail("--pruning-audit goes with --format table or json, without --robust")
     if plots is not None:
         if robust:
             fail("--plots does not go with --robust (it writes curves.png in RUN_ROOT/<study>-robust/compare):"
@@ -65,19 +68,28 @@ def report(
                 raise HeadsearchError(f"--plots {plots} is a file: pass a folder")
         study_obj, stored = load_study_stored(storage, study)
         rep = summarize(storage, study, study=study_obj)
-        published = None
+        audit = None
+        if pruning_audit:
+            from headsearch.search.audit import pruning_audit as replay_pruning
+
+            audit = replay_pruning(study_obj)
+        published = notes = None
         if plots is not None:
             from headsearch.search.artifacts import default_artifact_dir
             from headsearch.search.plots import publish_plots
 
             artifact_dir = default_artifact_dir(storage)
             published = publish_plots(study_obj, rep, plots, artifact_dir, stored)
+            notes = _dashboard_notes(study_obj)
     except HeadsearchError as e:
         fail(str(e))
     except Exception as e:
         fail_on_fault(e, "the study is unchanged and plots already written are whole; free space and run it again")
     if fmt == "json":
-        typer.echo(json.dumps(rep.to_dict(), indent=2))
+        data = rep.to_dict()
+        if audit is not None:
+            data["pruning_audit"] = audit.to_dict()
+        typer.echo(json.dumps(data, indent=2))
     elif fmt == "csv":
         import csv
         import sys
@@ -88,6 +100,8 @@ def report(
         w.writerows(rows)
     else:
         print_report(rep)
+        if audit is not None:
+            print_pruning_audit(audit)
     if published:
         # With json/csv on stdout, the list of plots goes to stderr so the data stays parseable.
         to_err = fmt != "table"
@@ -99,6 +113,63 @@ def report(
             typer.echo(f"figures saved in the study for optuna-dashboard: {', '.join(published.dashboard)}", err=to_err)
         elif published.dashboard_note:
             typer.echo(published.dashboard_note, err=to_err)
+        if notes is not None and notes.written:
+            typer.echo(f"notes saved in the study for optuna-dashboard: {notes.summary()}", err=to_err)
+
+
+def _dashboard_notes(study):
+    """`write_dashboard_notes`, or None without optuna-dashboard (the figures' line says it is missing)."""
+    import importlib.util
+
+    if importlib.util.find_spec("optuna_dashboard") is None:
+        return None
+    from headsearch.search.notes import write_dashboard_notes
+
+    return write_dashboard_notes(study)
+
+
+def print_pruning_audit(audit, console=None) -> None:
+    """`report --pruning-audit`: one row per replayed rule (see headsearch.search.audit)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    table = Table(title=f"pruning audit: {audit.trials} trained trials' curves replayed under each rule (* this study's rule)")
+    for name in ("rule", "rungs", "epochs", "saved", "trials pruned", "front lost", "unknown"):
+        table.add_column(name, justify="left" if name in ("rule", "rungs", "front lost") else "right")
+    for r in audit.rules:
+        epochs = str(r.epochs) if r.epochs == r.epochs_at_most else f"{r.epochs}-{r.epochs_at_most}"
+        saved = "-" if r.rule == "none" else _audit_saved(r)
+        lost = ", ".join(map(str, r.front_lost)) or "-"
+        table.add_row(r.rule + (" *" if r.own else ""), r.rungs_text, epochs, saved, str(len(r.pruned)), lost, str(r.unknown))
+    console.print(table)
+    for line in audit_notes(audit):
+        console.print(line, soft_wrap=True, markup=False, highlight=False)
+
+
+def _audit_saved(r) -> str:
+    """Epochs saved against no pruning and how many times fewer; a range where unknown trials may run on."""
+    none = r.epochs + r.epochs_saved
+    low = none - r.epochs_at_most
+    if low == r.epochs_saved:
+        return f"{r.epochs_saved} ({r.fewer_than_none:.2f}x fewer)" if r.fewer_than_none else str(r.epochs_saved)
+    return f"{low}-{r.epochs_saved} ({none / r.epochs_at_most:.2f}-{r.fewer_than_none:.2f}x fewer)"
+
+
+def audit_notes(audit) -> list[str]:
+    """The lines under the audit's table: what "unknown" means, and what the replay assumed."""
+    lines = [f"front: trials {', '.join(map(str, audit.front)) or '-'}; saved: epochs fewer than no pruning."
+             " unknown: trials a rule lets run past the epoch the study pruned them at (never trained further):"
+             " counted with the epochs known, or to their end where the rule could not stop them (a-b: up to b)."]
+    if audit.note:
+        lines.append(audit.note)
+    if not audit.options_stored:
+        lines.append("the study does not record its pruner options: replayed with headsearch run's defaults")
+    if audit.own_differs:
+        lines.append(f"the replay of this study's own rule decides trials {', '.join(map(str, audit.own_differs))}"
+                     " otherwise than the study did (one worker's replay: the study's trials saw the others as they"
+                     " ran, or it ran other settings)")
+    return lines
 
 
 def _robust_report(study: Optional[str], storage: str, seeds: int, fmt: str, run_root: Path, device: str) -> None:
@@ -166,6 +237,10 @@ def print_report(rep, console=None) -> None:
                   f" -> {s.epochs_saved} epochs saved ({s.saved_fraction:.0%})")
     if rep.anytime:
         console.print(anytime_line(rep.anytime), soft_wrap=True)
+    if rep.rung_check:
+        console.print(rung_line(rep.rung_check, rep.primary_metric), soft_wrap=True, markup=False, highlight=False)
+    if rep.rung_warning:
+        console.print(f"warning: {rep.rung_warning}", soft_wrap=True, markup=False, highlight=False)
 
     if rep.diversity_vs_quality:
         div = Table(title="head diversity vs objectives across complete trials (Spearman rho)")
@@ -202,6 +277,20 @@ def anytime_line(curve) -> str:
         when += f", {last.fair_seconds:,.0f} of {curve[-1].fair_seconds:,.0f} fair seconds"
     return (f"anytime: front hypervolume after {' / '.join(map(str, marks))} trained trials: {at}"
             f" (of the final front's); last grew at {when}")
+
+
+def rung_line(rows, metric: str | None) -> str:
+    """The rung check in one line: Spearman's rho at epoch 1, at each rung and at the last epoch (the
+    others are in --format json and the --plots figure); a rung's n where fewer trials reached it."""
+    finished = max(r.n for r in rows)
+    shown = [r for i, r in enumerate(rows) if i == 0 or r.is_rung or i == len(rows) - 1]
+    parts = []
+    for r in shown:
+        tags = [t for t, on in (("rung", r.is_rung), ("last", r is rows[-1]), (f"n={r.n}", r.n < finished)) if on]
+        rho = "-" if r.rho is None else f"{r.rho:.2f}"
+        parts.append(f"epoch {r.epoch}" + (f" ({', '.join(tags)})" if tags else "") + f" {rho}")
+    return (f"rungs: Spearman's rho between each epoch and the final {metric or 'value'}, over {finished} finished"
+            f" trials: {'; '.join(parts)}")
 
 
 def _fmt(v) -> str:
@@ -273,6 +362,7 @@ def dashboard(
     if port_problem:
         fail(f"cannot serve on {host}:{port}: {port_problem}")
     adir = artifact_dir if artifact_dir is not None else default_artifact_dir(storage)
+    _notes_before_serving(store, [study] if study is not None else names)
     shown = "localhost" if host in ("0.0.0.0", "::") else host
     base = f"http://{shown}:{port}/dashboard"
     if study is not None:
@@ -286,6 +376,23 @@ def dashboard(
         fail(f"cannot serve on {host}:{port}: {e.strerror or e}")
     except KeyboardInterrupt:
         pass
+
+
+def _notes_before_serving(store, names) -> None:
+    """The dashboard notes (why each trial was pruned; the study's pruning plan and savings) brought up to date
+    in each study served. A storage that cannot be written (read-only) is served without them: one line says so."""
+    import optuna
+
+    from headsearch.search.notes import write_dashboard_notes
+
+    for name in names:
+        try:
+            done = write_dashboard_notes(optuna.load_study(study_name=name, storage=store))
+        except Exception as e:  # a read-only database, a storage error: the dashboard is still worth serving
+            typer.echo(f"study {name}: notes not written ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})", err=True)
+            continue
+        if done.written:
+            typer.echo(f"study {name}: notes written for optuna-dashboard: {done.summary()}", err=True)
 
 
 def unavailable_port(host: str, port: int) -> str | None:

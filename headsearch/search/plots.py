@@ -7,7 +7,9 @@ figures that optuna-dashboard shows in the study's page.
   trials dashed and ending with an x at the pruning epoch (drawn here: optuna-dashboard 0.21 charts
   intermediate values of single-objective studies only, and no Optuna plot marks where a trial was pruned);
 - parameter importances, one chart per objective (Optuna's `plot_param_importances`, with the same
-  evaluator and target as `report`'s numbers).
+  evaluator and target as `report`'s numbers);
+- the rung check (when the report has its rows): Spearman's rho between each epoch's values and the final
+  ones of the trials that ran to the end, the pruner's rungs marked (`headsearch.search.rungcheck`).
 
 `publish_plots` writes the PNGs and a self-contained HTML file per figure into a folder, uploads the PNGs
 as artifacts of the study (`headsearch.search.artifacts.upload_plots`: a few hundred KB, not again while
@@ -77,6 +79,8 @@ def write_plots(study, report: StudyReport, out_dir: Path) -> tuple[list[Path], 
     paths.append(_curves(curves, prefix))
     paths.append(_importances(report, prefix))
     paths.append(_anytime(report, prefix))
+    if report.rung_check:
+        paths.append(_rungs(report, prefix))
     figures = plotly_figures(study, report, curves)
     for graph_id, fig in figures.items():
         paths.append(_save_html(fig, prefix.with_name(f"{prefix.name}-{graph_id.removeprefix('headsearch-')}.html"), graph_id))
@@ -126,6 +130,8 @@ def plotly_figures(study, report: StudyReport, curves=None) -> dict[str, Any]:
             fig.update_layout(title=f"{report.study}: {o.name} per trial")
             figures["headsearch-objective"] = fig
         figures["headsearch-learning-curves"] = _curves_figure(curves or _curve_rows(study, report))
+        if report.rung_check:
+            figures["headsearch-rungs"] = _rungs_figure(report)
         for i, (o, imp) in enumerate(zip(objectives, report.importances)):
             if imp.error or not imp.importances:
                 continue
@@ -255,6 +261,62 @@ def _anytime(report: StudyReport, prefix: Path) -> Path:
         axes[0].text(0.5, 0.5, "no complete trials yet", ha="center", va="center", transform=axes[0].transAxes)
     fig.suptitle(f"{report.study}: the front's hypervolume as trials came in", fontsize=10)
     return _save_png(fig, prefix.with_name(prefix.name + "-anytime.png"))
+
+
+# -- the rung check -------------------------------------------------------------------------
+
+def _rung_text(report: StudyReport) -> tuple[str, str]:
+    """The rung figure's title and y label (`headsearch.search.rungcheck`)."""
+    n = max(r.n for r in report.rung_check)
+    metric = report.primary_metric or "value"
+    title = (f"{report.study}: do early ranks predict final ones? ({n} trials that ran to the end)\n"
+             f"Spearman's rho of each epoch's best {metric} so far with the final {metric}; rungs marked")
+    return title, f"Spearman's rho with the final {metric}"
+
+
+def _rungs(report: StudyReport, prefix: Path) -> Path:
+    """Spearman's rho against epoch, the pruner's rungs marked: a rung where rho is low prunes by chance."""
+    from matplotlib.ticker import MaxNLocator
+
+    rows = [r for r in report.rung_check if r.rho is not None]
+    rungs = [r for r in rows if r.is_rung]
+    title, ylabel = _rung_text(report)
+    fig = _figure((7.5, 4.5))
+    ax = fig.add_subplot()
+    ax.axhline(0.0, color=GREY, lw=1)
+    ax.plot([r.epoch for r in rows], [r.rho for r in rows], color="C0", marker=".", label="every epoch")
+    if rungs:
+        ax.scatter([r.epoch for r in rungs], [r.rho for r in rungs], color=FRONT, s=60, zorder=3, label="rung")
+        for r in rungs:
+            ax.annotate(f"{r.rho:.2f}", (r.epoch, r.rho), textcoords="offset points", xytext=(5, 6), fontsize=8)
+        ax.legend(loc="lower right", fontsize=8)
+    if not rows:
+        ax.text(0.5, 0.5, "rho not known at any epoch (constant values)", ha="center", va="center", transform=ax.transAxes)
+    ax.set_ylim(-1.05, 1.05)
+    ax.set_xlabel("epoch")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    return _save_png(fig, prefix.with_name(prefix.name + "-rungs.png"))
+
+
+def _rungs_figure(report: StudyReport):
+    """The rung check as a plotly figure (for the dashboard and the HTML file)."""
+    import plotly.graph_objects as go
+
+    rows = [r for r in report.rung_check if r.rho is not None]
+    rungs = [r for r in rows if r.is_rung]
+    title, ylabel = _rung_text(report)
+    g = go.Figure()
+    g.add_trace(go.Scatter(x=[r.epoch for r in rows], y=[r.rho for r in rows], mode="lines+markers", name="every epoch",
+                           hovertext=[f"epoch {r.epoch}: rho {r.rho:.3f} over {r.n} trials" for r in rows], hoverinfo="text"))
+    if rungs:
+        g.add_trace(go.Scatter(x=[r.epoch for r in rungs], y=[r.rho for r in rungs], mode="markers", name="rung",
+                               marker=dict(size=12, color=FRONT), hoverinfo="text",
+                               hovertext=[f"rung at epoch {r.epoch}: rho {r.rho:.3f} over {r.n} trials" for r in rungs]))
+    g.update_layout(title=title.replace("\n", "<br>"), xaxis_title="epoch", yaxis_title=ylabel, yaxis_range=[-1.05, 1.05],
+                    template="plotly_white")
+    return g
 
 
 # -- learning curves ------------------------------------------------------------------------

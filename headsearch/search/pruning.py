@@ -14,8 +14,8 @@ Which trials a trial is compared with (`comparison_curves`, `COMPARED_STATES`):
   (which read ``study.get_trials(states=(COMPLETE,))``). A pruned trial's curve takes no part:
   however bad it was, it does not lower the bar for the trials after it. So single- and
   multi-objective studies prune alike.
-- asha (rung rule): the COMPLETE and the PRUNED trials, every trial that reached the rung, as
-  in ASHA (a trial pruned at a later rung did reach the earlier ones, and its value there counts).
+- asha, pareto, multi-metric (rung rules): the COMPLETE, PRUNED and RUNNING trials, every trial that
+  reached the rung, finished or not, as in ASHA (a trial pruned at a later rung did reach the earlier ones, and its value there counts).
 
 Rejected trials (an invalid architecture, stored PRUNED with user_attr "rejected") and the trial
 being judged are never compared with. A trial whose results were reused from an identical complete
@@ -66,6 +66,7 @@ PRUNERS = ("pareto", "median", "percentile", "asha", "hyperband", "multi-metric"
 # The quantities a multi-objective trial's objectives are known by before it ends (`ParetoRule`'s kinds).
 PROGRESS_KINDS = ("quality", "time", "params", "epochs")
 DIRECTIONS = ("maximize", "minimize")
+NOISE_MARGIN = 0.9  # `ParetoRule`: a trial's quality gets this many sigmas of the noise (issue 39, RESULTS.md)
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,9 @@ class PruneDecision:
     - `n_compared`: how many of the other trials have a value at `epoch`.
     - `note`: why no judgement was made ("warm-up ...", "too few trials (1 < 2)", "not a rung",
       ...), or why a trial was pruned without one ("value is NaN"); "" for an ordinary judgement.
+    - `ahead` (the rules on several objectives): the numbers of the trials ranked ahead of it.
+    - `point`: its point there, every coordinate minimised (`progress_point`), before any margin.
+    - `margin`: the noise margin its quality was given (`ParetoRule`), in the metric's units.
     """
 
     prune: bool
@@ -92,14 +96,22 @@ class PruneDecision:
     threshold: float | None
     n_compared: int
     note: str = ""
+    ahead: tuple[int, ...] = ()
+    point: tuple[float, ...] | None = None
+    margin: float | None = None
 
     def reason(self) -> dict[str, Any]:
-        """All fields as a JSON-able dict (for ``user_attrs["pruned"]``); NaN and inf become None."""
+        """All fields as a JSON-able dict (for ``user_attrs["pruned"]``); NaN and inf become None. The fields of
+        the rules on several objectives (`ahead`, `point`, `margin`) only where a rule set them."""
         out: dict[str, Any] = {}
         for f in fields(self):
             v = getattr(self, f.name)
+            if f.name in ("ahead", "point", "margin") and v == f.default:
+                continue
             if isinstance(v, float) and not math.isfinite(v):
                 v = None
+            if isinstance(v, tuple):
+                v = [None if isinstance(x, float) and not math.isfinite(x) else x for x in v]
             out[f.name] = v
         return out
 
@@ -115,7 +127,7 @@ class CurvePruner(Protocol):
     ) -> PruneDecision:
         """`curve`: this trial's values so far ``{epoch: value}``, including `epoch`. `others`: the
         curves it is compared with, not its own (the search passes `comparison_curves`: COMPLETE
-        trials for the percentile rules, COMPLETE and PRUNED trials for the rung rule)."""
+        trials for the percentile rules, COMPLETE, PRUNED and RUNNING trials for the rung rules)."""
         ...
 
 
@@ -284,7 +296,7 @@ class RungRule:
     Successive halving (Jamieson & Talwalkar 2016) trains many configurations for a few epochs and
     keeps the best ``1/reduction_factor`` of them at each rung; ASHA (Li et al. 2020, "A System for
     Massively Parallel Hyperparameter Tuning") makes it asynchronous: a trial is judged against the
-    trials that reached the same rung before it: the search passes the COMPLETE and the PRUNED
+    trials that reached the same rung before it: the search passes the COMPLETE, PRUNED and RUNNING
     trials (`comparison_curves`), so a trial pruned at a later rung counts at the earlier ones. As
     in Optuna's SuccessiveHalvingPruner, a trial is stopped rather than paused, so "not promoted"
     means pruned.
@@ -389,12 +401,67 @@ class Progress:
     curve: Mapping[int, float]
     params: float | None = None
     epoch_seconds: float | None = None
+    number: int | None = None  # the trial's number, to name the trials ranked ahead of one pruned
+    finished: bool = False  # trained to its last epoch (COMPLETE, not a duplicate): its curve's best is final
 
 
 def progress_of(trial: Any) -> Progress:
     """A stored trial's `Progress` (its intermediate values; user_attrs params and epoch_seconds_alone)."""
     a = trial.user_attrs
-    return Progress(dict(trial.intermediate_values), a.get("params"), a.get("epoch_seconds_alone"))
+    finished = trial.state == _COMPLETE and "duplicate_of" not in a
+    return Progress(dict(trial.intermediate_values), a.get("params"), a.get("epoch_seconds_alone"), trial.number, finished)
+
+
+def best_so_far(curve: Mapping[int, float], epoch: int, direction: str) -> float:
+    """The curve's best finite value up to `epoch` (max when maximizing); NaN when there is none."""
+    vals = [float(v) for e, v in curve.items() if e <= epoch and math.isfinite(float(v))]
+    if not vals:
+        return math.nan
+    return max(vals) if direction == "maximize" else min(vals)
+
+
+def rank_correlation(x: Sequence[float], y: Sequence[float]) -> float:
+    """Spearman's rho (ties averaged); NaN values rank last; -1 when either side is constant (no evidence)."""
+    from scipy import stats
+
+    x = [math.inf if math.isnan(v) else v for v in x]
+    y = [math.inf if math.isnan(v) else v for v in y]
+    if len(set(x)) < 2 or len(set(y)) < 2:
+        return -1.0
+    return float(stats.spearmanr(x, y)[0])
+
+
+# `ParetoRule(min_epochs="auto")`: the first rung is the earliest epoch whose ranks predict the final ones.
+AUTO_RHO = 0.5  # Spearman's rho an epoch must reach with the finished trials' final values
+AUTO_FINISHED = 5  # finished trials needed before the rho is trusted
+AUTO_FALLBACK = 3  # the first rung until then (the rule's default)
+
+# The normal distribution's MAD: sigma = 1.4826 * median(|x - median(x)|) for normal x (Hampel 1974).
+_MAD_TO_SIGMA = 1.4826
+MIN_NOISE_SAMPLES = 4  # residuals needed before the curves' noise is trusted
+
+
+def curve_noise(curves: Iterable[Mapping[int, float]], epoch: int) -> float | None:
+    """The noise of one epoch's value, estimated from the curves' own epoch-to-epoch changes up to `epoch`.
+
+    Each step ``y(e) - y(e - 1)`` of a curve is the learning all trials share at that epoch plus two epochs'
+    noise. The step's median over the curves that made it stands for the shared learning; what is left,
+    ``r = step - median step``, has variance about ``2 sigma**2``. So ``sigma = 1.4826 * median |r| / sqrt(2)``:
+    the median absolute deviation (robust to the few curves that jump; Hampel 1974), pooled over every epoch
+    ``2..epoch`` and every curve. None before epoch 2 or with fewer than `MIN_NOISE_SAMPLES` residuals:
+    one epoch shows no noise. On the 16-epoch deep-head table this gives about 0.01 in accuracy, the
+    spread between seeds about 0.018 (benchmarks/RESULTS.md, issue 39)."""
+    residuals: list[float] = []
+    for e in range(2, epoch + 1):
+        steps = [float(c[e]) - float(c[e - 1]) for c in curves if e in c and e - 1 in c]
+        steps = [d for d in steps if math.isfinite(d)]
+        if len(steps) < 2:
+            continue
+        middle = float(np.median(steps))
+        residuals += [abs(d - middle) for d in steps]
+    if len(residuals) < MIN_NOISE_SAMPLES:
+        return None
+    return _MAD_TO_SIGMA * float(np.median(residuals)) / math.sqrt(2.0)
 
 
 def non_dominated_ranks(points: Sequence[Sequence[float]]) -> list[int]:
@@ -410,6 +477,12 @@ def non_dominated_ranks(points: Sequence[Sequence[float]]) -> list[int]:
         left -= current
         front += 1
     return ranks
+
+
+def _nonnegative(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not math.isfinite(value) or value < 0:
+        raise ConfigError(f"pruning {name} must be a number >= 0, got {value!r}")
+    return float(value)
 
 
 def _check_kinds(rule: str, kinds: Sequence[str | None]) -> tuple[str | None, ...]:
@@ -446,10 +519,11 @@ def progress_point(kinds: Sequence[str | None], direction: str, epoch: int, p: P
 def _gate(rule, epoch: int, mine: Progress, others: Sequence[Progress], judged_here: bool):
     """What `ParetoRule` and `MultiMetricRule` check before ranking, in order: warm-up, an epoch the rule
     judges (`judged_here`), enough others, the trial's own point known, quality NaN. Returns the decision
-    when one of them decides, else (its point, the others' points at `epoch`, its value)."""
+    when one of them decides, else (its point, the others' points at `epoch`, its value, the others judged)."""
     _check_call(epoch, mine.curve)
     value = float(mine.curve[epoch])
-    theirs = [q for q in (rule.point(epoch, o) for o in others if epoch in o.curve) if q is not None]
+    judged = [(o, q) for o, q in ((o, rule.point(epoch, o)) for o in others if epoch in o.curve) if q is not None]
+    theirs = [q for _, q in judged]
     n = len(theirs)
 
     def keep(note: str) -> PruneDecision:
@@ -466,7 +540,7 @@ def _gate(rule, epoch: int, mine: Progress, others: Sequence[Progress], judged_h
         return keep("its epoch seconds are not known yet")
     if "quality" in rule.kinds and math.isinf(own[rule.kinds.index("quality")]):
         return PruneDecision(True, rule.rule, epoch, value, None, n, "value is NaN")
-    return own, theirs, value
+    return own, theirs, value, [o for o, _ in judged]
 
 
 class ParetoRule:
@@ -490,13 +564,23 @@ class ParetoRule:
        not recorded is left out); ``n`` of them. ``n < s`` -> no judgement. A trial whose own point is
        incomplete (its epoch seconds not known) is not judged.
     3. quality NaN -> prune.
-    4. sort the ``n + 1`` points into fronts; ``better`` = the points in fronts before the trial's. The
+    4. dominance beyond noise: the trial's quality is taken ``noise_margin * sigma`` better than it looks
+       (sigma: `noise` when given, e.g. the spread between seeds `compare` measured; else `curve_noise` of the
+       curves in sight; not known at epoch 1 -> no judgement). A trial within noise of the front is so never
+       dominated, and goes on. This is the epsilon-dominance of Laumanns et al. 2002 ("Combining Convergence
+       and Diversity in Evolutionary Multiobjective Optimization"), with epsilon the noise the study shows,
+       given to the trial judged: optimism under uncertainty, as in a confidence bound.
+    5. sort the ``n + 1`` points into fronts; ``better`` = the points in fronts before the trial's. The
        top ``k = ceil((n + 1) / r)`` go on, ties with the trial going to the trial: prune iff
        ``better >= k``. A trial on the first front is never pruned: a trial is pruned only when it is
-       dominated, and only when at least ``k`` trials rank ahead of it.
+       dominated, and only when at least ``k`` trials rank ahead of it. The decision names them (`ahead`).
 
-    The search judges a trial against the COMPLETE and PRUNED trials (every trial that reached the rung,
-    as `RungRule`), and never at its last epoch.
+    ``min_epochs="auto"`` (`first_rung`): the first rung is the earliest epoch whose values rank the finished
+    trials as their final values do; until 5 have finished, epoch 3.
+
+    The search judges a trial against the COMPLETE, PRUNED and RUNNING trials (every trial that reached the rung,
+    as asynchronous successive halving does, Li et al. 2020: with 8 workers the first 8 trials are judged too),
+    and never at its last epoch.
     """
 
     rule = "pareto"
@@ -504,36 +588,81 @@ class ParetoRule:
     # Defaults: rungs 3, 9, 27, ..., the top third going on; what benchmarks/search_quality.py measured best on
     # the 16-epoch deep-head table, where the curves cross (epoch 1 ranks the final accuracies backwards, epoch 2
     # barely), without losing on the 4-epoch one (RESULTS.md, issue 29). Rungs 2, 4, 8 lost the slow, most
-    # accurate architectures at epoch 2 in about half the replays.
-    def __init__(self, direction: str, kinds: Sequence[str | None] = ("quality", "time"), min_epochs: int = 3,
-                 reduction_factor: int = 3, n_startup_trials: int = 3, n_warmup_epochs: int = 0) -> None:
+    # accurate architectures at epoch 2 in about half the replays. The noise margin: issue 39 (RESULTS.md).
+    def __init__(self, direction: str, kinds: Sequence[str | None] = ("quality", "time"), min_epochs: int | str = 3,
+                 reduction_factor: int = 3, n_startup_trials: int = 3, n_warmup_epochs: int = 0,
+                 noise_margin: float = NOISE_MARGIN, noise: float | None = None) -> None:
         self.direction = _direction(direction)
         self.kinds = _check_kinds("pareto", kinds)
-        self._rungs = RungRule(direction, min_epochs, reduction_factor, n_startup_trials)
-        self.min_epochs, self.reduction_factor = self._rungs.min_epochs, self._rungs.reduction_factor
+        self.auto = min_epochs == "auto"
+        self._rungs = RungRule(direction, AUTO_FALLBACK if self.auto else min_epochs, reduction_factor, n_startup_trials)
+        self.min_epochs = "auto" if self.auto else self._rungs.min_epochs
+        self.reduction_factor = self._rungs.reduction_factor
         self.n_startup_trials = self._rungs.n_startup_trials
         self.n_warmup_epochs = _int("n_warmup_epochs", n_warmup_epochs, 0)
+        self.noise_margin = _nonnegative("noise margin", noise_margin)
+        self.noise = None if noise is None else _nonnegative("noise", noise)
 
     def __repr__(self) -> str:
         return (f"ParetoRule(direction={self.direction!r}, kinds={list(self.kinds)}, min_epochs={self.min_epochs},"
                 f" reduction_factor={self.reduction_factor}, n_startup_trials={self.n_startup_trials},"
-                f" n_warmup_epochs={self.n_warmup_epochs})")
+                f" n_warmup_epochs={self.n_warmup_epochs}, noise_margin={self.noise_margin}, noise={self.noise})")
 
     def point(self, epoch: int, p: Progress) -> list[float] | None:
         """The trial's point at `epoch`, every coordinate minimised; None when a quantity is not known."""
         return progress_point(self.kinds, self.direction, epoch, p)
 
+    def margin(self, epoch: int, mine: Progress, others: Sequence[Progress]) -> float | None:
+        """How much better its quality may truly be than it looks: ``noise_margin * sigma``, sigma the given
+        `noise` or else `curve_noise` of every curve in sight. None when sigma cannot be estimated yet."""
+        if self.noise_margin == 0:
+            return 0.0
+        sigma = self.noise if self.noise is not None else curve_noise([mine.curve, *(o.curve for o in others)], epoch)
+        return None if sigma is None else self.noise_margin * sigma
+
+    def first_rung(self, others: Sequence[Progress]) -> int | None:
+        """The first rung: `min_epochs`, or with ``min_epochs="auto"`` the earliest epoch whose values rank the
+        finished trials as their final values do (Spearman's rho >= `AUTO_RHO` over at least `AUTO_FINISHED`
+        of them; the value at an epoch the best so far, as judged). Before that many have finished, epoch
+        `AUTO_FALLBACK`; None when no epoch ranks them well enough yet (nothing is judged)."""
+        if not self.auto:
+            return self.min_epochs
+        sign = -1.0 if self.direction == "maximize" else 1.0  # minimised, as the points
+        finished = [o.curve for o in others if o.finished and o.curve]
+        if len(finished) < AUTO_FINISHED:
+            return AUTO_FALLBACK
+        final = [sign * best_so_far(c, max(c), self.direction) for c in finished]
+        for e in range(1, min(max(c) for c in finished)):
+            early = [sign * best_so_far(c, e, self.direction) for c in finished]
+            if rank_correlation(early, final) >= AUTO_RHO:
+                return e
+        return None
+
+    def is_rung(self, epoch: int, others: Sequence[Progress]) -> bool:
+        first = self.first_rung(others)
+        return first is not None and RungRule(self.direction, first, self.reduction_factor).is_rung(epoch)
+
     def decide(self, epoch: int, mine: Progress, others: Sequence[Progress]) -> PruneDecision:
-        gate = _gate(self, epoch, mine, others, self._rungs.is_rung(epoch))
+        gate = _gate(self, epoch, mine, others, self.is_rung(epoch, others))
         if isinstance(gate, PruneDecision):
             return gate
-        own, theirs, value = gate
+        own, theirs, value, judged = gate
         n = len(theirs)
-        ranks = non_dominated_ranks([own, *theirs])
+        margin = self.margin(epoch, mine, judged)
+        if margin is None:
+            return PruneDecision(False, self.rule, epoch, value, None, n, "the curves' noise is not known yet (one epoch)",
+                                 point=tuple(own))
+        hopeful = list(own)
+        if "quality" in self.kinds:  # the benefit of the doubt: its quality as good as the noise allows
+            hopeful[self.kinds.index("quality")] -= margin
+        ranks = non_dominated_ranks([hopeful, *theirs])
+        ahead = tuple(o.number for o, r in zip(judged, ranks[1:]) if r < ranks[0] and o.number is not None)
         better = sum(1 for r in ranks[1:] if r < ranks[0])
         k = -(-(n + 1) // self.reduction_factor)  # ceil((n + 1) / r)
-        note = f"front {ranks[0] + 1}: {better} trials in fronts ahead of it, the top {k} of {n + 1} go on"
-        return PruneDecision(better >= k, self.rule, epoch, value, None, n, note)
+        beyond = f" beyond a noise margin of {margin:.4g}" if margin else ""
+        note = f"front {ranks[0] + 1}{beyond}: {better} trials in fronts ahead of it, the top {k} of {n + 1} go on"
+        return PruneDecision(better >= k, self.rule, epoch, value, None, n, note, ahead=ahead, point=tuple(own),
+                             margin=margin)
 
 
 def hypervolume_contributions(points: Sequence[Sequence[float]]) -> list[float]:
@@ -552,7 +681,7 @@ class MultiMetricRule:
     several objectives, written here from its description as the simulator's baseline for "pareto". Rule
     "multi-metric".
 
-    At epoch ``e``, the trial and the others that reported ``e`` (COMPLETE and PRUNED, as `ParetoRule`),
+    At epoch ``e``, the trial and the others that reported ``e`` (COMPLETE, PRUNED and RUNNING, as `ParetoRule`),
     each at its point on the objectives `kinds` names (`progress_point`):
 
     1. ``epoch <= n_warmup_epochs`` -> no judgement; with ``base="asha"``, an epoch that is not a rung
@@ -594,7 +723,7 @@ class MultiMetricRule:
         gate = _gate(self, epoch, mine, others, self.base == "median" or self._rungs.is_rung(epoch))
         if isinstance(gate, PruneDecision):
             return gate
-        own, theirs, value = gate
+        own, theirs, value, _ = gate
         n = len(theirs)
         points = [own, *theirs]
         ranks = non_dominated_ranks(points)
@@ -615,16 +744,19 @@ PROGRESS_RULES = (ParetoRule, MultiMetricRule)  # rules that judge a trial's `Pr
 # ---------------------------------------------------------------------------------------------
 # which trials a trial is judged against
 
-_COMPLETE, _PRUNED = optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED
-COMPARED_STATES = {"median": (_COMPLETE,), "percentile": (_COMPLETE,), "asha": (_COMPLETE, _PRUNED),
-                   "pareto": (_COMPLETE, _PRUNED), "multi-metric": (_COMPLETE, _PRUNED)}
+_COMPLETE, _PRUNED, _RUNNING = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED,
+                                 optuna.trial.TrialState.RUNNING)
+# The rung rules judge a trial against every trial that reached the rung, running ones included, as asynchronous
+# successive halving does (Li et al. 2020): with 8 workers the first 8 trials would otherwise never be judged.
+COMPARED_STATES = {"median": (_COMPLETE,), "percentile": (_COMPLETE,), "asha": (_COMPLETE, _PRUNED, _RUNNING),
+                   "pareto": (_COMPLETE, _PRUNED, _RUNNING), "multi-metric": (_COMPLETE, _PRUNED, _RUNNING)}
 
 
 def comparison_curves(trials: Iterable[Any], rule: str, number: int) -> list[dict[int, float]]:
     """The curves the trial numbered `number` is judged against under `rule` (see the module
     docstring): the intermediate values of `trials` (Optuna FrozenTrials) whose state is in
-    ``COMPARED_STATES[rule]`` (COMPLETE for median and percentile, COMPLETE and PRUNED for
-    asha and pareto), leaving out rejected trials and trial `number` itself. Unknown rule -> ConfigError."""
+    ``COMPARED_STATES[rule]`` (COMPLETE for median and percentile, COMPLETE, PRUNED and RUNNING for
+    the rung rules), leaving out rejected trials and trial `number` itself. Unknown rule -> ConfigError."""
     if rule not in COMPARED_STATES:
         raise _unknown(rule)
     return [dict(t.intermediate_values) for t in comparison_trials(trials, rule, number)]
@@ -685,6 +817,8 @@ def make_curve_pruner(
     min_epochs: int | None = None,
     reduction_factor: int | None = None,
     kinds: Sequence[str | None] | None = None,
+    noise_margin: float | None = None,
+    noise: float | None = None,
 ) -> "CurvePruner | ParetoRule | MultiMetricRule | None":
     """The curve pruner `name` (one of `PRUNERS`) for a study whose primary metric goes `direction`.
 
@@ -702,6 +836,9 @@ def make_curve_pruner(
     _direction(direction)
     if name == "none":
         return None
+    if min_epochs == "auto" and name != "pareto":
+        raise ConfigError(f"--pruner-min-epochs auto: only the pareto rule chooses its first rung from the finished"
+                          f" trials; give {name} a number of epochs")
 
     def given(**kw: Any) -> dict[str, Any]:
         return {k: v for k, v in kw.items() if v is not None}
@@ -721,7 +858,8 @@ def make_curve_pruner(
         )
     if name == "pareto":
         return ParetoRule(direction, **given(kinds=kinds, min_epochs=min_epochs, reduction_factor=reduction_factor,
-                                             n_startup_trials=n_startup_trials, n_warmup_epochs=n_warmup_epochs))
+                                             n_startup_trials=n_startup_trials, n_warmup_epochs=n_warmup_epochs,
+                                             noise_margin=noise_margin), noise=noise)
     if name == "multi-metric":
         return MultiMetricRule(direction, **given(kinds=kinds, n_startup_trials=n_startup_trials,
                                                   n_warmup_epochs=n_warmup_epochs))

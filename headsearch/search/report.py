@@ -16,7 +16,7 @@ import dataclasses
 import math
 import sqlite3
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from headsearch.errors import HeadsearchError
 from headsearch.jsonsafe import json_safe
@@ -24,6 +24,9 @@ from headsearch.search.hypervolume import front_indices, hypervolume, scale_mini
 from headsearch.search.objectives import Objective, directions_of, objectives_of
 from headsearch.search.snapshot import TRIAL_STATES, count_states, trial_state
 from headsearch.search.storage import check_sqlite_file, journal_path, open_storage, sqlite_path
+
+if TYPE_CHECKING:
+    from headsearch.search.rungcheck import RungCorrelation
 
 
 # -- opening a study without creating anything ----------------------------------------------
@@ -168,6 +171,11 @@ class StudyReport:
     # The front's hypervolume after each trained trial (the simulator's score, on the study's own points):
     # a curve still rising at its end says more trials would still move the front.
     anytime: list[AnytimePoint] = field(default_factory=list)
+    # Spearman's rho between each epoch's values and the final values of the trials that ran to the end, the
+    # pruner's rungs marked (`headsearch.search.rungcheck`): do early ranks predict final ones, as pruning at
+    # the rungs assumes? `rung_warning`: one line when the first rung ranks them poorly.
+    rung_check: list[RungCorrelation] = field(default_factory=list)
+    rung_warning: str | None = None
 
     @property
     def multi_objective(self) -> bool:
@@ -422,6 +430,9 @@ def summarize(storage_url: str, study_name: str | None = None, *, study=None) ->
     settings = {k: meta[k] for k in ("sampler", "pruner", "seed", "trials", "data", "run_root") if k in meta}
     if "space" in meta:
         settings["space"] = meta["space"].get("name")
+    from headsearch.search.rungcheck import check_rungs  # here: rungcheck imports this module
+
+    rung_check, rung_warning = check_rungs(trials, meta)
     return StudyReport(
         study=study.study_name, storage=storage_url, task=meta.get("task"), primary_metric=primary,
         epochs=meta.get("epochs"), objectives=objectives, counts=counts,
@@ -430,6 +441,7 @@ def summarize(storage_url: str, study_name: str | None = None, *, study=None) ->
         savings=pruning_savings(trials, meta.get("epochs")), trials=rows, settings=settings,
         diversity_vs_quality=diversity_correlations(trials, objectives),
         anytime=anytime_curve(trials, [o.direction for o in objectives]),
+        rung_check=rung_check, rung_warning=rung_warning,
     )
 
 

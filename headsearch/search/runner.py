@@ -180,8 +180,17 @@ class Search:
         opts = dict(n_startup_trials=startup, n_warmup_epochs=s.pruner_warmup_epochs, min_epochs=s.pruner_min_epochs,
                     reduction_factor=s.pruner_reduction_factor)
         if self.multi_objective:
-            return None, make_curve_pruner(self.pruner_name(), self.task.primary.direction, kinds=self.progress_kinds(), **opts)
+            return None, make_curve_pruner(self.pruner_name(), self.task.primary.direction, kinds=self.progress_kinds(),
+                                           noise_margin=s.pruner_noise_margin, noise=s.pruner_noise, **opts)
         return make_optuna_pruner(self.pruner_name(), epochs=self.base.train.epochs, **opts), None
+
+    def pruner_options(self) -> dict[str, Any]:
+        """The pruning rule's settings as it runs (its defaults filled in): rungs, startup, noise margin."""
+        optuna_pruner, curve_pruner = self.make_pruner()
+        rule = curve_pruner if curve_pruner is not None else getattr(optuna_pruner, "rule", None)
+        names = ("min_epochs", "reduction_factor", "n_startup_trials", "n_warmup_epochs", "noise_margin", "noise",
+                 "percentile")
+        return {n: getattr(rule, n) for n in names if rule is not None and hasattr(rule, n)}
 
     def study_attrs(self) -> dict[str, Any]:
         described = self.source.describe()
@@ -189,7 +198,8 @@ class Search:
             "headsearch": {"task": task_reference(self.task), "space": self.space.summary(),
                            "objectives": [o.stored() for o in self.objectives],
                            "primary_metric": self.task.primary.name, "base_config": self.base.to_dict(),
-                           "sampler": self.sampler_name(), "pruner": self.pruner_name(), "seed": self.settings.seed,
+                           "sampler": self.sampler_name(), "pruner": self.pruner_name(),
+                           "pruner_options": self.pruner_options(), "seed": self.settings.seed,
                            "trials": self.settings.trials, "epochs": self.base.train.epochs,
                            "run_root": str(Path(self.settings.run_root).resolve() / self.study_name),
                            "data": str(Path(described).resolve()) if described != "download" else "download"},
@@ -934,7 +944,7 @@ class TrialPruning(Callback):
             return
         others = comparison_trials(self.study.get_trials(deepcopy=False), self.curve_pruner.rule, self.trial.number)
         if isinstance(self.curve_pruner, PROGRESS_RULES):
-            mine = Progress(self.curve, record.params, record.epoch_seconds_alone)
+            mine = Progress(self.curve, record.params, record.epoch_seconds_alone, self.trial.number)
             decision = self.curve_pruner.decide(epoch, mine, [progress_of(t) for t in others])
         else:
             decision = self.curve_pruner.decide(epoch, self.curve, [dict(t.intermediate_values) for t in others])

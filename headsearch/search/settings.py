@@ -25,8 +25,10 @@ class SearchSettings:
     pruner: str | None = None  # default: pareto for several objectives, median for one
     pruner_startup_trials: int | None = None
     pruner_warmup_epochs: int | None = None
-    pruner_min_epochs: int | None = None  # the first rung of the rung rules (pareto, asha); None: the rule's default
+    pruner_min_epochs: int | str | None = None  # the first rung of the rung rules (pareto, asha; pareto: "auto")
     pruner_reduction_factor: int | None = None  # rungs min_epochs * r**k; the top 1/r go on
+    pruner_noise_margin: float | None = None  # pareto: a trial's quality gets this many sigmas of noise (None: 0.9)
+    pruner_noise: float | None = None  # pareto: the metric's noise sigma, e.g. from `compare` (None: from the curves)
     storage: str = DEFAULT_STORAGE
     study: str | None = None  # default: <task>-<space>[-<preset>]
     seed: int = 0

@@ -160,6 +160,7 @@ def simulation_search(table: dict[str, Any], *, space: str, trials: int, sampler
                       pruner: str | None = None, seed: int = 0, objectives: Sequence[str] | None = None,
                       pruner_startup_trials: int | None = None, pruner_warmup_epochs: int | None = None,
                       pruner_min_epochs: int | None = None, pruner_reduction_factor: int | None = None,
+                      pruner_noise_margin: float | None = None, pruner_noise: float | None = None,
                       sets: dict[str, dict[str, Any]] | None = None):
     """The `Search` that `headsearch run` would build for the table's task, preset and epochs, on the CPU
     (with the `--set` overrides the table's runs were trained with, `sets` or the table's own)."""
@@ -170,6 +171,7 @@ def simulation_search(table: dict[str, Any], *, space: str, trials: int, sampler
                               epochs=table["epochs"], storage=SIMULATED_STORAGE, device="cpu", heartbeat=0,
                               pruner_startup_trials=pruner_startup_trials, pruner_warmup_epochs=pruner_warmup_epochs,
                               pruner_min_epochs=pruner_min_epochs, pruner_reduction_factor=pruner_reduction_factor,
+                              pruner_noise_margin=pruner_noise_margin, pruner_noise=pruner_noise,
                               sets=sets if sets is not None else (table.get("sets") or None))
     held, in_space = len(table["architectures"]), table.get("architectures_in_space")
     if in_space is not None and held < in_space:
