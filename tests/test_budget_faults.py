@@ -320,6 +320,17 @@ def mid_trial(url: str) -> bool:
     return any(t.state == TrialState.RUNNING and t.intermediate_values for t in trials)
 
 
+def stale(url: str, study: str, number: int) -> bool:
+    """Trial `number` has a heartbeat older than 3 heartbeats of 1 s, by Optuna's test on the database's clock."""
+    storage = optuna.storages.RDBStorage(url, heartbeat_interval=1, grace_period=3)
+    try:
+        study_id = storage.get_study_id_from_name(study)
+        return storage.get_trial_id_from_study_id_trial_number(study_id, number) in storage._get_stale_trial_ids(study_id)
+    finally:
+        storage.remove_session()
+        storage.engine.dispose()
+
+
 def one_line_exit_2(proc: subprocess.Popen, *fragments: str) -> str:
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 2, (proc.returncode, err[-3000:])
@@ -420,7 +431,10 @@ def test_a_worker_paused_mid_trial_past_its_heartbeats_drops_its_result_and_goes
     wait_for(lambda: mid_trial(url) or proc.poll() is not None, "a trial mid-run", 120)
     os.kill(proc.pid, signal.SIGSTOP)
     paused = next(t.number for t in load(url, "s").get_trials(deepcopy=False) if t.state == TrialState.RUNNING)
-    time.sleep(3.5)  # past 3 heartbeats of 1 s
+    # Past 3 heartbeats of 1 s by the database's clock, which SQLite keeps in whole seconds: a heartbeat
+    # stamped 12:00:00.9 reads 12:00:00, so a fixed sleep of 3.5 s was sometimes judged 3 s old, not stale,
+    # and the other worker asked a new trial instead of failing this one. Wait for Optuna's own test.
+    wait_for(lambda: stale(url, "s", paused), "the paused worker's heartbeat to go stale", 30)
     other = Search(settings(tmp_path, url, "s", trials=2, epochs=12))
     other._next_trial(other.open())  # finds the paused worker's trial silent: fails it, re-enqueues it, asks it
     os.kill(proc.pid, signal.SIGCONT)

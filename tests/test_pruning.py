@@ -24,6 +24,7 @@ from headsearch.search.pruning import (
     comparison_trials,
     make_curve_pruner,
     make_optuna_pruner,
+    rung_epochs,
 )
 from headsearch.search.study import StudyStorage
 
@@ -147,6 +148,11 @@ def test_rungs():
     rule = RungRule("maximize")  # min_epochs 1, reduction_factor 3
     assert [e for e in range(1, 30) if rule.is_rung(e)] == [1, 3, 9, 27]
     assert [e for e in range(1, 20) if RungRule("maximize", min_epochs=2, reduction_factor=2).is_rung(e)] == [2, 4, 8, 16]
+    # The one schedule the report, the audit and the notes list agrees with the rule's own test.
+    for m, r in [(1, 3), (2, 2), (3, 3), (4, 2)]:
+        assert rung_epochs(m, r, 40) == [e for e in range(1, 40) if RungRule("maximize", m, r).is_rung(e)]
+    assert rung_epochs(3, 3, 27) == [3, 9]  # a trial's last epoch is never a rung
+    assert rung_epochs(3, 3, 3) == []
 
 
 def test_rung_maximize():

@@ -20,8 +20,8 @@ from headsearch.search.rungcheck import (
     low_first_rung,
     ran_to_the_end,
     rung_correlations,
-    rung_epochs,
     rung_schedule,
+    study_rungs,
 )
 
 COMPLETE = TrialState.COMPLETE
@@ -139,14 +139,14 @@ def test_thresholds_can_be_changed():
 # -- a study's rungs ----------------------------------------------------------------------------------
 
 def test_the_rungs_come_from_the_study_settings_or_the_rule_defaults():
-    assert rung_epochs({"pruner": "pareto"}, 30) == [3, 9, 27]  # ParetoRule's defaults
-    assert rung_epochs({"pruner": "asha"}, 10) == [1, 3, 9]  # RungRule's
+    assert study_rungs({"pruner": "pareto"}, 30) == [3, 9, 27]  # ParetoRule's defaults
+    assert study_rungs({"pruner": "asha"}, 10) == [1, 3, 9]  # RungRule's
     stored = {"pruner": "pareto", "pruner_options": {"min_epochs": 2, "reduction_factor": 2, "n_startup_trials": 3}}
-    assert rung_epochs(stored, 16) == [2, 4, 8, 16]
+    assert study_rungs(stored, 16) == [2, 4, 8, 16]
     assert rung_schedule({"pruner": "pareto", "pruner_options": {"min_epochs": "auto"}}) == (3, 3)
     for rule in ("median", "percentile", "hyperband", "multi-metric", "none", None):
-        assert rung_epochs({"pruner": rule}, 30) == []
-    assert rung_epochs({"pruner": "pareto"}, 2) == []
+        assert study_rungs({"pruner": rule}, 30) == []
+    assert study_rungs({"pruner": "pareto"}, 2) == []
 
 
 META = {"task": "vit-cifar10", "primary_metric": "accuracy", "pruner": "pareto", "epochs": 4,

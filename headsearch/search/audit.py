@@ -33,7 +33,8 @@ from typing import Any, Mapping, Sequence
 
 from headsearch.errors import HeadsearchError
 from headsearch.jsonsafe import json_safe
-from headsearch.search.pruning import COMPARED_STATES, PROGRESS_RULES, Progress, make_curve_pruner, progress_of
+from headsearch.search.pruning import (COMPARED_STATES, PROGRESS_RULES, Progress, make_curve_pruner, progress_of,
+                                       rung_epochs)
 
 # The rungs (min_epochs, reduction_factor) the audit tries the Pareto rule with: the first rung after 1, 2,
 # 3, 4 or 9 epochs, the top half or third going on. benchmarks/search_quality.py measured these on tables.
@@ -183,15 +184,6 @@ def primary_direction(study, meta: Mapping[str, Any]) -> str:
         raise HeadsearchError(f"study {study.study_name}: the direction of its primary metric {primary!r} is not"
                               " recorded: it was not written by `headsearch run`")
     return direction
-
-
-def rung_epochs(min_epochs: int, reduction_factor: int, last: int) -> list[int]:
-    """The rungs ``min_epochs * reduction_factor**k`` before epoch `last` (a trial's last is never judged)."""
-    out, e = [], min_epochs
-    while e < last:
-        out.append(e)
-        e *= reduction_factor
-    return out
 
 
 def rungs_of(pruner, last: int) -> tuple[int | None, int | None, list[int] | None]:

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from headsearch.search.audit import rung_epochs
+from headsearch.search.pruning import rung_epochs
 
 NOTES_KEY = "headsearch:notes"  # {"study" | "trial:<number>": digest of the note headsearch wrote there}
 RUNG_RULES = ("pareto", "asha")  # the rules that judge at rungs min_epochs * reduction_factor**k only

@@ -290,6 +290,16 @@ class MedianRule(PercentileRule):
 # successive halving (ASHA)
 
 
+def rung_epochs(min_epochs: int, reduction_factor: int, below: int) -> list[int]:
+    """The rungs ``min_epochs * reduction_factor**k`` (k = 0, 1, ...) before epoch `below`: the epochs a rung
+    rule judges at when a trial's last epoch is `below` (its last is never judged)."""
+    out, epoch = [], min_epochs
+    while epoch < below:
+        out.append(epoch)
+        epoch *= reduction_factor
+    return out
+
+
 class RungRule:
     """Asynchronous successive halving (ASHA) on learning curves, one bracket: rule "asha".
 
@@ -346,7 +356,7 @@ class RungRule:
         )
 
     def is_rung(self, epoch: int) -> bool:
-        """Whether `epoch` is ``min_epochs * reduction_factor**k`` for some k >= 0."""
+        """Whether `epoch` is ``min_epochs * reduction_factor**k`` for some k >= 0 (one of `rung_epochs`)."""
         if epoch < self.min_epochs or epoch % self.min_epochs:
             return False
         q = epoch // self.min_epochs

@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
+from headsearch.search.pruning import rung_epochs
 from headsearch.search.report import _metric_direction, spearman
 
 # The first rung and the reduction factor of each rule that prunes at rungs, when the study does not store
@@ -144,17 +145,10 @@ def rung_schedule(meta: Mapping[str, Any]) -> tuple[int, int] | None:
     return first, max(factor, 2)
 
 
-def rung_epochs(meta: Mapping[str, Any], up_to: int) -> list[int]:
+def study_rungs(meta: Mapping[str, Any], up_to: int) -> list[int]:
     """The study's rung epochs ``min_epochs * reduction_factor**k`` up to epoch `up_to`; [] without rungs."""
     schedule = rung_schedule(meta)
-    if schedule is None:
-        return []
-    epoch, factor = schedule
-    out = []
-    while epoch <= up_to:
-        out.append(epoch)
-        epoch *= factor
-    return out
+    return [] if schedule is None else rung_epochs(*schedule, up_to + 1)
 
 
 def primary_direction(meta: Mapping[str, Any]) -> str | None:
@@ -177,7 +171,7 @@ def check_rungs(trials: Sequence[Any], meta: Mapping[str, Any], *,
     if direction is None or len(done) < MIN_ROWS_TRIALS:
         return [], None
     longest = max(max(t.intermediate_values) for t in done)
-    rungs = rung_epochs(meta, longest)
+    rungs = study_rungs(meta, longest)
     rows = rung_correlations(done, direction, rungs, epochs=epochs)
     first = rungs[0] if rungs else None
     return rows, low_first_rung(rows, first, metric=meta.get("primary_metric") or "value")
