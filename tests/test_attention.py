@@ -5,8 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from headsearch import config
 from headsearch.config import ArchConfig
-from headsearch.models import Attention, Seq2Seq, ViT, map_score_heads
+from headsearch.errors import ConfigError
+from headsearch.models import Attention, Seq2Seq, ViT, map_score_heads, variants
 from headsearch.models.transformer import Encoder
 
 # make test-oldest runs this module on the floor: torch's attention kernels (SDPA).
@@ -24,7 +26,7 @@ def _padding_mask(lengths, t):
     return (torch.arange(t)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :]  # (B, 1, 1, T)
 
 
-@pytest.mark.parametrize("fusion", ["none", "hadamard", "add"])
+@pytest.mark.parametrize("fusion", list(variants.FUSIONS))
 @pytest.mark.parametrize("cross", [False, True])
 @pytest.mark.parametrize("masked", [False, True])
 def test_fused_sdpa_path_equals_explicit_path(fusion, cross, masked):
@@ -38,6 +40,16 @@ def test_fused_sdpa_path_equals_explicit_path(fusion, cross, masked):
     assert fast.weights is None
     explicit = attn(x, context, mask=mask, need_weights=True)
     torch.testing.assert_close(fast.out, explicit.out, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("skip", [s for s, v in variants.SKIPS.items() if not v.carries_scores])
+def test_skip_mean_without_a_scores_skip_changes_nothing_when_weights_are_asked_for(skip):
+    """`skip_mean` divides a scores skip's running sum by the layer's depth. With no scores skip there is no sum:
+    asking for the weights (attention maps, the head analysis) used to divide the logits anyway, so a layer's
+    output differed from training's (0.10 at layer 2)."""
+    attn = _attn(16, 4, skip=skip, skip_mean=True, layer_index=2)
+    x = torch.randn(3, 5, 16)
+    torch.testing.assert_close(attn(x).out, attn(x, need_weights=True).out, atol=1e-5, rtol=1e-5)
 
 
 @torch.no_grad()
@@ -113,6 +125,26 @@ def test_fusion_combines_self_and_soft_heads_before_w_o(fusion, op):
     torch.testing.assert_close(seen["heads"], op(seen["sa"], soft))
 
 
+def test_the_models_tables_hold_exactly_the_names_the_config_accepts():
+    """config.py (no torch) and models/variants.py (the cores' tables) each list the names: a name added to one
+    only would be refused by ArchConfig, or accepted by it and refused by the cores."""
+    assert set(variants.FUSIONS) == set(config.FUSIONS)
+    assert set(variants.SKIPS) == set(config.SKIPS)
+    assert all(name == skip.name for name, skip in variants.SKIPS.items())
+    assert all(not (s.carries_scores and s.carries_output) for s in variants.SKIPS.values())  # one thing at most
+
+
+@pytest.mark.parametrize("kw,names", [(dict(fusion="concat"), variants.FUSIONS), (dict(skip="dense"), variants.SKIPS)],
+                         ids=["fusion", "skip"])
+def test_an_unknown_fusion_or_skip_is_refused_at_construction_in_one_line(kw, names):
+    (kind, name), = kw.items()
+    with pytest.raises(ConfigError) as e:
+        Attention(8, 2, 4, **kw)
+    message = str(e.value)
+    assert "\n" not in message and f"{kind} = {name!r} is not known" in message
+    assert ", ".join(names) in message
+
+
 def test_map_score_heads_averages_when_decreasing_and_repeats_when_increasing():
     s = torch.randn(2, 64, 5, 5)
     down = map_score_heads(s, 32)
@@ -173,8 +205,8 @@ def _all_params_get_gradient(model, loss):
     assert not missing, f"no gradient reaches {missing}"
 
 
-@pytest.mark.parametrize("skip", ["none", "output", "scores"])
-@pytest.mark.parametrize("fusion", ["none", "hadamard", "add"])
+@pytest.mark.parametrize("skip", list(variants.SKIPS))
+@pytest.mark.parametrize("fusion", list(variants.FUSIONS))
 def test_each_skip_and_fusion_changes_vit_output_and_trains_every_parameter(skip, fusion):
     base_cfg = ArchConfig(d_model=16, enc_layers=3, enc_heads=[4, 2, 1], d_ff=32)
     torch.manual_seed(0)
@@ -193,8 +225,8 @@ def test_each_skip_and_fusion_changes_vit_output_and_trains_every_parameter(skip
     _all_params_get_gradient(model, model(images).logsumexp(-1).sum())
 
 
-@pytest.mark.parametrize("skip", ["none", "output", "scores"])
-@pytest.mark.parametrize("fusion", ["none", "hadamard", "add"])
+@pytest.mark.parametrize("skip", list(variants.SKIPS))
+@pytest.mark.parametrize("fusion", list(variants.FUSIONS))
 def test_each_skip_and_fusion_trains_every_seq2seq_parameter(skip, fusion):
     cfg = ArchConfig(d_model=16, enc_layers=3, enc_heads=[8, 4, 2], dec_layers=2, dec_heads=4, d_ff=32,
                      skip=skip, fusion=fusion, activation="relu")

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from headsearch.config import ArchConfig
+from headsearch.errors import ConfigError
+from headsearch.models import variants
 from headsearch.models.cohort import StackedViT, soft_width, stack_refusal
 from headsearch.models.vit import ViT
 from headsearch.tasks import DataSource, apply_overrides, get_task, resolve_config
@@ -41,19 +43,18 @@ def config(arch: dict, overrides: dict = SMALL, **train):
 # ------------------------------------------------------------------------------ the stacked model
 
 
-def test_each_slot_computes_what_its_solo_model_computes_forward_and_backward():
-    archs = [ArchConfig(**a) for a in MIXED] + [ArchConfig(enc_heads=4, skip="scores"), ArchConfig(enc_heads=4, fusion="add"),
-                                                 ArchConfig(**MIXED[0])]
+def solo_and_stacked(archs: list[ArchConfig], soft_columns: int) -> tuple[list[ViT], StackedViT]:
+    """A solo float64 ViT per arch (seeded by its index) and a cohort holding copies of them."""
     models = []
     for i, a in enumerate(archs):
         torch.manual_seed(i)
         models.append(ViT(a).double())
-    stacked = StackedViT.from_models(models, soft_columns=48).double()
-    # Both ways of taking a group's slots: a view of a run of slots, and a gather (slots 0 and 6 split alike).
-    groups = [g for layer in stacked.groups for g in layer]
-    assert any(g.index is None and len(g.slots) < len(archs) for g in groups)
-    assert any(g.slots == (0, 6) and g.index is not None for g in groups)
-    x = torch.randn(len(archs), 3, 3, 32, 32, dtype=torch.float64)
+    return models, StackedViT.from_models(models, soft_columns=soft_columns).double()
+
+
+def assert_each_slot_computes_what_its_solo_model_computes(models: list[ViT], stacked: StackedViT) -> None:
+    """Slot k's logits and every parameter's gradient equal solo model k's (float64, to rounding)."""
+    x = torch.randn(len(models), 3, 3, 32, 32, dtype=torch.float64)
     out = stacked(x)
     out.square().sum().backward()
     for k, m in enumerate(models):
@@ -67,6 +68,53 @@ def test_each_slot_computes_what_its_solo_model_computes_forward_and_backward():
             else:
                 ref = p.grad
             torch.testing.assert_close(g, ref, rtol=1e-10, atol=1e-12, msg=f"slot {k} {name}")
+
+
+def test_each_slot_computes_what_its_solo_model_computes_forward_and_backward():
+    archs = [ArchConfig(**a) for a in MIXED] + [ArchConfig(enc_heads=4, skip="scores"), ArchConfig(enc_heads=4, fusion="add"),
+                                                 ArchConfig(**MIXED[0])]
+    models, stacked = solo_and_stacked(archs, soft_columns=48)
+    # Both ways of taking a group's slots: a view of a run of slots, and a gather (slots 0 and 6 split alike).
+    groups = [g for layer in stacked.groups for g in layer]
+    assert any(g.index is None and len(g.slots) < len(archs) for g in groups)
+    assert any(g.slots == (0, 6) and g.index is not None for g in groups)
+    assert_each_slot_computes_what_its_solo_model_computes(models, stacked)
+
+
+# Every fusion x every skip of the models' tables, and the running mean where the skip carries scores: a
+# variant added to the tables is checked here without a list to extend.
+VARIANTS = [(fusion, name, mean) for fusion in variants.FUSIONS for name, skip in variants.SKIPS.items()
+            for mean in ((False, True) if skip.carries_scores else (False,))]
+TINY = dict(d_model=16, enc_layers=2, d_ff=32, patch_size=8)  # 17 tokens: a few ms a model
+
+
+@pytest.mark.parametrize("fusion,skip,skip_mean", VARIANTS)
+def test_every_fusion_and_skip_computes_in_a_cohort_what_it_computes_alone(fusion, skip, skip_mean):
+    """The variant with falling and with rising head counts (the scores skip maps between them), beside a
+    plain slot, so its group is not the whole layer."""
+    variant = dict(skip=skip, skip_mean=skip_mean, fusion=fusion)
+    archs = [ArchConfig(**TINY, enc_heads=[4, 2], **variant), ArchConfig(**TINY, enc_heads=[2, 4], **variant),
+             ArchConfig(**TINY, enc_heads=[4, 4])]
+    models, stacked = solo_and_stacked(archs, soft_columns=16)
+    assert_each_slot_computes_what_its_solo_model_computes(models, stacked)
+
+
+@pytest.mark.parametrize("field,name,known", [("fusion", "concat", variants.FUSIONS), ("skip", "dense", variants.SKIPS)],
+                         ids=["fusion", "skip"])
+def test_an_unknown_fusion_or_skip_is_refused_when_a_cohort_is_built_or_refilled(field, name, known):
+    good, bad = ArchConfig(**TINY, enc_heads=2), ArchConfig(**TINY, enc_heads=2)
+    object.__setattr__(bad, field, name)  # past ArchConfig's check: a name config.py lists and the tables lack
+    expected = f"{field} = {name!r} is not known"
+    with pytest.raises(ConfigError, match=expected) as built:
+        StackedViT([good, bad], soft_columns=16)  # the second slot: the first also builds the template ViT
+    stacked = StackedViT([good, good], soft_columns=16)
+    refill = ViT(good)
+    refill.cfg = bad
+    with pytest.raises(ConfigError, match=expected) as refilled:
+        stacked.load_slot(1, refill)
+    assert stacked.archs[1] == good  # refused before the slot changed
+    for e in (built, refilled):
+        assert "\n" not in str(e.value) and ", ".join(known) in str(e.value)
 
 
 def test_a_slot_round_trips_to_a_solo_state_dict_and_a_refill_replaces_it():

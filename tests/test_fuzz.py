@@ -1688,7 +1688,7 @@ def _not_known(known):
 @st.composite
 def bad_setting(draw, name: str):
     """Extra `run` flags (a list), each set parsing but invalid."""
-    from headsearch.search.pruning import PRUNERS
+    from headsearch.search.pruning import pruner_names
     from headsearch.search.study import SAMPLERS
 
     if name == "trials":
@@ -1704,7 +1704,7 @@ def bad_setting(draw, name: str):
     if name == "sampler":
         return ["--sampler", draw(_not_known(SAMPLERS))]
     if name == "pruner":
-        return ["--pruner", draw(_not_known(PRUNERS))]
+        return ["--pruner", draw(_not_known(pruner_names()))]
     if name == "objectives":
         known = ("accuracy", "loss", "time", "epochs", "params")
         names = draw(st.lists(st.sampled_from(known), max_size=2))

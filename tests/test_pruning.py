@@ -13,7 +13,6 @@ from optuna.trial import TrialState
 
 from headsearch.errors import ConfigError
 from headsearch.search.pruning import (
-    PRUNERS,
     CurvePruner,
     MedianRule,
     PercentileRule,
@@ -24,6 +23,7 @@ from headsearch.search.pruning import (
     comparison_trials,
     make_curve_pruner,
     make_optuna_pruner,
+    pruner_names,
     rung_epochs,
 )
 from headsearch.search.study import StudyStorage
@@ -342,7 +342,7 @@ def test_interval_agrees_with_optuna(direction, warmup, interval):
 
 
 def test_make_curve_pruner():
-    assert PRUNERS == ("pareto", "median", "percentile", "asha", "hyperband", "multi-metric", "none")
+    assert pruner_names() == ("pareto", "median", "percentile", "asha", "hyperband", "multi-metric", "none")
     assert make_curve_pruner("none", "maximize") is None
     with pytest.raises(ConfigError, match="unknown pruner 'x': use one of pareto, median, percentile, asha, hyperband, multi-metric, none"):
         make_curve_pruner("x", "maximize")
@@ -547,8 +547,10 @@ def test_comparison_curves_pick_complete_trials_for_median_and_percentile():
     assert comparison_curves(trials, "asha", running.number) == [*complete, {1: 0.0}]
     # trial 3 (the pruned one) not against itself; the running trial 5 (no epoch yet) is among them
     assert comparison_curves(trials, "asha", 3) == [*complete, {}]
-    with pytest.raises(ConfigError, match="unknown pruner 'none'"):
+    with pytest.raises(ConfigError, match="pruner 'none' compares no trials itself"):
         comparison_curves(trials, "none", running.number)
+    with pytest.raises(ConfigError, match="unknown pruner 'x'"):
+        comparison_curves(trials, "x", running.number)
 
 
 def test_the_rung_rules_judge_against_running_trials_the_percentile_rules_do_not():

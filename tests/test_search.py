@@ -488,6 +488,8 @@ BAD_RUN_INPUTS = {
     "missing data file": (lambda tmp, _: ["--data-file", str(tmp / "nope.txt")], "does not exist"),
     "negative pruner startup": (lambda tmp, _: ["--pruner-startup", "-1"], "n_startup_trials must be an integer >= 0"),
     "negative pruner warm-up": (lambda tmp, _: ["--pruner-warmup", "-1"], "n_warmup_epochs must be an integer >= 0"),
+    "pruner percentile over 100": (lambda tmp, _: ["--pruner", "percentile", "--pruner-percentile", "150"],
+                                   "percentile must be a number in [0, 100], got 150.0"),
     "workers and trials per GPU": (lambda tmp, _: ["--workers", "2", "--trials-per-gpu", "2"],
                                    "--workers and --trials-per-gpu both set the number of worker processes: pass one of them"),
     "workers 1 and trials per GPU": (lambda tmp, _: ["--workers", "1", "--trials-per-gpu", "1"], "pass one of them"),
@@ -522,7 +524,7 @@ def _folder(path: Path) -> Path:
     return path
 # Checked only when the study is opened, after the storage (the SQLite file) was created: see
 # test_pruner_options_are_checked_before_the_storage_is_created.
-LATE_CHECKS = ("negative pruner startup", "negative pruner warm-up")
+LATE_CHECKS = ("negative pruner startup", "negative pruner warm-up", "pruner percentile over 100")
 
 
 @pytest.fixture
@@ -691,7 +693,7 @@ def shared_storage(kind: str, request, tmp_path: Path) -> tuple[str, str]:
 @pytest.mark.parametrize("kind", ["sqlite", "postgresql", "mysql", "journal", "redis"])
 def test_workers_option_runs_exactly_the_budget_on_each_shared_storage(kind, request, tmp_path, spa_file, tokenizer_cache,
                                                                         write_space):
-    """`--workers 2` on every storage headsearch accepts, each with its own budget lock (search/storage.py): an
+    """`--workers 2` on every storage headsearch accepts, each with its own budget lock (search/storage/): an
     flock, an advisory lock, GET_LOCK, an NFS-safe lock file, a Redis lock."""
     url, study_name = shared_storage(kind, request, tmp_path)
     space = write_space(tmp_path / "space.yaml")

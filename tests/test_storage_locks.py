@@ -1,9 +1,10 @@
-"""The budget lock of each storage (search/storage.py `budget_lock`): mutual exclusion, a live holder keeps
-its lock past the silence limit, and a dead holder's lock is broken after it; and (issue 38) the lock itself
-behaving under faults: a holder never removes another's lock file, a stale one is broken once, a database session
-ended under a holder or a waiter is no traceback, session timeouts, symlinks, unwritable lock files, Optuna's own
-journal lock left by a killed writer, a frozen Redis. The whole searches with `--workers 2` on each storage are
-in test_search.py."""
+"""The budget lock of each storage (search/storage/schemes.py `budget_lock`, one row per scheme): mutual exclusion,
+a live holder keeps its lock past the silence limit, and a dead holder's lock is broken after it; and (issue 38) the
+lock itself behaving under faults: a holder never removes another's lock file, a stale one is broken once, a
+database session ended under a holder or a waiter is no traceback, session timeouts, symlinks, unwritable lock files,
+Optuna's own journal lock left by a killed writer, a frozen Redis. The whole searches with `--workers 2` on each
+storage are in test_search.py; every row of the table, an unknown scheme and a registered one in
+test_storage_schemes.py."""
 import os
 import threading
 import time
@@ -544,7 +545,7 @@ def test_a_lock_connection_probes_a_silent_peer_within_a_minute(kind, request):
     import socket
 
     url = request.getfixturevalue("pg_url" if kind == "postgresql" else "mysql_url")
-    engine = storage._lock_engine(storage.normalize_url(url))
+    engine = storage.server_locks._lock_engine(storage.normalize_url(url))
     try:
         with engine.connect() as conn:
             raw = conn.connection.dbapi_connection

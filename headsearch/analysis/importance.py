@@ -25,7 +25,6 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from headsearch.analysis.diversity import AttentionTap, entropy_sums

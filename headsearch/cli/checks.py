@@ -65,23 +65,20 @@ def check_artifact_folder(storage: str, artifact_dir: Optional[Path] = None, fla
     fail(f"the study's artifacts go in {folder}, {where}{problem}")
 
 
-STORAGE_URLS = "use sqlite:///FILE.db, postgresql://USER@HOST/DB, journal:FILE.log or redis://HOST:PORT"
-
-
 def check_new_storage(url: str) -> None:
     """The storage of a study the command creates: a storage URL, and for a file storage a file that can be
     (or is) the storage, in a folder that can hold it. What a database server holds is checked when it is
     opened; what a file holds (a SQLite database, an Optuna journal) is read here, before any data loads."""
     from headsearch.errors import HeadsearchError
-    from headsearch.search.storage import (check_journal_file, check_sqlite_file, is_rdb, journal_path, normalize_url,
-                                           sqlite_path)
+    from headsearch.search.storage import (check_journal_file, check_sqlite_file, find_scheme, journal_path, known_urls,
+                                           normalize_url, sqlite_path)
 
     if not url.strip():
-        fail(f"--storage {url!r} is empty: {STORAGE_URLS} (or leave --storage out for the default)")
+        fail(f"--storage {url!r} is empty: use {known_urls()} (or leave --storage out for the default)")
     url = normalize_url(url)
+    if find_scheme(url) is None:  # the table of storage schemes (search/storage/schemes.py), a plugin's included
+        fail(f"storage {url!r} is not a storage URL: use {known_urls()}")
     journal = journal_path(url)
-    if journal is None and not url.startswith("redis://") and not is_rdb(url):
-        fail(f"storage {url!r} is not a storage URL: {STORAGE_URLS}")
     path = journal if journal is not None else sqlite_path(url)
     if path is None:
         return  # a database server, Redis, or an in-memory SQLite database

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from headsearch.models.variants import fusion_of, skip_of
+
 
 class AttentionOutput(NamedTuple):
     out: Tensor  # (B, Tq, d_model)
@@ -175,9 +177,10 @@ class SoftAttention(nn.Module):
 class Attention(nn.Module):
     """Multi-head (self- or cross-) attention with a per-layer head count, skip input and fusion.
 
-    `skip` is the kind of skip this layer's stack uses; `skip_in` says whether this layer receives one
-    (False for the first layer of a stack, which only emits). `layer_index` is the position in the
-    stack, used by the running-mean variant of the scores skip.
+    `skip` is the kind of skip this layer's stack uses and `fusion` how each head meets its soft branch:
+    names looked up in models/variants.py, so an unknown one fails here. `skip_in` says whether this
+    layer receives a skip (False for the first layer of a stack, which only emits). `layer_index` is the
+    position in the stack, used by the running-mean variant of the scores skip.
 
     Incremental decoding passes a `KVCache` and only the new position as `x` (B, 1, d_model): every
     per-position quantity (projections, merged heads, the output skip) is the same for that row as in a
@@ -203,8 +206,11 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.head_dim, self.attn_dim = n_heads, head_dim, n_heads * head_dim
         self.scale = head_dim**-0.5
-        self.cross, self.skip, self.skip_in, self.fusion = cross, skip, skip_in and skip != "none", fusion
-        self.score_divisor = float(layer_index + 1) if skip_mean else 1.0
+        self.skip, self.fuse = skip_of(skip), fusion_of(fusion)  # the records, not the names, decide below
+        self.cross, self.skip_in = cross, skip_in and self.skip.carries
+        # The running mean divides a scores skip's running sum; without a scores skip there is no sum, and the
+        # fused path (which never divides) and the explicit one (weights asked for) must still agree.
+        self.score_divisor = float(layer_index + 1) if skip_mean and self.skip.carries_scores else 1.0
         self.attn_dropout = attn_dropout
         if cross:
             self.q_proj = nn.Linear(d_model, self.attn_dim)
@@ -212,8 +218,8 @@ class Attention(nn.Module):
         else:
             self.qkv_proj = nn.Linear(d_model, 3 * self.attn_dim)  # one matmul for q, k and v
         self.out_proj = nn.Linear(self.attn_dim, d_model)  # W_o
-        self.skip_norm = nn.LayerNorm(self.attn_dim) if self.skip_in and skip == "output" else None
-        self.soft = SoftAttention(n_heads, head_dim, soft_dim or head_dim, soft_score) if fusion != "none" else None
+        self.skip_norm = nn.LayerNorm(self.attn_dim) if self.skip_in and self.skip.carries_output else None
+        self.soft = SoftAttention(n_heads, head_dim, soft_dim or head_dim, soft_score) if self.fuse is not None else None
         # Set from outside (analysis): a (H,) tensor multiplying each head's output (Michel et al.'s ξ);
         # may require grad. With a skip, what the layer passes on still carries earlier layers' signal.
         self.head_mask: Tensor | None = None
@@ -223,7 +229,7 @@ class Attention(nn.Module):
         self.hook_head_out = nn.Identity()  # (B, H, Tq, d_k) each head's output (fused, masked)
 
     def needs_explicit_scores(self, need_weights: bool) -> bool:
-        return need_weights or self.skip == "scores"
+        return need_weights or self.skip.carries_scores
 
     def _project(self, x: Tensor, context: Tensor | None,
                  cache: KVCache | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
@@ -268,7 +274,7 @@ class Attention(nn.Module):
 
         if self.needs_explicit_scores(need_weights):
             scores = (q @ k.transpose(-2, -1)) * self.scale  # (B, H, Tq, Tk)
-            if self.skip == "scores" and self.skip_in and skip_state is not None:
+            if self.skip.carries_scores and self.skip_in and skip_state is not None:
                 scores = scores + map_score_heads(skip_state, self.n_heads)  # RealFormer residual
             emitted_scores = scores  # pre-mask running sum: the mask is not carried forward
             logits = scores / self.score_divisor
@@ -285,13 +291,13 @@ class Attention(nn.Module):
         soft_weights = None
         if self.soft is not None:
             soft, soft_weights = self.soft(q, k, v, mask, soft_keys)  # (B, H, Tq, d_k)
-            heads = heads * soft if self.fusion == "hadamard" else heads + soft  # HAM A / HAM B
+            heads = self.fuse(heads, soft)  # HAM A / HAM B: (B, H, Tq, d_k)
         if self.head_mask is not None:
             heads = heads * self.head_mask.view(1, -1, 1, 1).to(heads.dtype)
         heads = self.hook_head_out(heads)
 
         merged = heads.transpose(1, 2).reshape(b, tq, self.attn_dim)  # concat_h: (B, Tq, H * d_k)
-        if self.skip == "output":
+        if self.skip.carries_output:
             if self.skip_norm is not None and skip_state is not None:
                 merged = self.skip_norm(merged + skip_state)  # Deep Head: add and normalise
             emitted = merged
@@ -299,7 +305,7 @@ class Attention(nn.Module):
             emitted = emitted_scores
         return AttentionOutput(
             self.out_proj(merged),
-            emitted if self.skip != "none" else None,
+            emitted if self.skip.carries else None,
             weights if need_weights else None,
             soft_weights if need_weights else None,
         )

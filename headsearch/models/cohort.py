@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from headsearch.config import ArchConfig
 from headsearch.models.attention import additive_energy, map_score_heads
+from headsearch.models.variants import Fuse, Skip, fusion_of, skip_of
 from headsearch.models.vit import ViT
 
 LN_EPS = 1e-5  # nn.LayerNorm's default, which every solo LayerNorm uses
@@ -59,12 +60,13 @@ def soft_width(arch: ArchConfig, min_heads: int) -> int:
 
 @dataclass(frozen=True)
 class Group:
-    """Slots of one layer whose attention cores run together: same heads, skip, running mean and fusion."""
+    """Slots of one layer whose attention cores run together: same heads, skip, running mean and fusion
+    (the skip and the fusion as models/variants.py's records: `fuse` None means no soft branch)."""
 
     heads: int
-    skip: str
+    skip: Skip
     skip_mean: bool
-    fusion: str
+    fuse: Fuse | None
     slots: tuple[int, ...]
     index: Tensor | None = None  # the slots as a device tensor (None: they are a run of slots, `start` on)
     start: int = 0
@@ -77,8 +79,16 @@ class Group:
         return t if self.start == 0 and len(self.slots) == t.shape[0] else t.narrow(0, self.start, len(self.slots))
 
 
+def _look_up_variants(arch: ArchConfig) -> None:
+    """A one-line ConfigError, at construction, when models/variants.py does not know the arch's skip or fusion."""
+    skip_of(arch.skip)
+    fusion_of(arch.fusion)
+
+
 def _key(arch: ArchConfig, layer: int) -> tuple:
-    return (arch.enc_heads[layer], arch.skip, arch.skip_mean and arch.skip == "scores", arch.fusion)
+    """What a Group holds, in its order; the running mean counts only for a skip that carries scores."""
+    skip = skip_of(arch.skip)
+    return (arch.enc_heads[layer], skip, arch.skip_mean and skip.carries_scores, fusion_of(arch.fusion))
 
 
 def _param_name(solo_name: str) -> str:
@@ -118,6 +128,7 @@ class StackedViT(nn.Module):
         for a in archs:
             if (why := stack_refusal(a)) is not None:
                 raise ValueError(f"cannot stack {a}: {why}")
+            _look_up_variants(a)
             if stack_signature(a) != stack_signature(first):
                 raise ValueError("the slots of a cohort must share d_model, layers, d_ff, patch size, activation and soft branch")
         self.image_size, self.in_chans, self.num_classes = image_size, in_chans, num_classes
@@ -167,7 +178,8 @@ class StackedViT(nn.Module):
         arch = model.cfg
         if (why := stack_refusal(arch)) is not None or stack_signature(arch) != stack_signature(self.archs[0]):
             raise ValueError(f"{arch} cannot take a slot of this cohort: {why or 'another stack signature'}")
-        if arch.fusion != "none":
+        _look_up_variants(arch)  # before the slot changes
+        if fusion_of(arch.fusion) is not None:
             need = soft_width(arch, min(arch.enc_heads))
             if self.soft_columns is None or need > self.soft_columns:
                 raise ValueError(f"this cohort keeps {self.soft_columns} soft-branch columns; {arch} needs {need}")
@@ -294,9 +306,9 @@ class StackedViT(nn.Module):
             return z.reshape(n, b, t, heads, d_k).permute(1, 0, 3, 2, 4).reshape(b, n * heads, t, d_k)
 
         q, k, v = (split(z) for z in qkv.chunk(3, dim=-1))
-        skip_in = i > 0 and g.skip != "none"
+        skip_in = i > 0 and g.skip.carries
         emitted_scores = None
-        if g.skip == "scores":
+        if g.skip.carries_scores:
             scores = (q @ k.transpose(-2, -1)) * d_k**-0.5  # (B, G·h, T, T)
             if skip_in:
                 scores = scores + _cat([map_score_heads(s, heads) for s in skips], dim=1)  # RealFormer residual
@@ -305,16 +317,16 @@ class StackedViT(nn.Module):
             out = weights @ v  # (B, G·h, T, d_k)
         else:
             out = F.scaled_dot_product_attention(q, k, v)  # (B, G·h, T, d_k)
-        if g.fusion != "none":
+        if g.fuse is not None:
             soft = self._soft(pre, g, q, k, v, d_k)
-            out = out * soft if g.fusion == "hadamard" else out + soft  # HAM A / HAM B
+            out = g.fuse(out, soft)  # HAM A / HAM B: (B, G·h, T, d_k)
         merged = out.reshape(b, n, heads, t, d_k).permute(1, 0, 3, 2, 4).reshape(n, b, t, d)  # concat_h per slot
-        if g.skip == "output":
+        if g.skip.carries_output:
             if skip_in:
                 w, bias = (g.take(self.p(pre + "skip_norm." + n)) for n in ("weight", "bias"))
                 merged = _layer_norm(merged + _cat([s.unsqueeze(0) for s in skips], dim=0), w, bias)  # Deep Head: add, normalise
             return merged, list(merged.unbind(0))
-        if g.skip == "scores":
+        if g.skip.carries_scores:
             return merged, list(emitted_scores.split(heads, dim=1))  # (B, h, T, T) each
         return merged, [None] * n
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from headsearch.config import ArchConfig
+from headsearch.models.variants import fusion_of, skip_of
 
 FLOAT_BYTES = 4
 OPTIMIZER_BYTES_PER_PARAM = 4 * FLOAT_BYTES  # weight, gradient, Adam's first and second moments
@@ -80,9 +81,9 @@ def attention_params(arch: ArchConfig, heads: int, index: int, cross: bool = Fal
     d, width = arch.d_model, heads * arch.head_width(heads)
     n = _linear(d, width) + _linear(d, 2 * width) if cross else _linear(d, 3 * width)
     n += _linear(width, d)
-    if arch.skip == "output" and index > 0:
+    if skip_of(arch.skip).carries_output and index > 0:
         n += _layernorm(width)
-    if arch.fusion != "none":
+    if fusion_of(arch.fusion) is not None:
         soft = arch.soft_dim or arch.head_width(heads)
         n += heads * arch.head_width(heads) * soft * (2 if arch.soft_score == "pairwise" else 1) + heads * soft
     return n
@@ -166,7 +167,7 @@ def attention_flops(arch: ArchConfig, heads: int, queries: int, keys: int) -> in
     n = _matmul(queries, d, width) + _matmul(keys, d, 2 * width)  # q; k and v
     n += 2 * heads * _matmul(queries, arch.head_width(heads), keys)  # scores, then weighted sum
     n += _matmul(queries, width, d)  # W_o
-    if arch.fusion != "none":
+    if fusion_of(arch.fusion) is not None:
         n += soft_branch_flops(arch, heads, queries, keys)
     return n
 

@@ -4,8 +4,8 @@
 - `upload_to_trial`: the figures and analysis.json of `headsearch analyze` on a search trial's run
   directory, found through the `study.json` link the search writes there (`write_trial_link`).
 
-Artifacts are stored in a folder beside the database (`default_artifact_dir`), where `headsearch
-dashboard` looks for them.
+Artifacts are stored in a folder beside the database (`default_artifact_dir`, which asks the storage's row
+in search/storage/schemes.py), where `headsearch dashboard` looks for them.
 """
 from __future__ import annotations
 
@@ -14,18 +14,16 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from headsearch.io import write_atomic
-from headsearch.search.storage import journal_path, sqlite_path
+from headsearch.search.storage import artifact_dir
 from headsearch.search.study import StudyStorage
 
 TRIAL_LINK = "study.json"  # in a trial's run directory: {"storage", "study", "trial"}
 
 
 def default_artifact_dir(storage_url: str) -> Path:
-    """Beside the database: sqlite:///runs/x.db -> runs/x-artifacts (journal files alike); else ./headsearch-artifacts."""
-    path = sqlite_path(storage_url) or journal_path(storage_url)
-    if path is not None:
-        return path.with_name(f"{path.stem}-artifacts")
-    return Path("headsearch-artifacts")
+    """Beside the database: sqlite:///runs/x.db -> runs/x-artifacts (journal files alike); else ./headsearch-artifacts.
+    The storage's row decides (`StorageScheme.artifact_dir`, search/storage/schemes.py)."""
+    return artifact_dir(storage_url)
 
 
 # Optuna's key prefix for an artifact's record among a study's system attributes: its storage format (the value of

@@ -6,7 +6,7 @@ what another pruning rule, or the same rule with other rungs, would have done wi
 each rule `pruning_audit` replays asynchronous successive halving as ASHA runs it (Li et al. 2020, "A
 System for Massively Parallel Hyperparameter Tuning", MLSys): the trained trials in the order they started
 (trial number); each is judged after every epoch it ran by the rule's own `decide`, against the trials
-before it that have a value at that epoch, running or finished alike (`pruning.COMPARED_STATES`; the median
+before it that have a value at that epoch, running or finished alike (each rule's `compares` in `pruning.RULES`; the median
 rules compare finished trials only), each seen with its stored curve cut where the replay stopped it; its
 last epoch is never judged (pruning it would save nothing, as in the search); the first prune stops it.
 
@@ -27,13 +27,12 @@ JSON-able.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from headsearch.errors import HeadsearchError
 from headsearch.jsonsafe import json_safe
-from headsearch.search.pruning import (COMPARED_STATES, PROGRESS_RULES, Progress, make_curve_pruner, progress_of,
+from headsearch.search.pruning import (RULES, Progress, PrunerOptions, judges_progress, make_curve_pruner, progress_of,
                                        rung_epochs)
 
 # The rungs (min_epochs, reduction_factor) the audit tries the Pareto rule with: the first rung after 1, 2,
@@ -45,7 +44,7 @@ AUDIT_RUNGS = ((1, 3), (2, 2), (3, 3), (4, 2), (9, 3))
 
 @dataclass(frozen=True)
 class RuleSpec:
-    """A rule to replay: a pruner name (`headsearch.search.pruning.PRUNERS`) and, for the rung rules, its
+    """A rule to replay: a pruner name (a row of `headsearch.search.pruning.RULES`) and, for the rung rules, its
     rungs (None: the study's stored option, else the rule's default)."""
 
     name: str
@@ -151,10 +150,10 @@ class _Fate:
 def study_pruner_options(meta: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
     """The pruner options a study recorded (``pruner_options`` in its ``headsearch`` user attrs, as
     `Search.pruner_options` writes them: the rule's settings with its defaults filled in), and whether it
-    recorded any (studies before issue 39 did not). Only the options `make_curve_pruner` takes are kept, so a
+    recorded any (studies before issue 39 did not). Only the options a rule takes (`PrunerOptions`) are kept, so a
     setting it learns later comes along by itself. Where the startup count is not recorded, `headsearch run`'s
     default (a quarter of the trial budget, 2 to 5: `Search.make_pruner`)."""
-    accepted = set(inspect.signature(make_curve_pruner).parameters) - {"name", "direction"}
+    accepted = {f.name for f in dataclasses.fields(PrunerOptions)}
     stored = dict(meta.get("pruner_options") or {})
     options = {k: v for k, v in stored.items() if k in accepted and v is not None}
     recorded = bool(options)
@@ -255,7 +254,7 @@ def replay_rule(pruner, trials: Sequence[_Trained], compares_pruned: bool = True
 
 def _first_prune(pruner, t: _Trained, earlier, compares_pruned: bool) -> int | None:
     """The first epoch `pruner` prunes `t` at, judged at each epoch it ran but its last; None: kept."""
-    progress_rule = isinstance(pruner, PROGRESS_RULES)
+    progress_rule = judges_progress(pruner)
     # Each earlier trial as the replay left it: its curve up to where it stopped (or where the study's record ends).
     visible = [(s, f.seen_until(s), _cut(s.curve, f.seen_until(s))) for s, f in earlier
                if compares_pruned or f.stopped_at is None]
@@ -386,7 +385,8 @@ def _key(name: str, pruner) -> tuple:
 def _compares_pruned(name: str) -> bool:
     from optuna.trial import TrialState
 
-    return TrialState.PRUNED in COMPARED_STATES.get(name, (TrialState.PRUNED,))
+    rule = RULES.get(name)
+    return rule is None or not rule.compares or TrialState.PRUNED in rule.compares
 
 
 def _rule_audit(name: str, pruner, fates: Mapping[int, _Fate], trials: Sequence[_Trained], front: Sequence[int],

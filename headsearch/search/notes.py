@@ -18,10 +18,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from headsearch.search.pruning import rung_epochs
+from headsearch.search.pruning import rule_rungs, rung_epochs
 
 NOTES_KEY = "headsearch:notes"  # {"study" | "trial:<number>": digest of the note headsearch wrote there}
-RUNG_RULES = ("pareto", "asha")  # the rules that judge at rungs min_epochs * reduction_factor**k only
 
 
 @dataclass
@@ -53,7 +52,7 @@ def _rungs(meta: Mapping[str, Any], rule: str | None) -> list[int] | None:
     """The study's rungs before its last epoch, when its rule is a rung rule and they are recorded."""
     options = meta.get("pruner_options") or {}
     m, r, epochs = options.get("min_epochs"), options.get("reduction_factor"), meta.get("epochs")
-    if rule not in RUNG_RULES or not isinstance(m, int) or not isinstance(r, int) or not isinstance(epochs, int):
+    if rule_rungs(rule) is None or not isinstance(m, int) or not isinstance(r, int) or not isinstance(epochs, int):
         return None
     return rung_epochs(m, r, epochs)
 

@@ -26,13 +26,9 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-from headsearch.search.pruning import rung_epochs
+from headsearch.search.pruning import rule_rungs, rung_epochs
 from headsearch.search.report import _metric_direction, spearman
 
-# The first rung and the reduction factor of each rule that prunes at rungs, when the study does not store
-# them: `ParetoRule`'s and `RungRule`'s defaults. Other rules (median, percentile, multi-metric's median
-# base, none) judge every epoch or none; hyperband's brackets each have their own first rung.
-DEFAULT_RUNGS = {"pareto": (3, 3), "asha": (1, 3)}
 LOW_RHO = 0.5  # below this the first rung is flagged: it ranks the finished trials little better than chance
 MIN_TRIALS = 5  # fewer finished trials: rho is too noisy to warn on
 MIN_ROWS_TRIALS = 3  # fewer finished trials: no rows at all (Spearman's rho needs 3 pairs)
@@ -135,7 +131,9 @@ def rung_schedule(meta: Mapping[str, Any]) -> tuple[int, int] | None:
     """(first rung, reduction factor) of a study's pruner, from its `headsearch` user attrs (`Search.study_attrs`:
     "pruner", and "pruner_options" {"min_epochs", "reduction_factor"} where stored; studies from before it was
     stored get the rule's defaults); None for a rule without rungs."""
-    default = DEFAULT_RUNGS.get(meta.get("pruner"))
+    # The rule's default rungs (`PruningRule.rungs`) when the study does not store its own. The other rules
+    # judge every epoch or none; hyperband's brackets each have their own first rung.
+    default = rule_rungs(meta.get("pruner"))
     if default is None:
         return None
     options = meta.get("pruner_options")

@@ -36,7 +36,7 @@ from headsearch.search.artifacts import write_trial_link
 from headsearch.search.fairtime import alone_key, device_share, known_epoch_seconds
 from headsearch.search.objectives import CONVERGENCE, Objective, resolve_objectives
 from headsearch.search.plan import Plan, plan_search
-from headsearch.search.pruning import (PROGRESS_RULES, Progress, RulePruner, comparison_trials, make_curve_pruner,
+from headsearch.search.pruning import (Progress, RulePruner, comparison_trials, judges_progress, make_curve_pruner,
                                       make_optuna_pruner, progress_of)
 from headsearch.search.settings import SearchSettings, check_settings, load_callback
 from headsearch.search.space import SearchSpace, load_space
@@ -172,13 +172,16 @@ class Search:
         kinds = {"time": "time", "params": "params", "epochs": "epochs", self.task.primary.name: "quality"}
         return [kinds.get(o.name) for o in self.objectives]
 
-    def make_pruner(self):
-        """(Optuna's pruner, None) for one objective; (None, the curve pruner or None) for several."""
+    def _pruner_opts(self) -> dict[str, Any]:
         s = self.settings
         # Pruning starts once a quarter of the budget has finished (2 to 5 trials) unless told otherwise.
         startup = s.pruner_startup_trials if s.pruner_startup_trials is not None else max(2, min(5, s.trials // 4))
-        opts = dict(n_startup_trials=startup, n_warmup_epochs=s.pruner_warmup_epochs, min_epochs=s.pruner_min_epochs,
-                    reduction_factor=s.pruner_reduction_factor)
+        return dict(n_startup_trials=startup, n_warmup_epochs=s.pruner_warmup_epochs, min_epochs=s.pruner_min_epochs,
+                    reduction_factor=s.pruner_reduction_factor, percentile=s.pruner_percentile)
+
+    def make_pruner(self):
+        """(Optuna's pruner, None) for one objective; (None, the curve pruner or None) for several."""
+        s, opts = self.settings, self._pruner_opts()
         if self.multi_objective:
             return None, make_curve_pruner(self.pruner_name(), self.task.primary.direction, kinds=self.progress_kinds(),
                                            noise_margin=s.pruner_noise_margin, noise=s.pruner_noise, **opts)
@@ -188,6 +191,13 @@ class Search:
         """The pruning rule's settings as it runs (its defaults filled in): rungs, startup, noise margin."""
         optuna_pruner, curve_pruner = self.make_pruner()
         rule = curve_pruner if curve_pruner is not None else getattr(optuna_pruner, "rule", None)
+        if rule is None and optuna_pruner is not None:
+            # Optuna's own pruner (median, percentile), built to decide as our curve rule: record that rule's
+            # settings; a rule with no curve counterpart (hyperband) records none.
+            try:
+                rule = make_curve_pruner(self.pruner_name(), "maximize", **self._pruner_opts())
+            except ConfigError:
+                rule = None
         names = ("min_epochs", "reduction_factor", "n_startup_trials", "n_warmup_epochs", "noise_margin", "noise",
                  "percentile")
         return {n: getattr(rule, n) for n in names if rule is not None and hasattr(rule, n)}
@@ -943,7 +953,7 @@ class TrialPruning(Callback):
         if self.curve_pruner is None or last:
             return
         others = comparison_trials(self.study.get_trials(deepcopy=False), self.curve_pruner.rule, self.trial.number)
-        if isinstance(self.curve_pruner, PROGRESS_RULES):
+        if judges_progress(self.curve_pruner):
             mine = Progress(self.curve, record.params, record.epoch_seconds_alone, self.trial.number)
             decision = self.curve_pruner.decide(epoch, mine, [progress_of(t) for t in others])
         else:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from headsearch.errors import ConfigError
-from headsearch.search.pruning import PRUNERS
+from headsearch.search.pruning import pruning_rule
 from headsearch.search.storage import DEFAULT_STORAGE
 from headsearch.search.study import SAMPLERS
 
@@ -29,6 +29,7 @@ class SearchSettings:
     pruner_reduction_factor: int | None = None  # rungs min_epochs * r**k; the top 1/r go on
     pruner_noise_margin: float | None = None  # pareto: a trial's quality gets this many sigmas of noise (None: 0.9)
     pruner_noise: float | None = None  # pareto: the metric's noise sigma, e.g. from `compare` (None: from the curves)
+    pruner_percentile: float | None = None  # percentile: prune below this percentile of the others (None: 25)
     storage: str = DEFAULT_STORAGE
     study: str | None = None  # default: <task>-<space>[-<preset>]
     seed: int = 0
@@ -53,8 +54,8 @@ def check_settings(s: SearchSettings) -> None:
     """The sampler and pruner names, and the process counts."""
     if s.sampler is not None and s.sampler not in SAMPLERS:
         raise ConfigError(f"unknown sampler {s.sampler!r}: use one of {', '.join(SAMPLERS)}")
-    if s.pruner is not None and s.pruner not in PRUNERS:
-        raise ConfigError(f"unknown pruner {s.pruner!r}: use one of {', '.join(PRUNERS)}")
+    if s.pruner is not None:
+        pruning_rule(s.pruner)
     check_process_counts(s)
     if s.timeout is not None and not (s.timeout > 0 and math.isfinite(s.timeout)):
         raise ConfigError(f"--timeout {s.timeout:g}: give a positive number of seconds (or leave it out for no limit)")

@@ -16,7 +16,6 @@ points, the means over the table's seeds) relative to the true front's, front re
 from __future__ import annotations
 
 import heapq
-import json
 import math
 import random
 import statistics
@@ -260,8 +259,3 @@ def score(front_keys: Sequence[str], truth: Truth) -> tuple[float, float]:
     hv = hypervolume(found, truth.reference) / truth.hypervolume if truth.hypervolume > 0 else 1.0
     recall = len(set(front_keys) & set(truth.front)) / len(truth.front)
     return hv, recall
-
-
-def describe_key(key: str) -> str:
-    """A table key as a short architecture name (its arch overrides)."""
-    return json.dumps(json.loads(key).get("arch", {}), sort_keys=True)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -77,17 +76,6 @@ def table_search(task: str, space: str, *, seeds: int, preset: str | None = None
     settings = SearchSettings(task=task, space=grid, trials=grid.points, sampler="random", pruner="none",
                               study=name, workers=workers, cohort=cohort, **common)
     return Search(settings), grid, space_search
-
-
-@dataclass(frozen=True)
-class TableRun:
-    """One architecture trained with one seed: its validation curve of the primary metric (epoch 1 first),
-    one epoch's training seconds alone on the device, and its test metrics."""
-
-    seed: int
-    curve: tuple[float, ...]
-    epoch_seconds: float
-    test: dict[str, float]
 
 
 def read_table(study, grid, space_search, *, command: str, device: str) -> dict[str, Any]:

@@ -1,15 +1,16 @@
 """What a task is: its metrics, presets and data options, and the protocol of a task bound to its data.
 
 Training, analysis and search ask a task everything they need through `Task` and `BoundTask`; none
-of them tests a task's name or attributes. Adding a task is one module that builds a `Task` and
-calls `register` (see docs/architecture.md).
+of them tests a task's name or attributes. Adding a task is one module that builds a `Task`, named by an
+entry point in the group `headsearch.tasks` or by `--task package.module:attr` (docs/architecture.md);
+`register` reaches only the calling process, so it serves tests, not worker processes.
 """
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
+from typing import Any, Callable, Iterator, Mapping, Protocol
 
 from headsearch.config import RunConfig
 from headsearch.errors import ConfigError

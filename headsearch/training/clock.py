@@ -9,13 +9,14 @@ import itertools
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
 from headsearch.config import RunConfig
 from headsearch.io import env_flag
 from headsearch.tasks import BoundTask, Task
+from headsearch.training.devicelock import Share
 from headsearch.training.prepare import prepare_steps
 from headsearch.training.runtime import seed_everything, steps_per_epoch, use_device
 from headsearch.training.steps import synchronize
@@ -44,10 +45,10 @@ class AloneClock:
     to eager steps must not stand for compiled ones): `recall(step_mode)`, when given, is asked once the
     run's steps are prepared and returns the epoch seconds an earlier trial measured for this
     architecture in that mode, or None (then this run measures). `known` is the value before that
-    (the intended mode's). `share` is a `headsearch.training.devicelock.DeviceShare` (or `NoShare`).
+    (the intended mode's).
     """
 
-    share: Any
+    share: Share
     known: float | None = None
     alone_threads: int | None = None
     recall: Callable[[str], float | None] | None = None

@@ -38,6 +38,7 @@ from headsearch.training.cohort_optim import StackedAdam
 from headsearch.training.rundir import create_run_dir
 from headsearch.training.steps import autocast_context, lr_multiplier, lr_multiplier_tensor, synchronize
 from headsearch.training.clock import AloneClock, measure_alone
+from headsearch.training.devicelock import Share
 from headsearch.training.runtime import seed_everything, steps_per_epoch
 from headsearch.training.trainer import Callback, EpochRecord, TrainResult, _finish, evaluate_test_on_best, keep_epoch
 
@@ -86,9 +87,9 @@ class SlotEnd:
 class Cohort:
     """K slots of one task trained as one stacked model on `device`. `soft_columns`: the width to keep for
     soft-attention weights (`headsearch.models.cohort.soft_width`; None when no run will fuse).
-    `share`: the device lock every epoch is held shared under (a `devicelock.DeviceShare`; None: none)."""
+    `share`: the device lock every epoch is held shared under (None: none)."""
 
-    def __init__(self, task: Task, size: int, device: torch.device, soft_columns: int | None = None, share: Any = None,
+    def __init__(self, task: Task, size: int, device: torch.device, soft_columns: int | None = None, share: Share | None = None,
                  keep_step_losses: bool = False):
         if task.stack_refusal is None:
             raise ValueError(f"task {task.name} does not train cohorts")

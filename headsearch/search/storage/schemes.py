@@ -1,0 +1,434 @@
+"""The storages headsearch accepts, one row per URL scheme in one table (`SCHEMES`). A row says how to recognise
+its URLs, normalise them and make them absolute, check one before opening it, open the Optuna storage (with
+heartbeats and retries where Optuna has them), take the schema lock and the budget lock, and where its file
+(and so the study's artifacts) is. The functions every other module calls (`open_storage`, `budget_lock`,
+`normalize_url`, `absolute_url`, `journal_path`, `sqlite_path`, `artifact_dir`) look the URL up in the table;
+a URL no row claims is refused in one line, never served by a default. Adding a storage is one
+`register_storage` call, which another package may make (tests/test_storage_schemes.py adds a toy one)."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import warnings
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, ContextManager
+
+from headsearch.errors import ConfigError, HeadsearchError
+from headsearch.search.storage.locks import LockHold, _flock, _journal_file_lock, _JournalAppendLock
+from headsearch.search.storage.server_locks import _db_lock, _db_schema_lock, _redis_lock, redis_url_with_timeouts
+
+DEFAULT_STORAGE = "sqlite:///headsearch.db"
+
+
+def _same(url: str) -> str:
+    return url
+
+
+def _nothing_to_check(url: str) -> None:
+    return None
+
+
+def _no_file(url: str) -> Path | None:
+    return None
+
+
+def _no_schema_lock(url: str) -> ContextManager[Any]:
+    return contextlib.nullcontext()
+
+
+@dataclass(frozen=True)
+class StorageScheme:
+    """One row of `SCHEMES`: a kind of storage URL. `claims` and `normalize` see a URL as the user gave it; the
+    other functions get it as `normalize` returned it.
+
+    - `claims(url)`: whether the URL is this scheme's. The first row (in registration order) that claims a URL
+      serves it.
+    - `open(url, heartbeat, max_retry)`: the Optuna storage. `heartbeat`: seconds between a running trial's
+      heartbeats, None for none; `max_retry`: how often a dead worker's trial is retried. Storages without
+      heartbeats ignore both.
+    - `budget_lock(url, study_name)`: a context manager yielding a `LockHold`, held while a worker counts the
+      study's trials and starts one; the budget is exact because every worker of the study takes the same lock.
+    - `schema_lock(url)`: held while `open` runs, so that workers opening a new storage together do not race to
+      create it; none by default.
+    - `normalize(url)`: the URL as Optuna and SQLAlchemy should get it (the driver that is installed);
+      `absolute(url)`: the same storage from any working directory (it goes into a trial's study.json); both
+      unchanged by default.
+    - `check(url)`: one HeadsearchError line, before opening, for what can be told without opening.
+    - `file(url)`: the storage's file when it is one: the study's artifacts go beside it (`artifact_dir`).
+    - `driver`: how to install what `open` could not import.
+    - `rdb`: an Optuna RDBStorage (heartbeats, a dead worker's trial retried); Optuna's journals have neither.
+    - `example`: the form of its URLs, listed when a URL is refused."""
+
+    name: str
+    example: str
+    claims: Callable[[str], bool]
+    open: Callable[[str, int | None, int], Any]
+    budget_lock: Callable[[str, str], ContextManager[LockHold]]
+    schema_lock: Callable[[str], ContextManager[Any]] = _no_schema_lock
+    normalize: Callable[[str], str] = _same
+    absolute: Callable[[str], str] = _same
+    check: Callable[[str], None] = _nothing_to_check
+    file: Callable[[str], Path | None] = _no_file
+    driver: str = "install the database driver for it"
+    rdb: bool = False
+
+    def artifact_dir(self, url: str) -> Path:
+        """Beside the storage's file (sqlite:///runs/x.db -> runs/x-artifacts), where `headsearch dashboard` looks;
+        ./headsearch-artifacts for a storage on a server."""
+        path = self.file(url)
+        return path.with_name(f"{path.stem}-artifacts") if path is not None else Path("headsearch-artifacts")
+
+
+SCHEMES: dict[str, StorageScheme] = {}
+
+
+def register_storage(scheme: StorageScheme, *, replace: bool = False) -> StorageScheme:
+    """Add `scheme` to `SCHEMES` (for this process): `--storage` and every function of this package reach its URLs
+    from then on. A name taken is refused unless `replace`, and so is a scheme whose example URL an earlier row
+    claims (no URL of that form would ever reach it)."""
+    if not isinstance(scheme, StorageScheme):
+        raise ConfigError(f"register_storage() takes a StorageScheme, not {type(scheme).__name__}")
+    if scheme.name in SCHEMES and not replace:
+        raise ConfigError(f"a storage scheme named {scheme.name!r} is registered already")
+    if not scheme.claims(scheme.example):
+        raise ConfigError(f"storage scheme {scheme.name!r}: its example {scheme.example!r} is not one of its URLs")
+    earlier = find_scheme(scheme.example)
+    if earlier is not None and earlier.name != scheme.name:
+        raise ConfigError(f"storage scheme {scheme.name!r}: the scheme {earlier.name!r} claims its URLs"
+                          f" ({scheme.example}) already")
+    SCHEMES[scheme.name] = scheme
+    return scheme
+
+
+def find_scheme(url: str) -> StorageScheme | None:
+    """The row serving `url`, or None when no row claims it."""
+    return next((scheme for scheme in SCHEMES.values() if scheme.claims(url)), None)
+
+
+def storage_scheme(url: str) -> StorageScheme:
+    """The row serving `url`; one ConfigError line listing the known URL forms when no row claims it."""
+    scheme = find_scheme(url)
+    if scheme is None:
+        raise ConfigError(f"storage {url!r} is not a storage URL: use {known_urls()}")
+    return scheme
+
+
+def known_urls() -> str:
+    """'sqlite:///FILE.db, ... or redis://HOST:PORT': the URL forms of the registered schemes."""
+    examples = [scheme.example for scheme in SCHEMES.values()]
+    return examples[0] if len(examples) == 1 else f"{', '.join(examples[:-1])} or {examples[-1]}"
+
+
+# -- what the rest of headsearch calls: lookups in the table ----------------------------------------------
+
+
+def open_storage(url: str, heartbeat: int | None = 30, max_retry: int = 2):
+    """An Optuna storage for `url`, opened by its row (checked first, under the row's schema lock), with
+    heartbeats and retries where the storage has them. Whatever fails is one HeadsearchError line."""
+    import optuna
+
+    scheme = storage_scheme(url)
+    url = scheme.normalize(url)
+    try:
+        scheme.check(url)
+        with scheme.schema_lock(url):
+            return scheme.open(url, heartbeat, max_retry)
+    except HeadsearchError:
+        raise
+    except ImportError:
+        raise HeadsearchError(f"storage {url}: the {scheme.name} driver is not installed: {scheme.driver}") from None
+    except Exception as e:  # SQLAlchemy/Redis connection errors come in many types
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = re.sub(r"^\([\w.]+\) ", "", first)  # SQLAlchemy's "(sqlite3.DatabaseError) " prefix
+        if "malformed" in first:
+            raise HeadsearchError(f"storage {url}: the database is truncated or corrupt ({first}): restore it or"
+                                  " pass another --storage") from None
+        raise HeadsearchError(f"cannot open storage {url}: {first}") from None
+    finally:
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+def budget_lock(url: str, study_name: str) -> ContextManager[LockHold]:
+    """Serialise "count the trials, then start one" across workers, so a budget of N is exact: the budget lock of
+    `url`'s row, a context manager yielding a `LockHold` (whose `lost` says afterwards whether the lock was taken
+    from this worker meanwhile). A URL no row claims is refused here, never served without a lock.
+
+    - SQLite: an flock on a file beside the database (one machine: SQLite itself is not for NFS).
+    - Journal files: a lock file `FILE.budget.lock` created with O_EXCL (Optuna's JournalFileOpenLock
+      mechanism, which NFSv3+ honours, where flock is unreliable on many NFS setups); `locks._journal_file_lock`.
+    - Redis journals: a Redis lock (`SET NX` with an expiry) on `headsearch:budget:STUDY` in the same Redis.
+    - PostgreSQL: an advisory lock; MySQL: GET_LOCK (the database releases both when a worker dies), each on
+      a connection of its own that no session timeout ends (`server_locks._db_lock`).
+    A file or Redis lock is renewed every LOCK_RENEW seconds while held and broken after LOCK_SILENCE
+    seconds without renewal, so a killed worker stalls the others for at most that long.
+    The lock files are named after the real path of the database or journal, so a symlink to the same file
+    takes the same lock. A lock that cannot be taken (a lock file that cannot be created, a database that
+    does not answer) is one HeadsearchError line.
+    """
+    scheme = storage_scheme(url)
+    return scheme.budget_lock(scheme.normalize(url), study_name)
+
+
+def normalize_url(url: str) -> str:
+    """`url` as its row normalises it (unchanged when no row claims it: opening it says so)."""
+    scheme = find_scheme(url)
+    return scheme.normalize(url) if scheme is not None else url
+
+
+def absolute_url(url: str) -> str:
+    """The same storage from any working directory (sqlite and journal paths made absolute)."""
+    scheme = find_scheme(url)
+    return scheme.absolute(url) if scheme is not None else url
+
+
+def is_rdb(url: str) -> bool:
+    """Whether `url` is an Optuna RDBStorage's (heartbeats, retried trials)."""
+    scheme = find_scheme(url)
+    return scheme is not None and scheme.rdb
+
+
+def artifact_dir(url: str) -> Path:
+    """Where the artifacts of a study in `url` go (`StorageScheme.artifact_dir`)."""
+    scheme = find_scheme(url)
+    return scheme.artifact_dir(url) if scheme is not None else Path("headsearch-artifacts")
+
+
+def journal_path(url: str) -> Path | None:
+    """The journal file of a `journal:FILE` URL (or a bare path ending in .log); None for other URLs."""
+    scheme = find_scheme(url)
+    return _journal_file(url) if scheme is not None and scheme.name == "journal" else None
+
+
+def sqlite_path(url: str) -> Path | None:
+    """The database file of a `sqlite:///FILE` URL (None for other URLs and in-memory databases)."""
+    scheme = find_scheme(url)
+    return _sqlite_file(url) if scheme is not None and scheme.name == "sqlite" else None
+
+
+# -- SQLite, PostgreSQL, MySQL: Optuna's RDBStorage ---------------------------------------------------------
+
+
+def _base_scheme(url: str) -> str:
+    """'postgresql' for postgresql+psycopg2://...: the part before the driver, when there is a ':'."""
+    return url.split(":", 1)[0].split("+", 1)[0] if ":" in url else ""
+
+
+def open_rdb_storage(url: str, heartbeat: int | None, max_retry: int):
+    """Optuna's RDBStorage on `url`. With `heartbeat` seconds: a worker records one every `heartbeat` seconds
+    while a trial runs, and a trial silent for 3 x `heartbeat` is failed by the next worker that starts a trial,
+    which then re-enqueues it (up to `max_retry` times), so the trial is retried and counts once."""
+    import inspect
+
+    import optuna
+    from optuna.storages import RDBStorage
+
+    kwargs = {}
+    if heartbeat:
+        kwargs = dict(heartbeat_interval=heartbeat, grace_period=3 * heartbeat)
+        if "heartbeat_stale_trial_callback" in inspect.signature(RDBStorage.__init__).parameters:
+            from optuna.storages import RetryHeartbeatStaleTrialCallback  # Optuna >= 4.9
+
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+                kwargs["heartbeat_stale_trial_callback"] = RetryHeartbeatStaleTrialCallback(max_retry=max_retry)
+        else:
+            from optuna.storages import RetryFailedTrialCallback
+
+            with warnings.catch_warnings():  # "experimental" up to Optuna 4.0
+                warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+                kwargs["failed_trial_callback"] = RetryFailedTrialCallback(max_retry=max_retry)
+    with warnings.catch_warnings():
+        # Heartbeats are "experimental" in Optuna's words; we rely on them knowingly.
+        warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+        return RDBStorage(url, **kwargs)
+
+
+def _budget_lock_key(study_name: str) -> int:
+    return zlib.crc32(f"headsearch:{study_name}".encode())
+
+
+def _db_budget_lock(url: str, study_name: str) -> ContextManager[LockHold]:
+    return _db_lock(url, _budget_lock_key(study_name))
+
+
+def _sqlite_file(url: str) -> Path | None:
+    if not url.startswith("sqlite:///"):
+        return None
+    rest = url[len("sqlite:///"):].split("?", 1)[0]
+    return None if rest in ("", ":memory:") else Path(rest)
+
+
+def _sqlite_absolute(url: str) -> str:
+    if url.startswith("sqlite:///") and not url.startswith("sqlite:////"):
+        return "sqlite:///" + str(Path(url[len("sqlite:///"):]).resolve())
+    return url
+
+
+SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+def check_sqlite_file(url: str, db: Path) -> None:
+    """The file of a sqlite:/// storage, when it exists, must be a SQLite database (or empty, which
+    SQLite starts as a new one): a folder, an unreadable file or another file's bytes get one line."""
+    if db.is_dir():
+        raise HeadsearchError(f"storage {url}: {db} is a folder, not a database file: pass sqlite:///FILE.db")
+    if not db.exists():
+        return
+    try:
+        with open(db, "rb") as f:
+            head = f.read(len(SQLITE_MAGIC))
+    except OSError as e:
+        raise HeadsearchError(f"storage {url}: cannot read {db} ({e.strerror}): check its permissions") from None
+    if head and head != SQLITE_MAGIC:
+        raise HeadsearchError(f"storage {url}: {db} is not a SQLite database: pass another file (or a new name to"
+                              " create one)")
+
+
+def _check_sqlite(url: str) -> None:
+    if url.startswith("sqlite:///"):
+        db = Path(url[len("sqlite:///"):])
+        if db.parent and not db.parent.exists():
+            raise HeadsearchError(f"storage {url}: the folder {db.parent} does not exist")
+        check_sqlite_file(url, db)
+
+
+def _sqlite_schema_lock(url: str) -> ContextManager[Any]:
+    """The flock the budget lock uses, while Optuna creates its tables in a new database file. None once the file
+    holds a database (readers such as `report` and the dashboard then leave no lock file), nor in memory."""
+    db = _sqlite_file(url)
+    if db is None or (db.exists() and db.stat().st_size > 0):
+        return contextlib.nullcontext()
+    return _flock(db)
+
+
+def _sqlite_budget_lock(url: str, study_name: str) -> ContextManager[LockHold]:
+    db = _sqlite_file(url)
+    if db is None:  # an in-memory database: one process, nothing to share
+        return contextlib.nullcontext(LockHold("in memory"))
+    return _flock(db)
+
+
+def _postgresql_url(url: str) -> str:
+    """`postgresql://` means psycopg (v3) to SQLAlchemy 2.1: psycopg2 instead when that is what is installed."""
+    import importlib.util
+
+    scheme, sep, rest = url.partition("://")
+    if scheme in ("postgresql", "postgres") and sep:
+        if importlib.util.find_spec("psycopg") is None and importlib.util.find_spec("psycopg2") is not None:
+            return f"postgresql+psycopg2://{rest}"
+        return f"postgresql://{rest}"
+    return url
+
+
+def _mysql_url(url: str) -> str:
+    """`mysql://` means mysqlclient (MySQLdb) to SQLAlchemy: PyMySQL instead when that is what is installed."""
+    import importlib.util
+
+    scheme, sep, rest = url.partition("://")
+    if scheme == "mysql" and sep:
+        if importlib.util.find_spec("MySQLdb") is None and importlib.util.find_spec("pymysql") is not None:
+            return f"mysql+pymysql://{rest}"
+    return url
+
+
+# -- Optuna's JournalStorage: on a file, in Redis ----------------------------------------------------------
+
+
+def _journal_file(url: str) -> Path | None:
+    if url.startswith("journal:"):
+        return Path(url[len("journal:"):].removeprefix("//"))
+    if url.endswith(".log") and "://" not in url:
+        return Path(url)
+    return None
+
+
+def check_journal_file(url: str, path: Path) -> None:
+    """The file of a journal: storage, when it exists, must be an Optuna journal: one JSON object a
+    line (Optuna replays the whole file when it opens it, so reading it here costs no more)."""
+    if path.is_dir():
+        raise HeadsearchError(f"storage {url}: {path} is a folder, not a journal file: pass journal:FILE.log")
+    if not path.exists():
+        return
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise HeadsearchError(f"storage {url}: cannot read {path} ({e.strerror}): check its permissions") from None
+    for lineno, line in enumerate(data.split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            ok = isinstance(json.loads(line), dict)
+        except ValueError:  # not JSON, or not UTF-8
+            ok = False
+        if not ok:
+            raise HeadsearchError(f"storage {url}: {path} is not an Optuna journal (line {lineno} is not a JSON record):"
+                                  " pass another file (or a new name to create one)")
+
+
+def _journal_absolute(url: str) -> str:
+    return f"journal:{_journal_file(url).resolve()}"
+
+
+def _check_journal(url: str) -> None:
+    check_journal_file(url, _journal_file(url))
+
+
+def _journal_budget_lock(url: str, study_name: str) -> ContextManager[LockHold]:
+    return _journal_file_lock(_journal_file(url))
+
+
+def _open_journal_file(url: str, heartbeat: int | None, max_retry: int):
+    """Optuna's JournalStorage on a file. Journals have no heartbeats in Optuna, so a killed worker's trial stays
+    RUNNING there (headsearch's trial leases, search/liveness.py, find it)."""
+    from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+    path = _journal_file(url)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Optuna's lock on appends, broken when a worker died during one (`_JournalAppendLock`), named
+        # after the real path: a symlink to the same journal takes the same lock.
+        backend = JournalFileBackend(str(path), lock_obj=_JournalAppendLock(os.path.realpath(path) + ".lock"))
+    except OSError as e:
+        raise HeadsearchError(f"storage {url}: cannot write {path} ({e.strerror or e}): check the permissions"
+                              " of the file and its folder, or pass another --storage") from None
+    return JournalStorage(backend)
+
+
+def _open_redis_journal(url: str, heartbeat: int | None, max_retry: int):
+    import redis  # noqa: F401  (Optuna's backend and the budget lock need it; missing: the row's driver line)
+    from optuna.storages.journal import JournalRedisBackend, JournalStorage
+
+    # Socket timeouts in the URL (redis-py has none by default): a frozen Redis fails, not hangs.
+    return JournalStorage(JournalRedisBackend(redis_url_with_timeouts(url)))
+
+
+def _redis_budget_lock(url: str, study_name: str) -> ContextManager[LockHold]:
+    return _redis_lock(url, f"headsearch:budget:{study_name}")
+
+
+# -- the built-in rows, in the order their URLs are tried (and listed) -------------------------------------
+
+register_storage(StorageScheme(
+    name="sqlite", example="sqlite:///FILE.db", claims=lambda url: _base_scheme(url) == "sqlite",
+    open=open_rdb_storage, budget_lock=_sqlite_budget_lock, schema_lock=_sqlite_schema_lock,
+    absolute=_sqlite_absolute, check=_check_sqlite, file=_sqlite_file, rdb=True))
+register_storage(StorageScheme(
+    name="postgresql", example="postgresql://USER@HOST/DB",
+    claims=lambda url: _base_scheme(url) in ("postgresql", "postgres"),
+    open=open_rdb_storage, budget_lock=_db_budget_lock, schema_lock=_db_schema_lock, normalize=_postgresql_url,
+    driver="pip install 'headsearch[postgres]' (psycopg2)", rdb=True))
+register_storage(StorageScheme(
+    name="mysql", example="mysql://USER@HOST/DB", claims=lambda url: _base_scheme(url) == "mysql",
+    open=open_rdb_storage, budget_lock=_db_budget_lock, schema_lock=_db_schema_lock, normalize=_mysql_url,
+    driver="pip install pymysql", rdb=True))
+register_storage(StorageScheme(
+    name="journal", example="journal:FILE.log", claims=lambda url: _journal_file(url) is not None,
+    open=_open_journal_file, budget_lock=_journal_budget_lock, absolute=_journal_absolute, check=_check_journal,
+    file=_journal_file))
+register_storage(StorageScheme(
+    name="redis", example="redis://HOST:PORT", claims=lambda url: url.startswith("redis://"),
+    open=_open_redis_journal, budget_lock=_redis_budget_lock, driver="pip install 'headsearch[redis]' (redis)"))
