@@ -261,7 +261,8 @@ def test_shell_completion_completes_commands_and_options():
 
     assert complete("headsearch ta") == ["tasks", "table"]
     assert complete("headsearch run --pru") == ["--pruner", "--pruner-startup", "--pruner-warmup", "--pruner-min-epochs",
-                                                "--pruner-reduction-factor", "--pruner-noise-margin", "--pruner-noise"]
+                                                "--pruner-reduction-factor", "--pruner-noise-margin", "--pruner-noise",
+                                                "--pruner-percentile"]
 
 
 @pytest.mark.parametrize("argv, flag", [

@@ -19,6 +19,7 @@ opening or resuming the study (`study`), the objectives (`objectives`), the prun
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -42,7 +43,7 @@ from headsearch.search.settings import SearchSettings, check_settings, load_call
 from headsearch.search.space import SearchSpace, load_space
 from headsearch.search.liveness import (Heartbeat, SilenceWatch, StorageUnavailable, finished_trial_error, never_beaten,
                                         retry_callback)
-from headsearch.search.storage import budget_lock
+from headsearch.search.storage import LockHold, budget_lock
 from headsearch.search.study import StudyStorage, check_sampler, default_sampler, make_sampler, open_study
 from headsearch.tasks import DataSource, Task, apply_overrides, flag_overrides, get_task, resolve_config, task_reference
 from headsearch.training import check_fits, preflight
@@ -136,6 +137,7 @@ class Search:
         self.current_trial: int | None = None  # the number of the trial this worker is running, if any
         self._silence: SilenceWatch | None = None  # running trials without a sign of life, as this worker saw them
         self.store: StudyStorage | None = None  # the storage of the study `open` (or `adopt`) gave this search
+        self.adopted = False  # the study was made in this process (`adopt`): no storage URL, no budget lock to share
         # Threads a process alone on this machine uses: what the fair time measures with on a CPU
         # (a worker among several runs with fewer; `headsearch.search.workers` sets it from the parent's).
         self.alone_threads: int | None = None
@@ -229,6 +231,7 @@ class Search:
         """Run this search's trials in `study`, which the caller created on `storage` (an Optuna storage
         object: the simulator's in-memory study), instead of the one `open` would open."""
         self.store = StudyStorage(storage, study.study_name)
+        self.adopted = True
 
     def _store(self, study) -> StudyStorage:
         if self.store is None or self.store.study_name != study.study_name:
@@ -240,7 +243,11 @@ class Search:
     def _next_trial(self, study):
         """The next trial to run under the budget lock, or None (the budget is spent, the space exhausted),
         or WAIT (running trials hold the rest)."""
-        with budget_lock(self.settings.storage, self.study_name):
+        # A study adopted in this process (the simulator's, in memory) has no other worker to exclude: only a
+        # storage URL's lock is taken, and a URL no storage scheme knows is refused there, never left unlocked.
+        lock = contextlib.nullcontext(LockHold("in memory")) if self.adopted else budget_lock(self.settings.storage,
+                                                                                               self.study_name)
+        with lock:
             with warnings.catch_warnings():
                 # Optuna warns that heartbeats go with Study.optimize; ask/tell workers beat themselves (Heartbeat).
                 warnings.filterwarnings("ignore", message="Heartbeat of storage")
