@@ -266,7 +266,7 @@ class Worker:
         seed_everything(cfg.seed)
         model = bound.build_model().to(self.device)
         spe = steps_per_epoch(bound, cfg.train)
-        steps, seconds, note = prepare_steps(self.task, cfg, bound, model, self.device, spe)
+        steps, seconds, note = prepare_steps(self.task, cfg.train, bound, model, self.device, spe)
         self.solo_state = (cfg, bound, model, steps)
         started = time.perf_counter()
         self._solo_epoch(warm_steps)

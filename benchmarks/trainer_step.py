@@ -153,7 +153,7 @@ def trainer_case(cfg, bound, device, mode: str, epochs: int, warm: dict):
     spe = steps_per_epoch(mine, cfg.train)
     from headsearch.tasks import get_task
 
-    steps, seconds, note = prepare_steps(get_task(cfg.task), cfg, mine, model, device, spe)
+    steps, seconds, note = prepare_steps(get_task(cfg.task), cfg.train, mine, model, device, spe)
     warm[f"trainer, compile {mode}"] = seconds
     if note:
         print(f"note ({mode}): {note}")

@@ -8,6 +8,7 @@ holding only architecture fields.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import re
@@ -398,8 +399,20 @@ class RunConfig:
     def replace(self, **changes: Any) -> "RunConfig":
         return dataclasses.replace(self, **changes)
 
+    def key(self, *sections: str) -> str:
+        """One string for the config (or only its `sections`, e.g. "data", "seed"): equal keys, equal configs.
+        The key of the whole config equals `stable_key` of its dict, as a trial stores it."""
+        d = self.to_dict()
+        return stable_key([d[s] for s in sections] if sections else d)
+
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def stable_key(value: Any) -> str:
+    """`value` (a config's dict, or anything made of JSON's types) as one canonical string: the one recipe
+    behind every key of a config (a trial's architecture, a worker's data, a cohort, a fair-clock speed)."""
+    return json.dumps(value, sort_keys=True, default=str)
 
 
 class _Loader(yaml.SafeLoader):

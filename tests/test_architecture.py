@@ -95,3 +95,40 @@ def test_the_cycle_finder_finds_a_cycle(tmp_path, monkeypatch):
     (pkg / "b.py").write_text("def f():\n    from headsearch.demo.a import x\n")
     monkeypatch.setattr(__import__(__name__), "PACKAGE", tmp_path / "headsearch")
     assert module_cycles(pkg) == [["headsearch.demo.a", "headsearch.demo.b", "headsearch.demo.a"]]
+
+
+MAX_MODULE_LINES, MAX_CLASS_LINES = 500, 250  # issue 40: the search in small units one can pick up
+
+
+def oversized(root: Path) -> list[str]:
+    """The modules over MAX_MODULE_LINES and the classes over MAX_CLASS_LINES under `root`."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text()
+        if text.count("\n") > MAX_MODULE_LINES:
+            out.append(f"{path.relative_to(root)}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                out.append(f"{path.relative_to(root)}: class {node.name} {node.end_lineno - node.lineno + 1} lines")
+    return out
+
+
+def test_the_search_is_made_of_small_units():
+    assert oversized(PACKAGE / "search") == []
+
+
+def test_the_size_check_sees_a_big_class(tmp_path):
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_CLASS_LINES))
+    (tmp_path / "big.py").write_text(f"class Big:\n{body}\n")
+    assert oversized(tmp_path) == [f"big.py: class Big {MAX_CLASS_LINES + 1} lines"]
+
+
+def test_one_loop_runs_real_and_simulated_trials():
+    """The simulator and a real worker both go through `Search.run` (the loop of headsearch.search.loop);
+    the old second loop is gone."""
+    from headsearch.search.runner import Search
+
+    assert not hasattr(Search, "run_interleaved") and not hasattr(Search, "run_cohort_worker")
+    simulate = (PACKAGE / "search" / "simulate.py").read_text()
+    runner = (PACKAGE / "search" / "runner.py").read_text()
+    assert "search.run(study, cohort" in simulate and "self.run(study, backend" in runner

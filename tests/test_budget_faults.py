@@ -56,7 +56,7 @@ def states(url: str, study: str) -> list[str]:
     return [trial_state(t) for t in load(url, study).get_trials(deepcopy=False)]
 
 
-# A worker in its own process, as on another node: it opens the search, runs `_next_trial` (count, then ask,
+# A worker in its own process, as on another node: it opens the search, runs `scheduler.next_trial` (count, then ask,
 # under the budget lock) and then does what the test asks: stop itself just before `ask` (a pause: GC, a
 # stopped process, a frozen NFS client) or die just after it (kill -9, preemption).
 WORKER = """
@@ -78,7 +78,7 @@ if {pause!r}:
         os.kill(os.getpid(), signal.SIGSTOP)
         return real_ask(*args, **kwargs)
     study.ask = paused_ask
-trial = search._next_trial(study)
+trial = search.scheduler.next_trial(study)
 print("got", "WAIT" if trial is WAIT else getattr(trial, "number", trial), flush=True)
 if {die!r}:
     os.kill(os.getpid(), signal.SIGKILL)
@@ -120,7 +120,7 @@ def test_a_worker_paused_between_count_and_ask_backs_off_at_the_fence(kind, requ
     wait_for(lambda: stopped(a.pid), "worker A to stop")
     b = Search(s)
     b_study = b.open()
-    trial_b = b._next_trial(b_study)  # waits out A's silent lock, then takes it
+    trial_b = b.scheduler.next_trial(b_study)  # waits out A's silent lock, then takes it
     assert trial_b is not WAIT and trial_b is not None and trial_b.number == 0
     os.kill(a.pid, signal.SIGCONT)
     out, err = a.communicate(timeout=60)
@@ -205,8 +205,8 @@ def test_heartbeat_0_on_a_database_does_not_spin_while_others_run(tmp_path, plan
     study = search.open()
     load(url, "s").ask()  # another worker's running trial holds the budget
     counts = []
-    real = search._next_trial_once
-    monkeypatch.setattr(search, "_next_trial_once", lambda st: counts.append(1) or real(st))
+    real = search.scheduler._next_trial_once
+    monkeypatch.setattr(search.scheduler, "_next_trial_once", lambda st: counts.append(1) or real(st))
     start = time.monotonic()
     search.run_worker()
     assert time.monotonic() - start < 5 and len(counts) == 1
@@ -436,7 +436,7 @@ def test_a_worker_paused_mid_trial_past_its_heartbeats_drops_its_result_and_goes
     # and the other worker asked a new trial instead of failing this one. Wait for Optuna's own test.
     wait_for(lambda: stale(url, "s", paused), "the paused worker's heartbeat to go stale", 30)
     other = Search(settings(tmp_path, url, "s", trials=2, epochs=12))
-    other._next_trial(other.open())  # finds the paused worker's trial silent: fails it, re-enqueues it, asks it
+    other.scheduler.next_trial(other.open())  # finds the paused worker's trial silent: fails it, re-enqueues it, asks it
     os.kill(proc.pid, signal.SIGCONT)
     out, err = proc.communicate(timeout=240)
     assert proc.returncode == 0, err[-3000:]

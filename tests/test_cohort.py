@@ -170,7 +170,7 @@ def solo(cfg, bound, run_dir):
     from headsearch.training.rundir import create_run_dir
 
     create_run_dir(run_dir, cfg.to_yaml(), None)
-    result = fit(VIT, cfg, bound.rebind(cfg), device=torch.device("cpu"), run_dir=run_dir, callbacks=[steps], log_seconds=0)
+    result = fit(VIT, bound.rebind(cfg), device=torch.device("cpu"), run_dir=run_dir, callbacks=[steps], log_seconds=0)
     return result, steps.losses
 
 

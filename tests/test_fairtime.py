@@ -105,7 +105,7 @@ def test_the_exclusive_hold_covers_only_the_timed_steps(cifar_dir, tmp_path, one
                                               "data": {"train_limit": 8 * steps}})
     share = RecordingShare()
     bound = VIT.setup(cfg, DataSource(data_dir=cifar_dir), "cpu")
-    result = trainer.fit(VIT, cfg, bound, device=torch.device("cpu"), callbacks=[StepLog(share.holds)],
+    result = trainer.fit(VIT, bound, device=torch.device("cpu"), callbacks=[StepLog(share.holds)],
                          clock=AloneClock(share, alone_threads=1), log_seconds=0.0)
     log = share.holds
     alone = log.index("exclusive")
@@ -152,7 +152,7 @@ def test_a_measurement_apart_times_the_steps_a_solo_run_times(cifar_dir, one_thr
                                               "data": {"train_limit": 8 * steps}})
     bound = VIT.setup(cfg, DataSource(data_dir=cifar_dir), "cpu")
     share = RecordingShare()
-    seconds = measure_alone(VIT, cfg, bound, torch.device("cpu"), AloneClock(share, alone_threads=1))
+    seconds = measure_alone(VIT, bound, torch.device("cpu"), AloneClock(share, alone_threads=1))
     assert timed_marks == [timed + 1] and seconds > 0
     assert share.holds == ["shared", "exclusive"]  # the warm-up shared, the timed steps alone
 
@@ -208,7 +208,7 @@ def test_the_step_clock_times_each_step_with_its_batch(cifar_dir, one_thread):
     cfg = vit_config()
     bound = VIT.setup(cfg, DataSource(data_dir=cifar_dir), "cpu")
     model = bound.build_model()
-    steps, _, _ = prepare_steps(VIT, cfg, bound, model, torch.device("cpu"), 4)
+    steps, _, _ = prepare_steps(VIT, cfg.train, bound, model, torch.device("cpu"), 4)
     clock = StepClock(torch.device("cpu"))
     seen, seconds = train_epoch(steps, bound, 1, 3, steps_per_epoch(bound, cfg.train), torch.device("cpu"), step_clock=clock)
     durations = clock.seconds()

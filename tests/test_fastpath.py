@@ -131,9 +131,9 @@ def test_graph_modes_are_refused_for_a_task_whose_shapes_vary():
     for mode in ("auto", "off", "default"):
         check_compile(vit_config({"compile": mode}).train, silent)
     # fit itself refuses too, for library callers: before the model is built.
-    unbuildable = SimpleNamespace(build_model=lambda: pytest.fail("the model was built"))
+    unbuildable = SimpleNamespace(cfg=vit_config({"compile": "graphs"}), build_model=lambda: pytest.fail("the model was built"))
     with pytest.raises(ConfigError, match="need static shapes"):
-        fit(silent, vit_config({"compile": "graphs"}), unbuildable, device=torch.device("cpu"))
+        fit(silent, unbuildable, device=torch.device("cpu"))
 
 
 # ------------------------------------------------------------------- the learning rate as a tensor
@@ -418,7 +418,7 @@ def test_a_fast_path_that_fails_falls_back_with_one_note(cifar, monkeypatch):
     cfg = vit_config({"compile": "default", "max_steps_per_epoch": 2})
     bound = VIT.setup(cfg, cifar, "cpu")
     model = bound.build_model()
-    steps, seconds, note = prepare_steps(VIT, cfg, bound, model, torch.device("cpu"), 2)
+    steps, seconds, note = prepare_steps(VIT, cfg.train, bound, model, torch.device("cpu"), 2)
     assert isinstance(steps, EagerSteps) and steps.mode.name == "off" and steps.step_model is model
     assert note == "default: compiled blocks (default) failed (RuntimeError: inductor could not find a C++ compiler second line)"
     assert "\n" not in note

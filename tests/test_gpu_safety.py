@@ -87,7 +87,7 @@ def test_out_of_memory_warming_up_a_graph_mode_falls_back_to_eager_steps_with_a_
     cfg = vit_config({"max_steps_per_epoch": 2})
     bound = VIT.setup(cfg, cifar, "cpu")
     model = bound.build_model()
-    steps, seconds, note = prepare_steps(VIT, cfg, bound, model, torch.device("cpu"), 2)
+    steps, seconds, note = prepare_steps(VIT, cfg.train, bound, model, torch.device("cpu"), 2)
     assert isinstance(steps, EagerSteps) and steps.mode.name == "off"
     assert note == ("graphs: eager, whole step in a CUDA graph ran out of device memory (OutOfMemoryError: CUDA out"
                     " of memory. Tried to allocate 2.00 GiB. GPU 0 has 1.00 GiB free)")
@@ -106,7 +106,7 @@ def test_out_of_memory_in_eager_steps_is_the_runs_own_and_raised(cifar, monkeypa
     cfg = vit_config({"compile": "off", "max_steps_per_epoch": 2})
     bound = VIT.setup(cfg, cifar, "cpu")
     with pytest.raises(torch.cuda.OutOfMemoryError):
-        prepare_steps(VIT, cfg, bound, bound.build_model(), torch.device("cpu"), 2)
+        prepare_steps(VIT, cfg.train, bound, bound.build_model(), torch.device("cpu"), 2)
 
 
 def test_a_capture_that_left_cuda_unusable_is_raised_not_fallen_back_from(cifar, monkeypatch):
@@ -125,7 +125,7 @@ def test_a_capture_that_left_cuda_unusable_is_raised_not_fallen_back_from(cifar,
     cfg = vit_config({"max_steps_per_epoch": 2})
     bound = VIT.setup(cfg, cifar, "cpu")
     with pytest.raises(CaptureBrokeCuda):
-        prepare_steps(VIT, cfg, bound, bound.build_model(), torch.device("cpu"), 2)
+        prepare_steps(VIT, cfg.train, bound, bound.build_model(), torch.device("cpu"), 2)
 
 
 # ------------------------------------------------- the capture recovery's logic, CUDA's calls faked (CPU)
@@ -265,7 +265,7 @@ def test_a_failed_capture_leaves_the_stream_and_random_draws_working_and_falls_b
     bound = VIT.setup(cfg, cifar, str(device))
     model = bound.build_model().to(device)
     before = torch.cuda.current_stream(device)
-    steps, _, note = prepare_steps(VIT, cfg, bound, model, device, 2)
+    steps, _, note = prepare_steps(VIT, cfg.train, bound, model, device, 2)
     assert torch.cuda.current_stream(device) == before
     assert not torch.cuda.is_current_stream_capturing()
     torch.rand(8, device=device)
@@ -280,7 +280,7 @@ def test_a_failed_capture_leaves_the_stream_and_random_draws_working_and_falls_b
     # empties, and the next trial of this process captures again (as benchmarks/gpu_quick/probe.py saw on an H200).
     torch.cuda.empty_cache()
     monkeypatch.undo()
-    again, _, note = prepare_steps(VIT, cfg, bound, bound.build_model().to(device), device, 2)
+    again, _, note = prepare_steps(VIT, cfg.train, bound, bound.build_model().to(device), device, 2)
     assert again.mode.name == "graphs" and note is None
 
 
@@ -344,7 +344,7 @@ def test_steps_on_a_second_gpu_capture_and_are_timed_there(cifar):
         cfg = vit_config({"compile": "graphs", "max_steps_per_epoch": 4})
         bound = VIT.setup(cfg, cifar, str(device))
         model = bound.build_model().to(device)
-        steps, _, note = prepare_steps(VIT, cfg, bound, model, device, 4)
+        steps, _, note = prepare_steps(VIT, cfg.train, bound, model, device, 4)
         assert note is None and isinstance(steps, GraphSteps)
         assert torch.cuda.current_device() == 0 and torch.cuda.current_stream(0) == stream0
         assert capture_stream(device).device == device

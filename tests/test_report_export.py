@@ -802,3 +802,14 @@ def test_the_anytime_line_says_where_the_front_last_grew():
     curve = [AnytimePoint(n, 10.0 * n, hv) for n, hv in enumerate([0.2, 0.5, 0.5, 0.9, 1.0, 1.0, 1.0, 1.0], start=1)]
     assert anytime_line(curve) == ("anytime: front hypervolume after 2 / 4 / 6 / 8 trained trials: 0.50 / 0.90 / 1.00 / 1.00"
                                    " (of the final front's); last grew at trial 5 of 8, 50 of 80 fair seconds")
+
+
+@pytest.mark.slow
+def test_every_user_attribute_a_real_search_writes_is_in_the_trial_record(real):
+    """headsearch.search.record names each key a trial carries; a key written and not named there is a
+    record nobody documented (and a reader would guess at)."""
+    from headsearch.search.record import KEYS
+
+    written = {k for t in real["study"].trials for k in t.user_attrs}
+    assert written - set(KEYS) == set()
+    assert {"config", "arch", "run_dir", "worker", "rejected", "duplicate_of", "val_metrics", "epochs_run"} <= written

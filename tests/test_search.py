@@ -622,7 +622,7 @@ def proposals(search: Search, n: int, study=None) -> list[dict]:
     study = study if study is not None else search.open()
     out = []
     for _ in range(n):
-        trial = search._next_trial(study)
+        trial = search.scheduler.next_trial(study)
         search.space.sample(trial, search.base)
         out.append(trial.params)
     return out

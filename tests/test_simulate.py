@@ -21,6 +21,7 @@ from headsearch.errors import ConfigError
 from headsearch.search.pruning import (MultiMetricRule, curve_noise, ParetoRule, Progress, make_curve_pruner, make_optuna_pruner,
                                       non_dominated_ranks)
 from headsearch.search.runner import Search, SearchSettings, config_key
+from headsearch.search.trial_life import TrialLife
 from headsearch.search.simulate import hypervolume, replay, simulation_search, true_points
 from headsearch.search.space import enumerate_params, load_space
 from headsearch.search.table import arch_key, load_table, overrides_of, write_table
@@ -144,14 +145,14 @@ def test_a_proposal_of_a_pruned_or_running_architecture_is_a_duplicate(tmp_path,
     s = settings(tmp_path, spa_file, space, trials=4, sampler="random", pruner="none", heartbeat=30)
     search = Search(s)
     study = search.open()
-    first = search._next_trial(study)  # asked, sampled and kept: RUNNING now, and holding its architecture
-    second = search._next_trial(study)
+    first = search.scheduler.next_trial(study)  # asked, sampled and kept: RUNNING now, and holding its architecture
+    second = search.scheduler.next_trial(study)
     assert first.number != second.number
-    cfgs = [search._sampled[first.number], search._sampled[second.number]]
+    cfgs = [search.scheduler.sampled[first.number], search.scheduler.sampled[second.number]]
     assert cfgs[0].arch.enc_heads != cfgs[1].arch.enc_heads  # the second could not be the first's, running
     from headsearch.search.runner import WAIT
 
-    assert search._next_trial(study) is WAIT  # both held (running): nothing to ask until one ends
+    assert search.scheduler.next_trial(study) is WAIT  # both held (running): nothing to ask until one ends
     states = [t.state for t in study.get_trials(deepcopy=False)]
     assert states.count(TrialState.RUNNING) == 2
 
@@ -415,9 +416,9 @@ def fixed_speeds(monkeypatch) -> None:
     def alone_clock(self, study, trial, cfg, device):
         a = cfg.arch
         heads = [*a.enc_heads, *a.dec_heads]
-        return AloneClock(self._device_share(device), known=1.0 + 0.05 * sum(heads) + 0.25 * (a.skip != "none"))
+        return AloneClock(self.device_share(device), known=1.0 + 0.05 * sum(heads) + 0.25 * (a.skip != "none"))
 
-    monkeypatch.setattr(Search, "alone_clock", alone_clock)
+    monkeypatch.setattr(TrialLife, "alone_clock", alone_clock)
 
 
 def real_search(task: str, tmp_path, spa_file, cifar_dir, tiny_translation, **kw) -> tuple[Search, str]:
@@ -597,9 +598,9 @@ def equal_speeds(monkeypatch, seconds: float = 1.0) -> None:
     from headsearch.training.clock import AloneClock
 
     def alone_clock(self, study, trial, cfg, device):
-        return AloneClock(self._device_share(device), known=seconds)
+        return AloneClock(self.device_share(device), known=seconds)
 
-    monkeypatch.setattr(Search, "alone_clock", alone_clock)
+    monkeypatch.setattr(TrialLife, "alone_clock", alone_clock)
 
 
 def judged_beside_running(trials) -> list[int]:
@@ -643,7 +644,7 @@ def test_a_replay_on_two_workers_makes_exactly_the_decisions_of_a_real_cohort_of
     search, space = real_search("vit-cifar10", tmp_path, None, cifar_dir, None, trials=9, pruner="pareto",
                                 sampler="random", pruner_startup_trials=2, seed=3, cohort=2, **rungs)
     assert search.machine_plan().cohort == 2
-    search.run_worker()  # as `headsearch run --cohort 2`: run_cohort_worker, a real Cohort of 2 slots
+    search.run_worker()  # as `headsearch run --cohort 2`: the one loop over a real Cohort of 2 slots
     real = load(search.settings.storage)
     real_trials = real.get_trials(deepcopy=False)
     trained = [t for t in real_trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]

@@ -33,7 +33,7 @@ def main() -> int:
         GraphSteps._step_body = body
         try:
             model = bound.build_model().to(dev)
-            steps, _, note = prepare_steps(task, cfg, bound, model, dev, spe)
+            steps, _, note = prepare_steps(task, cfg.train, bound, model, dev, spe)
             for batch, _ in zip(bound.train_batches(1), range(5)):
                 steps.step(batch)
             torch.cuda.synchronize()

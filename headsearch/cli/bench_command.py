@@ -7,27 +7,29 @@ from typing import Optional
 
 import typer
 
+from headsearch.cli.common import (Command, data_dir_option, data_file_option, device_option, exits, fail, format_option,
+                                   preset_option, space_option, task_option)
 
+
+@exits(kept="the ways measured so far are saved", interrupted="the ways measured so far are saved")
 def bench(
-    task: str = typer.Option(..., "--task", "-t", help="Task name (see `headsearch tasks`), or a plugin as package.module:attr (docs/plugins.md)."),
-    space: str = typer.Option("deep-head", "--space", "-s", help="The search space whose base architecture is measured (as in `run`)."),
-    preset: Optional[str] = typer.Option(None, "--preset", "-p", help="Task preset, as the searches you will run use it (e.g. tiny)."),
-    data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="Local dataset folder (vit-cifar10)."),
-    data_file: Optional[Path] = typer.Option(None, "--data-file", help="Local tab-separated parallel file (translation-en-es)."),
-    device: str = typer.Option("auto", "--device", help="auto (the GPUs, else the CPU) or cpu."),
+    task: str = task_option(),
+    space: str = space_option("The search space whose base architecture is measured (as in `run`)."),
+    preset: Optional[str] = preset_option("Task preset, as the searches you will run use it (e.g. tiny)."),
+    data_dir: Optional[Path] = data_dir_option(),
+    data_file: Optional[Path] = data_file_option(),
+    device: str = device_option("auto (the GPUs, else the CPU) or cpu."),
     seconds: Optional[float] = typer.Option(None, "--seconds", help="Timed seconds per way (default 10 on a GPU, 6 on a CPU)."),
     ks: Optional[str] = typer.Option(None, "--ks", help="The K (processes, cohort sizes) to try, comma-separated, e.g. 8 (default: 2,4,8 within the GPU's memory; 2,4 for CPU cohorts)."),
     modes: Optional[str] = typer.Option(None, "--modes", help="Step modes one process tries on a GPU, comma-separated (default off,graphs,reduce-overhead); K processes run the fastest."),
     no_cohorts: bool = typer.Option(False, "--no-cohorts", help="Measure no cohort (K trials stacked in one model)."),
-    fmt: str = typer.Option("table", "--format", help="table | json"),
+    fmt: str = format_option("table | json", short=False),
 ) -> None:
     """Measure the ways a search can run its trials on this machine (step modes, processes, MPS, cohorts;
     threads and workers on a CPU), each verified first; save the fastest for `headsearch run` to plan from."""
     from rich.console import Console
     from rich.table import Table
 
-    from headsearch.cli.common import fail, fail_on_fault
-    from headsearch.errors import HeadsearchError
     from headsearch.search.bench import GPU_MODES, bench as measure
     from headsearch.search.runner import Search, SearchSettings
 
@@ -40,20 +42,13 @@ def bench(
     console = Console(stderr=fmt == "json")
     settings = SearchSettings(task=task, space=space, preset=preset, device=device,
                               data_dir=str(data_dir) if data_dir else None, data_file=str(data_file) if data_file else None)
-    try:
-        search = Search(settings)
-        search.check_data()  # missing or malformed data: one line, before any process starts
-        console.print(f"bench: {task}, base architecture of space {search.space.name}"
-                      + (f", preset {preset}" if preset else "") + "; each way verified, then timed")
-        m = measure(search, seconds=seconds, ks=k_list, modes=mode_list, cohorts=not no_cohorts, report=lambda r: console.print(f"  {r.way.describe()}: " + (
-            f"{r.samples_per_s:,.0f} samples/s" if r.verified else f"not used ({r.reason})"), soft_wrap=True, highlight=False))
-        plan = search.machine_plan()  # planned now: from the measurement just saved
-    except HeadsearchError as e:
-        fail(str(e))
-    except KeyboardInterrupt:
-        fail("interrupted: the ways measured so far are saved", code=130)
-    except Exception as e:
-        fail_on_fault(e, "the ways measured so far are saved")
+    search = Search(settings)
+    search.check_data()  # missing or malformed data: one line, before any process starts
+    console.print(f"bench: {task}, base architecture of space {search.space.name}"
+                  + (f", preset {preset}" if preset else "") + "; each way verified, then timed")
+    m = measure(search, seconds=seconds, ks=k_list, modes=mode_list, cohorts=not no_cohorts, report=lambda r: console.print(f"  {r.way.describe()}: " + (
+        f"{r.samples_per_s:,.0f} samples/s" if r.verified else f"not used ({r.reason})"), soft_wrap=True, highlight=False))
+    plan = search.machine_plan()  # planned now: from the measurement just saved
     if fmt == "json":
         typer.echo(json.dumps(m.to_dict(), indent=2))
         return
@@ -75,8 +70,6 @@ def bench(
 
 def parse_list(flag: str, text: Optional[str], kind, what: str, ok) -> Optional[list]:
     """A comma-separated option as a list of `kind` (None when not given), or one line and exit 2."""
-    from headsearch.cli.common import fail
-
     if text is None:
         return None
     try:
@@ -89,4 +82,4 @@ def parse_list(flag: str, text: Optional[str], kind, what: str, ok) -> Optional[
 
 
 def register(app: typer.Typer) -> None:
-    app.command()(bench)
+    app.command(cls=Command)(bench)

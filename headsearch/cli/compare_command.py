@@ -11,94 +11,62 @@ from typing import Optional
 
 import typer
 
-from headsearch.cli.common import storage_option
+from headsearch.cli.common import (Command, cohort_option, data_dir_option, data_file_option, device_option, epochs_option,
+                                   exits, fail, preset_option, run_root_option, sets_option, storage_option,
+                                   study_option, task_option, workers_option)
 
 FORMATS = ("table", "json", "csv")
 # The metrics the table shows, when the runs have them; the JSON holds every one.
 TABLE_METRICS = ("val_{primary}", "test_{primary}", "best_epoch", "time", "params")
+RUNS, WORKERS = "Runs", "Storage and workers"
+# What Ctrl-C and a full disk leave of a comparison (`compare`, `report --robust`).
+KEPT = "finished runs are kept in the study; free space (or fix the disk) and run the same command again"
+INTERRUPTED = "finished runs are kept in the study; run the same command to train the rest"
 
 
+@exits(kept=KEPT, interrupted=INTERRUPTED)
 def compare(
     configs: list[str] = typer.Argument(..., metavar="CONFIG...", help="YAML files (architecture or run config), study:NAME:TRIAL or study:NAME:pareto."),
-    task: str = typer.Option(..., "--task", "-t", help="Task name (see `headsearch tasks`), or a plugin as package.module:attr (docs/plugins.md)."),
-    seeds: int = typer.Option(3, "--seeds", help="Seeds per config: 0..N-1 (at least 2)."),
-    data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="Local dataset folder (vit-cifar10)."),
-    data_file: Optional[Path] = typer.Option(None, "--data-file", help="Local tab-separated parallel file (translation-en-es)."),
-    preset: Optional[str] = typer.Option(None, "--preset", "-p", help="Task preset for YAML configs, e.g. tiny."),
-    epochs: Optional[int] = typer.Option(None, "--epochs", help="Epochs per run (default: each config's)."),
-    sets: list[str] = typer.Option([], "--set", help="SECTION.KEY=VALUE for every config, e.g. data.val_size=0 (repeatable)."),
+    task: str = task_option(panel=RUNS),
+    seeds: int = typer.Option(3, "--seeds", help="Seeds per config: 0..N-1 (at least 2).", rich_help_panel=RUNS),
+    data_dir: Optional[Path] = data_dir_option(panel=RUNS),
+    data_file: Optional[Path] = data_file_option(panel=RUNS),
+    preset: Optional[str] = preset_option("Task preset for YAML configs, e.g. tiny.", panel=RUNS),
+    epochs: Optional[int] = epochs_option("Epochs per run (default: each config's).", panel=RUNS),
+    sets: list[str] = sets_option("SECTION.KEY=VALUE for every config, e.g. data.val_size=0 (repeatable).", panel=RUNS),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Folder for comparison.json and curves.png (default RUN_ROOT/<study>/compare)."),
     fmt: str = typer.Option("table", "--format", "-f", help="table | json | csv (on stdout)."),
-    storage: str = storage_option("Optuna storage URL: the runs' study, and where study:NAME configs are read."),
-    study: Optional[str] = typer.Option(None, "--study", help="The comparison's study name (default compare-<task>-<hash of the configs>)."),
-    run_root: Path = typer.Option(Path("runs"), "--run-root", help="Run directories go in RUN_ROOT/<study>/."),
-    workers: Optional[int] = typer.Option(None, "--workers", help="Worker processes (default: the plan's, as `run`)."),
-    cohort: Optional[int] = typer.Option(None, "--cohort", help="Runs a worker trains as one stacked model (ViT; 1: off)."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda ..."),
+    storage: str = storage_option("Optuna storage URL: the runs' study, and where study:NAME configs are read.", panel=WORKERS),
+    study: Optional[str] = study_option("The comparison's study name (default compare-<task>-<hash of the configs>).", panel=WORKERS),
+    run_root: Path = run_root_option(panel=WORKERS),
+    workers: Optional[int] = workers_option(panel=WORKERS),
+    cohort: Optional[int] = cohort_option(panel=WORKERS),
+    device: str = device_option(panel=WORKERS),
 ) -> None:
     """Train every CONFIG with seeds 0..N-1; means, spreads and paired differences with 95% intervals."""
+    from headsearch import api
     from headsearch.cli.checks import check_new_storage, check_new_study_name, check_output_folder
-    from headsearch.cli.common import fail
+    from headsearch.cli.progress import SearchWatch
+    from headsearch.search.compare import parse_sets
 
     if fmt not in FORMATS:
         fail(f"--format {fmt!r} is not known: use one of {', '.join(FORMATS)}")
     check_new_study_name(study)  # names and where the results go: before anything trains
     check_new_storage(storage)
     check_output_folder(out, "--out", "comparison.json and curves.png")
-    search, result = compare_or_fail(
-        lambda: _prepare(configs, task, seeds, data_dir, data_file, preset, epochs, sets, storage, study, run_root,
-                         workers, cohort, device), run_root, out)
-    print_result(result, fmt, search.task)
+    result = api.compare(configs, task, seeds=seeds, storage=storage, run_root=run_root, out=out, preset=preset,
+                         epochs=epochs, sets=parse_sets(sets), data_dir=data_dir, data_file=data_file, study=study,
+                         workers=workers, cohort=cohort, device=device, watch=SearchWatch(), argv=sys.argv,
+                         on_written=echo_written)
+    print_result(result, fmt)
 
 
-def compare_or_fail(build, run_root: Path, out: Path | None = None):
-    """`build()` -> (Search, ConfigGrid); train what the comparison lacks, read it back, write its files
-    (`out`, default RUN_ROOT/<study>/compare, named on stderr). Returns (search, result). Bad input and
-    faults end the command with one line, as every command's do."""
-    from headsearch.cli.common import fail, fail_on_fault
-    from headsearch.errors import HeadsearchError
-
-    try:
-        search, grid = build()
-        result, paths = run_comparison(search, grid, out or run_root / search.study_name / "compare")
-    except HeadsearchError as e:
-        fail(str(e))
-    except KeyboardInterrupt:
-        fail("interrupted: finished runs are kept in the study; run the same command to train the rest", code=130)
-    except Exception as e:
-        fail_on_fault(e, "finished runs are kept in the study; free space (or fix the disk) and run the same command again")
+def echo_written(paths) -> None:
+    """The comparison's files, named on stderr (stdout holds its JSON or CSV)."""
     typer.echo("written: " + ", ".join(map(str, paths)), err=True)
-    return search, result
 
 
-def run_comparison(search, grid, out: Path):
-    """Train what the comparison's study lacks (a live view on stderr), then read it back: (result, files written).
-    Failed workers end the command as `run`'s do."""
-    from headsearch.cli.common import fail, worker_failure_line
-    from headsearch.cli.progress import SearchProgress, grid_label
-    from headsearch.search.compare import comparison, write_comparison
-    from headsearch.search.workers import open_search, run_search
-
-    study_obj = open_search(search)
-    with SearchProgress(study_obj, grid.points, label=grid_label(grid)) as display:
-        failures = run_search(search, [display], argv=sys.argv, poll=display.refresh, announce=display.announce)
-    if failures:
-        fail(worker_failure_line(failures), code=2 if all(f.bad_input for f in failures) else 1)
-    result = comparison(study_obj, grid, search.task, search.objectives)
-    return result, write_comparison(result, out)
-
-
-def _prepare(configs, task, seeds, data_dir, data_file, preset, epochs, sets, storage, study, run_root, workers, cohort, device):
-    """The comparison's search and grid; nothing written yet."""
-    from headsearch.search.compare import comparison_search, parse_sets
-
-    return comparison_search(configs, task, seeds=seeds, storage=storage, run_root=str(run_root), preset=preset,
-                             epochs=epochs, sets=parse_sets(sets), study=study,
-                             data_dir=str(data_dir) if data_dir else None, data_file=str(data_file) if data_file else None,
-                             workers=workers, cohort=cohort, device=device)
-
-
-def print_result(result: dict, fmt: str, task) -> None:
+def print_result(result: dict, fmt: str) -> None:
     import json
 
     from headsearch.jsonsafe import json_safe
@@ -116,16 +84,17 @@ def print_result(result: dict, fmt: str, task) -> None:
         for d in result["differences"]:
             w.writerow(["difference", "", d["a"], d["b"], d["metric"], "", "", d["n"], d["mean_diff"], *d["ci95"], d["p_value"]])
     else:
-        print_comparison(result, task)
+        print_comparison(result)
 
 
-def print_comparison(result: dict, task, console=None) -> None:
+def print_comparison(result: dict, console=None) -> None:
     from rich.table import Table
 
     from headsearch.cli.progress import log_title, output_console
 
     console = console or output_console()  # a log's tables: not wrapped
-    metrics = [m.format(primary=task.primary.name) for m in TABLE_METRICS]
+    primary = result["curve_metric"].removeprefix("val_")  # the task's primary metric
+    metrics = [m.format(primary=primary) for m in TABLE_METRICS]
     metrics = [m for m in metrics if any(m in c["mean"] for c in result["configs"])]
     table = Table(title=log_title(f"{result['study']}: {result['seeds']} seeds per config (mean ± std)", console))
     table.add_column("config")
@@ -195,4 +164,4 @@ def _mean_std(c: dict, m: str) -> str:
 
 
 def register(app: typer.Typer) -> None:
-    app.command()(compare)
+    app.command(cls=Command)(compare)

@@ -4,25 +4,30 @@ Imports of torch and the tasks' data libraries happen inside the commands, so `-
 """
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from headsearch.cli.common import SET_HELP, check_format, fail, fail_on_fault, storage_option, worker_failure_line  # noqa: F401
+from headsearch.cli.common import (SET_HELP, Command, Group, check_format, compile_option, data_dir_option,
+                                   data_file_option, device_option, epochs_option, exits, fail, format_option,
+                                   preset_option, run_root_option, sets_option, space_option, storage_option,
+                                   study_option, task_option, tensorboard_option)
 
 app = typer.Typer(
     help="Search attention-head architectures (head schedules, skips, heterogeneous attention) and look inside the heads.",
     no_args_is_help=True,
     add_completion=True,  # --install-completion / --show-completion for bash, zsh, fish, PowerShell
     pretty_exceptions_enable=False,
+    cls=Group,
 )
+command = functools.partial(app.command, cls=Command)
 
-
-COMPILE_HELP = ("How training steps run: auto (default: on CUDA compiled blocks + the whole step in a CUDA graph,"
-                " on the CPU eager) | off | graphs | default | reduce-overhead | max-autotune; overrides train.compile."
-                " The warm-up is timed apart (compile_seconds in final.json).")
+# `run --help`'s panels, and `train --help`'s
+SEARCH, PRUNING, STORAGE, TRAINING, TRACKING = "Search", "Pruning", "Storage and workers", "Training", "Tracking"
+DATA = "Data and output"
 
 
 def _print_version(value: bool) -> None:
@@ -39,13 +44,8 @@ def _root(version: bool = typer.Option(False, "--version", callback=_print_versi
     pass
 
 
-FORMAT_HELP = "table (Rich) | json (for scripts)."
-TENSORBOARD_HELP = ("Write each epoch's train loss, learning rate, epoch seconds and validation metrics as TensorBoard"
-                    " scalars into DIR (`run`: one run per trial, DIR/trial-NNNNN). Needs the tensorboard package (headsearch's extra of that name).")
-
-
-@app.command()
-def tasks(fmt: str = typer.Option("table", "--format", "-f", help=FORMAT_HELP)) -> None:
+@command()
+def tasks(fmt: str = format_option()) -> None:
     """List the tasks, their metrics (with directions) and presets."""
     from headsearch.tasks import all_tasks
 
@@ -67,50 +67,44 @@ def tasks(fmt: str = typer.Option("table", "--format", "-f", help=FORMAT_HELP)) 
     Console().print(table)
 
 
-@app.command()
+@command()
+@exits(kept="the run directory keeps the epochs finished before it and their best checkpoint;"
+            " free space (or fix the disk) and train again",
+       interrupted="finished epochs and the best checkpoint are kept in the run directory")
 def train(
-    task: str = typer.Option(..., "--task", "-t", help="Task name (see `headsearch tasks`), or a plugin as package.module:attr (docs/plugins.md)."),
+    task: str = task_option(),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML: architecture fields, or a full run config (task/seed/arch/train/data)."),
-    preset: Optional[str] = typer.Option(None, "--preset", "-p", help="Task preset, e.g. tiny for a CPU smoke run."),
-    epochs: Optional[int] = typer.Option(None, "--epochs", help="Override the number of epochs."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Override the seed."),
-    data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="Local dataset folder (vit-cifar10)."),
-    data_file: Optional[Path] = typer.Option(None, "--data-file", help="Local data file (translation-en-es: tab-separated parallel text; plugins that read one file)."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Run directory (default runs/<task>-<time>)."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:1 ..."),
-    track_diversity: Optional[int] = typer.Option(None, "--track-diversity", help="Measure head diversity each epoch on N validation samples (metrics.jsonl)."),
-    compile_mode: Optional[str] = typer.Option(None, "--compile", help=COMPILE_HELP),
-    sets: list[str] = typer.Option([], "--set", help=SET_HELP),
-    tensorboard: Optional[Path] = typer.Option(None, "--tensorboard", help=TENSORBOARD_HELP),
+    preset: Optional[str] = preset_option(),
+    epochs: Optional[int] = epochs_option("Override the number of epochs.", panel=TRAINING),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Override the seed.", rich_help_panel=TRAINING),
+    data_dir: Optional[Path] = data_dir_option(panel=DATA),
+    data_file: Optional[Path] = data_file_option(panel=DATA),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Run directory (default runs/<task>-<time>).", rich_help_panel=DATA),
+    device: str = device_option(panel=TRAINING),
+    track_diversity: Optional[int] = typer.Option(None, "--track-diversity", help="Measure head diversity each epoch on N validation samples (metrics.jsonl).", rich_help_panel=TRACKING),
+    compile_mode: Optional[str] = compile_option(panel=TRAINING),
+    sets: list[str] = sets_option(panel=TRAINING),
+    tensorboard: Optional[Path] = tensorboard_option(panel=TRACKING),
 ) -> None:
     """Train one architecture on a task and write a run directory."""
-    from headsearch.analysis.tracking import diversity_callbacks
+    from headsearch import api
     from headsearch.cli.progress import TrainProgress, print_result
-    from headsearch.errors import Diverged, HeadsearchError
-    from headsearch.tasks import DataSource, flag_overrides, parse_sets, resolve_config
-    from headsearch.training import train_run
+    from headsearch.errors import Diverged
+    from headsearch.tasks import parse_sets
 
     try:
-        flags = flag_overrides(epochs=epochs, seed=seed, compile=compile_mode, diversity_samples=track_diversity,
-                               sets=parse_sets(sets))
-        cfg = resolve_config(task, preset=preset, config=config, overrides=flags)
+        overrides = parse_sets(sets)
         with TrainProgress() as progress:
-            run_dir, result = train_run(cfg, DataSource(data_dir, data_file), out, device=device, argv=sys.argv,
-                                        callbacks=[progress, *diversity_callbacks(cfg)], tensorboard=tensorboard)
-    except HeadsearchError as e:
-        fail(str(e))
+            run = api.train(task, config, preset=preset, data_dir=data_dir, data_file=data_file, out=out, device=device,
+                            epochs=epochs, seed=seed, compile=compile_mode, track_diversity=track_diversity,
+                            sets=overrides, callbacks=[progress], tensorboard=tensorboard, argv=sys.argv)
     except Diverged as e:
         fail(f"{e} (the run directory keeps the epochs finished before it; try a lower lr or grad_clip)", code=1)
-    except KeyboardInterrupt:
-        fail("interrupted: finished epochs and the best checkpoint are kept in the run directory", code=130)
-    except Exception as e:
-        fail_on_fault(e, "the run directory keeps the epochs finished before it and their best checkpoint;"
-                         " free space (or fix the disk) and train again")
-    print_result(run_dir, result)
+    print_result(run.run_dir, run.result)
 
 
-@app.command()
-def spaces(fmt: str = typer.Option("table", "--format", "-f", help=FORMAT_HELP)) -> None:
+@command()
+def spaces(fmt: str = format_option()) -> None:
     """List the built-in search spaces."""
     from headsearch.search.space import all_spaces
 
@@ -134,91 +128,74 @@ def spaces(fmt: str = typer.Option("table", "--format", "-f", help=FORMAT_HELP))
     Console().print(table)
 
 
-@app.command()
+def _pruning(flag: str, help: str) -> typer.Option:
+    return typer.Option(None, flag, help=help, rich_help_panel=PRUNING)
+
+
+@command()
+@exits(kept="finished trials are kept in the study; free space (or fix the disk) and run the same command to resume",
+       interrupted="finished trials are kept in the study; run the same command to resume")
 def run(
-    task: str = typer.Option(..., "--task", "-t", help="Task name (see `headsearch tasks`), or a plugin as package.module:attr (docs/plugins.md)."),
-    space: str = typer.Option("deep-head", "--space", "-s", help="Search space: a built-in name (see `headsearch spaces`) or a YAML path."),
-    trials: int = typer.Option(50, "--trials", "-n", help="Finished trials the study should hold (resumes up to this)."),
-    timeout: Optional[float] = typer.Option(None, "--timeout", help="Stop starting trials after this many seconds."),
-    objectives: Optional[str] = typer.Option(None, "--objectives", help="Comma list: a task metric, time, epochs, params. Default: <quality>,time."),
-    sampler: Optional[str] = typer.Option(None, "--sampler", help="nsga2 | tpe | random | gp (default nsga2; tpe for one objective)."),
-    pruner: Optional[str] = typer.Option(None, "--pruner", help="pareto (several objectives) | median | percentile | asha (successive halving, one bracket) | hyperband (Optuna's, one objective) | multi-metric (OptunaHub's multi_metric_pruner rule, several objectives) | none (default: pareto for several objectives, median for one)."),
-    pruner_startup: Optional[int] = typer.Option(None, "--pruner-startup", help="Finished trials needed before pruning starts."),
-    pruner_warmup: Optional[int] = typer.Option(None, "--pruner-warmup", help="Epochs a trial always runs before it can be pruned."),
-    pruner_min_epochs: Optional[str] = typer.Option(None, "--pruner-min-epochs", help="pareto and asha: the first rung (default 3 for pareto, 1 for asha); pareto: auto, the earliest epoch whose ranks predict the finished trials' final ones."),
-    pruner_reduction_factor: Optional[int] = typer.Option(None, "--pruner-reduction-factor", help="pareto and asha: rungs at min-epochs x factor^k, where the top 1/factor go on (default 3)."),
-    pruner_noise_margin: Optional[float] = typer.Option(None, "--pruner-noise-margin", help="pareto: prune only what is dominated by more than this many sigmas of the metric's noise (default 0.9; 0: plain dominance)."),
-    pruner_noise: Optional[float] = typer.Option(None, "--pruner-noise", help="pareto: the metric's noise sigma, e.g. the spread between seeds `compare` measured (default: estimated from the curves)."),
-    pruner_percentile: Optional[float] = typer.Option(None, "--pruner-percentile", help="percentile: prune a trial whose best so far is in the bottom this-many percent of the others' values at its epoch (0-100, default 25)."),
-    storage: str = storage_option(),
-    study: Optional[str] = typer.Option(None, "--study", help="Study name (default <task>-<space>[-<preset>])."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the sampler and of every trial's training."),
-    epochs: Optional[int] = typer.Option(None, "--epochs", help="Epochs per trial (default: the task's or preset's)."),
-    preset: Optional[str] = typer.Option(None, "--preset", "-p", help="Task preset for every trial, e.g. tiny."),
-    data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="Local dataset folder (vit-cifar10)."),
-    data_file: Optional[Path] = typer.Option(None, "--data-file", help="Local data file (translation-en-es: tab-separated parallel text; plugins that read one file)."),
-    workers: Optional[int] = typer.Option(None, "--workers", help="Worker processes on this machine, spread round-robin over the GPUs (default 1)."),
-    trials_per_gpu: Optional[int] = typer.Option(None, "--trials-per-gpu", help="Instead of --workers: K concurrent trials on each visible GPU (K processes without GPUs). Default on GPUs: chosen from the model's size and the GPU, with NVIDIA MPS started when available."),
-    cohort: Optional[int] = typer.Option(None, "--cohort", help="Train K trials together as one stacked model in each worker (ViT). Default: none, unless `headsearch bench` measured a cohort fastest on this machine; 1 turns cohorts off."),
-    run_root: Path = typer.Option(Path("runs"), "--run-root", help="Trial run directories go in RUN_ROOT/<study>/."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda ..."),
-    heartbeat: int = typer.Option(30, "--heartbeat", help="Seconds between heartbeats (RDB storages); a silent trial is retried after 3x."),
-    track_diversity: int = typer.Option(0, "--track-diversity", help="Measure head diversity each epoch on N validation samples; `report` relates it to quality."),
-    compile_mode: Optional[str] = typer.Option(None, "--compile", help=COMPILE_HELP),
-    sets: list[str] = typer.Option([], "--set", help=SET_HELP + " For every trial; the space's fixed values win."),
-    callback: list[str] = typer.Option([], "--callback", help="module:attr: an Optuna callback (study, FrozenTrial) called after each finished trial, in every worker, as study.optimize(callbacks=...) calls it (e.g. optuna-integration's W&B or MLflow callback; repeatable)."),
-    tensorboard: Optional[Path] = typer.Option(None, "--tensorboard", help=TENSORBOARD_HELP),
-    enqueue: list[Path] = typer.Option([], "--enqueue", help="A config (architecture fields, as in examples/) to train first: a warm start from known architectures (repeatable)."),
+    task: str = task_option(panel=SEARCH),
+    space: str = space_option("Search space: a built-in name (see `headsearch spaces`) or a YAML path.", panel=SEARCH),
+    trials: int = typer.Option(50, "--trials", "-n", help="Finished trials the study should hold (resumes up to this).", rich_help_panel=SEARCH),
+    timeout: Optional[float] = typer.Option(None, "--timeout", help="Stop starting trials after this many seconds.", rich_help_panel=SEARCH),
+    objectives: Optional[str] = typer.Option(None, "--objectives", help="Comma list: a task metric, time, epochs, params. Default: <quality>,time.", rich_help_panel=SEARCH),
+    sampler: Optional[str] = typer.Option(None, "--sampler", help="nsga2 | tpe | random | gp (default nsga2; tpe for one objective).", rich_help_panel=SEARCH),
+    pruner: Optional[str] = _pruning("--pruner", "pareto (several objectives) | median | percentile | asha (successive halving, one bracket) | hyperband (Optuna's, one objective) | multi-metric (OptunaHub's multi_metric_pruner rule, several objectives) | none (default: pareto for several objectives, median for one)."),
+    pruner_startup: Optional[int] = _pruning("--pruner-startup", "Finished trials needed before pruning starts."),
+    pruner_warmup: Optional[int] = _pruning("--pruner-warmup", "Epochs a trial always runs before it can be pruned."),
+    pruner_min_epochs: Optional[str] = _pruning("--pruner-min-epochs", "pareto and asha: the first rung (default 3 for pareto, 1 for asha); pareto: auto, the earliest epoch whose ranks predict the finished trials' final ones."),
+    pruner_reduction_factor: Optional[int] = _pruning("--pruner-reduction-factor", "pareto and asha: rungs at min-epochs x factor^k, where the top 1/factor go on (default 3)."),
+    pruner_noise_margin: Optional[float] = _pruning("--pruner-noise-margin", "pareto: prune only what is dominated by more than this many sigmas of the metric's noise (default 0.9; 0: plain dominance)."),
+    pruner_noise: Optional[float] = _pruning("--pruner-noise", "pareto: the metric's noise sigma, e.g. the spread between seeds `compare` measured (default: estimated from the curves)."),
+    pruner_percentile: Optional[float] = _pruning("--pruner-percentile", "percentile: prune a trial whose best so far is in the bottom this-many percent of the others' values at its epoch (0-100, default 25)."),
+    storage: str = storage_option(panel=STORAGE),
+    study: Optional[str] = study_option("Study name (default <task>-<space>[-<preset>]).", panel=STORAGE),
+    seed: int = typer.Option(0, "--seed", help="Seed of the sampler and of every trial's training.", rich_help_panel=SEARCH),
+    epochs: Optional[int] = epochs_option("Epochs per trial (default: the task's or preset's).", panel=TRAINING),
+    preset: Optional[str] = preset_option("Task preset for every trial, e.g. tiny.", panel=TRAINING),
+    data_dir: Optional[Path] = data_dir_option(panel=TRAINING),
+    data_file: Optional[Path] = data_file_option(panel=TRAINING),
+    workers: Optional[int] = typer.Option(None, "--workers", help="Worker processes on this machine, spread round-robin over the GPUs (default 1).", rich_help_panel=STORAGE),
+    trials_per_gpu: Optional[int] = typer.Option(None, "--trials-per-gpu", help="Instead of --workers: K concurrent trials on each visible GPU (K processes without GPUs). Default on GPUs: chosen from the model's size and the GPU, with NVIDIA MPS started when available.", rich_help_panel=STORAGE),
+    cohort: Optional[int] = typer.Option(None, "--cohort", help="Train K trials together as one stacked model in each worker (ViT). Default: none, unless `headsearch bench` measured a cohort fastest on this machine; 1 turns cohorts off.", rich_help_panel=STORAGE),
+    run_root: Path = run_root_option("Trial run directories go in RUN_ROOT/<study>/.", panel=STORAGE),
+    device: str = device_option(panel=STORAGE),
+    heartbeat: int = typer.Option(30, "--heartbeat", help="Seconds between heartbeats (RDB storages); a silent trial is retried after 3x.", rich_help_panel=STORAGE),
+    track_diversity: int = typer.Option(0, "--track-diversity", help="Measure head diversity each epoch on N validation samples; `report` relates it to quality.", rich_help_panel=TRACKING),
+    compile_mode: Optional[str] = compile_option(panel=TRAINING),
+    sets: list[str] = sets_option(SET_HELP + " For every trial; the space's fixed values win.", panel=TRAINING),
+    callback: list[str] = typer.Option([], "--callback", metavar="<module:attr>", help="module:attr: an Optuna callback (study, FrozenTrial) called after each finished trial, in every worker, as study.optimize(callbacks=...) calls it (e.g. optuna-integration's W&B or MLflow callback; repeatable).", rich_help_panel=TRACKING),
+    tensorboard: Optional[Path] = tensorboard_option(panel=TRACKING),
+    enqueue: list[Path] = typer.Option([], "--enqueue", metavar="<path>", help="A config (architecture fields, as in examples/) to train first: a warm start from known architectures (repeatable).", rich_help_panel=SEARCH),
 ) -> None:
     """Search head schedules, skip kinds and fusion types with Optuna; prune poor trials."""
+    from headsearch import api
     from headsearch.cli.checks import check_new_storage, check_new_study_name
-    from headsearch.cli.progress import SearchProgress, print_search_summary
-    from headsearch.errors import HeadsearchError
-    from headsearch.search.runner import Search, SearchSettings
-    from headsearch.search.workers import open_search, run_search
+    from headsearch.cli.progress import SearchWatch
     from headsearch.tasks import parse_sets
 
     check_new_study_name(study)  # names and where the study goes: before any data loads or a study exists
     check_new_storage(storage)
-    try:
-        overrides = parse_sets(sets) or None
-    except HeadsearchError as e:
-        fail(str(e))
+    overrides = parse_sets(sets) or None
     if pruner_min_epochs is not None and pruner_min_epochs != "auto":
         if not pruner_min_epochs.isdigit():
             fail(f"--pruner-min-epochs {pruner_min_epochs}: give a number of epochs (1 or more) or auto")
         pruner_min_epochs = int(pruner_min_epochs)
-    settings = SearchSettings(
-        task=task, space=space, trials=trials, timeout=timeout,
-        objectives=tuple(o.strip() for o in objectives.split(",") if o.strip()) if objectives else None,
-        sampler=sampler, pruner=pruner, pruner_startup_trials=pruner_startup, pruner_warmup_epochs=pruner_warmup,
-        pruner_min_epochs=pruner_min_epochs, pruner_reduction_factor=pruner_reduction_factor,
-        pruner_noise_margin=pruner_noise_margin, pruner_noise=pruner_noise, pruner_percentile=pruner_percentile,
-        storage=storage, study=study, seed=seed, epochs=epochs, preset=preset,
-        data_dir=str(data_dir) if data_dir else None, data_file=str(data_file) if data_file else None,
-        workers=workers, trials_per_gpu=trials_per_gpu, compile=compile_mode, run_root=str(run_root), device=device,
-        heartbeat=heartbeat, diversity_samples=track_diversity, cohort=cohort, sets=overrides, callbacks=tuple(callback),
-        tensorboard=str(tensorboard) if tensorboard else None,
-    )
-    study_obj = None
-    try:
-        search = Search(settings)
-        first = [search.params_of(c) for c in enqueue]  # a config the space does not hold: before any study exists
-        study_obj = open_search(search)  # malformed data fails here, before a study exists
-        search.enqueue(study_obj, first)
-        with SearchProgress(study_obj, search.trial_target()) as display:
-            failures = run_search(search, [display], argv=sys.argv, poll=display.refresh, announce=display.announce)
-    except HeadsearchError as e:
-        fail(str(e))
-    except KeyboardInterrupt:
-        if study_obj is not None:
-            print_search_summary(study_obj, settings.storage)
-        fail("interrupted: finished trials are kept in the study; run the same command to resume", code=130)
-    except Exception as e:
-        fail_on_fault(e, "finished trials are kept in the study; free space (or fix the disk) and run the same command to resume")
-    if failures:
-        fail(worker_failure_line(failures), code=2 if all(f.bad_input for f in failures) else 1)
-    print_search_summary(study_obj, settings.storage)
+    watch = SearchWatch(storage)
+    with watch.summary_on_interrupt():
+        api.search_study(
+            task, space=space, trials=trials, timeout=timeout,
+            objectives=tuple(o.strip() for o in objectives.split(",") if o.strip()) if objectives else None,
+            sampler=sampler, pruner=pruner, pruner_startup_trials=pruner_startup, pruner_warmup_epochs=pruner_warmup,
+            pruner_min_epochs=pruner_min_epochs, pruner_reduction_factor=pruner_reduction_factor,
+            pruner_noise_margin=pruner_noise_margin, pruner_noise=pruner_noise, pruner_percentile=pruner_percentile,
+            storage=storage, study=study, seed=seed, epochs=epochs, preset=preset, data_dir=data_dir, data_file=data_file,
+            workers=workers, trials_per_gpu=trials_per_gpu, compile=compile_mode, run_root=run_root, device=device,
+            heartbeat=heartbeat, diversity_samples=track_diversity, cohort=cohort, sets=overrides,
+            callbacks=tuple(callback), tensorboard=tensorboard, enqueue=enqueue, watch=watch, argv=sys.argv)
+    watch.print_summary()
 
 
 from headsearch.cli.bench_command import register as _register_bench  # noqa: E402
@@ -231,16 +208,17 @@ _register_bench(app)
 _register_table(app)
 
 
-@app.command()
+@command()
+@exits(kept="files already written are whole; free space (or fix the disk) and analyze again")
 def analyze(
     run_dir: Path = typer.Argument(..., help="A run directory (headsearch train, or a search trial's)."),
-    data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="Local dataset folder (vit-cifar10)."),
-    data_file: Optional[Path] = typer.Option(None, "--data-file", help="Local data file (translation-en-es: tab-separated parallel text; plugins that read one file)."),
+    data_dir: Optional[Path] = data_dir_option(),
+    data_file: Optional[Path] = data_file_option(),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Where analysis.json and the figures go (default RUN_DIR/analysis)."),
     samples: int = typer.Option(256, "--samples", help="Validation samples used for every measurement."),
     ablate: bool = typer.Option(True, "--ablation/--no-ablation", help="Evaluate the model once per head with that head masked."),
-    fmt: str = typer.Option("table", "--format", help="table | json"),
-    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda ..."),
+    fmt: str = format_option("table | json", short=False),
+    device: str = device_option(),
 ) -> None:
     """Head diversity, importance, ablation, the pruning curve and attention maps of a trained model."""
     import json as _json
@@ -250,7 +228,6 @@ def analyze(
     from headsearch.analysis.run import analyze_run
     from headsearch.cli.checks import check_output_folder
     from headsearch.cli.progress import print_analysis
-    from headsearch.errors import HeadsearchError
     from headsearch.search.artifacts import upload_to_trial
     from headsearch.tasks import DataSource
 
@@ -260,17 +237,12 @@ def analyze(
         fail("--samples must be at least 1")
     check_output_folder(out, "--out", "analysis.json and the figures")
     err = Console(stderr=True)
-    try:
-        with err.status("analysing") as status:
-            result = analyze_run(run_dir, DataSource(data_dir, data_file), out, samples=samples, ablate=ablate,
-                                 device=device, progress=lambda m: status.update(f"analysing: {m}"))
-            # A search trial's run: its figures and analysis.json go to the study as artifacts.
-            files = [*result["figures"], result.pop("analysis_json")]
-            result["uploaded"] = upload_to_trial(run_dir, files)
-    except HeadsearchError as e:
-        fail(str(e))
-    except Exception as e:
-        fail_on_fault(e, "files already written are whole; free space (or fix the disk) and analyze again")
+    with err.status("analysing") as status:
+        result = analyze_run(run_dir, DataSource(data_dir, data_file), out, samples=samples, ablate=ablate,
+                             device=device, progress=lambda m: status.update(f"analysing: {m}"))
+        # A search trial's run: its figures and analysis.json go to the study as artifacts.
+        files = [*result["figures"], result.pop("analysis_json")]
+        result["uploaded"] = upload_to_trial(run_dir, files)
     if fmt == "json":
         typer.echo(_json.dumps(result, indent=1))
         return

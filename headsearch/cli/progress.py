@@ -10,6 +10,7 @@ import math
 import os
 import socket
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -447,3 +448,29 @@ def print_analysis(result: dict, console: Console | None = None) -> None:
     console.print(f"wrote {len(result['figures'])} figures and analysis.json to {Path(result['figures'][0]).parent}")
     if result.get("uploaded"):
         console.print(f"uploaded to {result['uploaded']}")
+
+
+class SearchWatch:
+    """The live view `headsearch.api` runs a search under (its `watch` hook): a `SearchProgress` for each
+    search it opens, kept so that `run` can print the study's summary when it ends or is interrupted."""
+
+    def __init__(self, storage: str | None = None):
+        self.storage = storage
+        self.study = None
+
+    def __call__(self, study, trials: int, grid=None) -> SearchProgress:
+        self.study = study
+        return SearchProgress(study, trials, label=grid_label(grid) if grid is not None else None)
+
+    def print_summary(self) -> None:
+        if self.study is not None:
+            print_search_summary(self.study, self.storage)
+
+    @contextmanager
+    def summary_on_interrupt(self):
+        """Ctrl-C: the summary of what the study holds, then the interruption goes on to its one line."""
+        try:
+            yield
+        except KeyboardInterrupt:
+            self.print_summary()
+            raise

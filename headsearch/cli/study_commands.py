@@ -12,7 +12,7 @@ from typing import Optional
 import typer
 
 from headsearch.cli.checks import check_artifact_folder, check_output_folder, check_study_to_read
-from headsearch.cli.common import fail, fail_on_fault, storage_option
+from headsearch.cli.common import Command, device_option, exits, fail, run_root_option, storage_option, study_option
 
 STORAGE_HELP = "Optuna storage URL of the search (sqlite:///FILE.db, postgresql://..., journal:FILE.log, redis://...)."
 STUDY_HELP = "Study name (default: the only study in the storage)."
@@ -28,19 +28,21 @@ def _quiet_optuna() -> None:
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
 
 
+@exits(kept="the study is unchanged and plots already written are whole; free space and run it again")
 def report(
-    study: Optional[str] = typer.Option(None, "--study", help=STUDY_HELP),
+    study: Optional[str] = study_option(STUDY_HELP),
     storage: str = storage_option(STORAGE_HELP),
     fmt: str = typer.Option("table", "--format", "-f", help="table (Rich tables), json (the whole report) or csv (one row per trial)."),
     plots: Optional[Path] = typer.Option(None, "--plots", help="Also write PNG and HTML plots into this folder and upload them to the study as artifacts."),
     robust: int = typer.Option(0, "--robust", help="Retrain the Pareto front with seeds 0..N-1 (`headsearch compare`) and show it on mean values with 95% intervals."),
-    run_root: Path = typer.Option(Path("runs"), "--run-root", help="With --robust: run directories go in RUN_ROOT/<study>-robust/."),
-    device: str = typer.Option("auto", "--device", help="With --robust: auto, cpu, cuda ..."),
+    run_root: Path = run_root_option("With --robust: run directories go in RUN_ROOT/<study>-robust/."),
+    device: str = device_option("With --robust: auto, cpu, cuda ..."),
     pruning_audit: bool = typer.Option(False, "--pruning-audit", help="Also replay the study's stored curves under other pruning rules and rungs: epochs each would have trained, and the front members it would have pruned."),
 ) -> None:
     """Summarise a search: Pareto front, trial counts, parameter importances, what pruning saved."""
     import json
 
+    from headsearch import api
     from headsearch.errors import HeadsearchError
 
     if fmt not in FORMATS:
@@ -57,34 +59,29 @@ def report(
     _quiet_optuna()
     if robust:
         return _robust_report(study, storage, robust, fmt, run_root, device)
-    from headsearch.search.report import load_study_stored, summarize
+    from headsearch.search.report import load_study_stored
 
-    try:
-        if plots is not None:
-            from headsearch.search.plots import check_plot_libraries
+    if plots is not None:
+        from headsearch.search.plots import check_plot_libraries
 
-            check_plot_libraries()
-            if plots.exists() and not plots.is_dir():
-                raise HeadsearchError(f"--plots {plots} is a file: pass a folder")
-        study_obj, stored = load_study_stored(storage, study)
-        rep = summarize(storage, study, study=study_obj)
-        audit = None
-        if pruning_audit:
-            from headsearch.search.audit import pruning_audit as replay_pruning
+        check_plot_libraries()
+        if plots.exists() and not plots.is_dir():
+            raise HeadsearchError(f"--plots {plots} is a file: pass a folder")
+    study_obj, stored = load_study_stored(storage, study)
+    rep = api.report(storage, study, loaded=study_obj)
+    audit = None
+    if pruning_audit:
+        from headsearch.search.audit import pruning_audit as replay_pruning
 
-            audit = replay_pruning(study_obj)
-        published = notes = None
-        if plots is not None:
-            from headsearch.search.artifacts import default_artifact_dir
-            from headsearch.search.plots import publish_plots
+        audit = replay_pruning(study_obj)
+    published = notes = None
+    if plots is not None:
+        from headsearch.search.artifacts import default_artifact_dir
+        from headsearch.search.plots import publish_plots
 
-            artifact_dir = default_artifact_dir(storage)
-            published = publish_plots(study_obj, rep, plots, artifact_dir, stored)
-            notes = _dashboard_notes(study_obj)
-    except HeadsearchError as e:
-        fail(str(e))
-    except Exception as e:
-        fail_on_fault(e, "the study is unchanged and plots already written are whole; free space and run it again")
+        artifact_dir = default_artifact_dir(storage)
+        published = publish_plots(study_obj, rep, plots, artifact_dir, stored)
+        notes = _dashboard_notes(study_obj)
     if fmt == "json":
         data = rep.to_dict()
         if audit is not None:
@@ -174,14 +171,18 @@ def audit_notes(audit) -> list[str]:
 
 def _robust_report(study: Optional[str], storage: str, seeds: int, fmt: str, run_root: Path, device: str) -> None:
     """`report --robust N`: the front retrained through `compare`, shown on mean values."""
-    from headsearch.cli.compare_command import compare_or_fail, print_result, print_robust_front
-    from headsearch.search.compare import robust_search
+    import sys
 
-    search, result = compare_or_fail(lambda: robust_search(storage, study, seeds, run_root=str(run_root), device=device),
-                                     run_root)
+    from headsearch import api
+    from headsearch.cli.compare_command import INTERRUPTED, KEPT, echo_written, print_result, print_robust_front
+    from headsearch.cli.progress import SearchWatch
+
+    with exits(kept=KEPT, interrupted=INTERRUPTED):
+        result = api.robust(storage, study, seeds=seeds, run_root=run_root, device=device, watch=SearchWatch(),
+                            argv=sys.argv, on_written=echo_written)
     if fmt == "table":
         print_robust_front(result)
-    print_result(result, fmt, search.task)
+    print_result(result, fmt)
 
 
 def print_report(rep, console=None) -> None:
@@ -297,8 +298,9 @@ def _fmt(v) -> str:
     return "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
+@exits(kept="configs already written are whole; free space and export again")
 def export(
-    study: Optional[str] = typer.Option(None, "--study", help=STUDY_HELP),
+    study: Optional[str] = study_option(STUDY_HELP),
     storage: str = storage_option(STORAGE_HELP),
     trial: Optional[int] = typer.Option(None, "--trial", help="Export this trial (it must be complete)."),
     pareto: bool = typer.Option(False, "--pareto", help="Export every trial on the Pareto front (or the best trial of a single-objective study)."),
@@ -306,8 +308,6 @@ def export(
     out: Path = typer.Option(..., "--out", "-o", help="Folder for the YAML files (trial-00012.yaml, ...)."),
 ) -> None:
     """Write chosen trials' full run configs as YAML for `headsearch train --config`."""
-    from headsearch.errors import HeadsearchError
-
     n = sum([trial is not None, pareto, best is not None])
     if n != 1:
         fail("pass exactly one of --trial N, --pareto, --best METRIC")
@@ -316,18 +316,14 @@ def export(
     _quiet_optuna()
     from headsearch.search.export import export_configs
 
-    try:
-        paths = export_configs(storage, study, trial=trial, pareto=pareto, best=best, out_dir=out)
-    except HeadsearchError as e:
-        fail(str(e))
-    except Exception as e:
-        fail_on_fault(e, "configs already written are whole; free space and export again")
+    paths = export_configs(storage, study, trial=trial, pareto=pareto, best=best, out_dir=out)
     for p in paths:
         typer.echo(str(p))
 
 
+@exits()
 def dashboard(
-    study: Optional[str] = typer.Option(None, "--study", help="Check this study exists and print its page's URL."),
+    study: Optional[str] = study_option("Check this study exists and print its page's URL."),
     storage: str = storage_option(STORAGE_HELP),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0 to be reachable from other machines)."),
     port: int = typer.Option(8080, "--port", help="Port to listen on."),
@@ -348,13 +344,10 @@ def dashboard(
     from headsearch.search.artifacts import default_artifact_dir
     from headsearch.search.report import open_existing_storage, study_names
 
-    try:
-        store = open_existing_storage(storage)
-        names = study_names(store)
-        if study is not None and study not in names:
-            raise HeadsearchError(f"unknown study {study} in {storage}: studies there are {', '.join(names) or 'none'}")
-    except HeadsearchError as e:
-        fail(str(e))
+    store = open_existing_storage(storage)
+    names = study_names(store)
+    if study is not None and study not in names:
+        raise HeadsearchError(f"unknown study {study} in {storage}: studies there are {', '.join(names) or 'none'}")
     from optuna.artifacts import FileSystemArtifactStore
     from optuna_dashboard import run_server
 
@@ -416,6 +409,6 @@ def unavailable_port(host: str, port: int) -> str | None:
 
 
 def register(app: typer.Typer) -> None:
-    app.command()(report)
-    app.command()(export)
-    app.command()(dashboard)
+    app.command(cls=Command)(report)
+    app.command(cls=Command)(export)
+    app.command(cls=Command)(dashboard)

@@ -245,7 +245,7 @@ def measure_process(job: Job, barrier) -> dict:
     bound = task.setup(cfg, job.source, device)
     seed_everything(cfg.seed)
     model = bound.build_model().to(device)
-    steps, compile_seconds, note = prepare_steps(task, cfg, bound, model, device, steps_per_epoch(bound, cfg.train))
+    steps, compile_seconds, note = prepare_steps(task, cfg.train, bound, model, device, steps_per_epoch(bound, cfg.train))
     if steps.mode.name != job.way.step_mode:  # it fell back: the mode asked for failed or mismatched
         barrier.abort()
         return {"mismatch": note or f"ran as {steps.mode.name}"}
@@ -308,7 +308,7 @@ def solo_losses(task: Any, cfg: Any, bound: Any, device: Any, n: int) -> list[fl
     seed_everything(cfg.seed)
     model = bound.build_model().to(device)
     # The schedule of an n-step epoch, as the cohort's `_train(n)` used for its slots.
-    steps, _, _ = prepare_steps(task, solo_cfg, scratch, model, device, n)
+    steps, _, _ = prepare_steps(task, solo_cfg.train, scratch, model, device, n)
     losses = []
     for batch in itertools.islice(scratch.train_batches(1), n):
         steps.step(batch)

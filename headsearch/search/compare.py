@@ -24,6 +24,7 @@ from typing import Any, Sequence
 from headsearch.analysis.stats import bootstrap_ci, mean_std, paired_difference
 from headsearch.config import RunConfig
 from headsearch.errors import ConfigError
+from headsearch.search.record import config_key, holds_point
 from headsearch.tasks.registry import parse_sets  # noqa: F401  (re-exported: compare's --set)
 from headsearch.tasks.registry import task_reference
 
@@ -101,7 +102,7 @@ def _study_candidates(spec: str, task, storage: str | None, flags: dict) -> list
             raise ConfigError(f"config {spec}: trial {t.number} of study {name} has no recorded config")
         if cfg.get("task") not in (None, task.name, task_reference(task)):
             raise ConfigError(f"config {spec}: study {name} searched task {cfg.get('task')}, not {task.name}")
-        key = json.dumps(cfg, sort_keys=True)
+        key = config_key(cfg)
         if key in seen:  # a duplicate on the front: one config is enough
             continue
         seen.add(key)
@@ -166,20 +167,12 @@ class ConfigGrid:
     def next_point(self, trials) -> dict[str, int] | None:
         """The first (config, seed), seed-major, that no trial holds: none complete, running or waiting, and
         none failed for good (an interrupted run is retried). None when every point is held."""
-        held = {(t.params.get("config"), t.params.get("seed")) for t in trials if _holds(t)}
+        held = {(t.params.get("config"), t.params.get("seed")) for t in trials if holds_point(t)}
         for s in range(self.seeds):
             for i in range(len(self.candidates)):
                 if (i, s) not in held:
                     return {"config": i, "seed": s}
         return None
-
-
-def _holds(t) -> bool:
-    from optuna.trial import TrialState
-
-    if t.state in (TrialState.COMPLETE, TrialState.RUNNING, TrialState.WAITING, TrialState.PRUNED):
-        return True
-    return t.state == TrialState.FAIL and not str(t.user_attrs.get("fail_reason", "interrupted")).startswith("interrupted")
 
 
 def default_study_name(task_name: str, cands: Sequence[Candidate]) -> str:

@@ -15,9 +15,9 @@ seconds (`best_train_seconds`, as measured in the crowd) are recorded beside it.
 from __future__ import annotations
 
 import hashlib
-import json
 from typing import Any
 
+from headsearch.config import stable_key
 from headsearch.search.measured import cpu_name
 
 # Training fields that change how long an epoch takes (the learning rate and the like do not).
@@ -46,7 +46,7 @@ def alone_key(cfg: Any, device: Any, threads: int | None = None, step_mode: str 
         speed["compile"] = step_mode
     what = {"task": cfg.task, "arch": cfg.arch.to_dict(), "data": cfg.data.to_dict() if hasattr(cfg.data, "to_dict") else cfg.data,
             "train": speed, "device": device_model(device), "threads": threads, "torch": torch.__version__}
-    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:20]
+    return hashlib.sha256(stable_key(what).encode()).hexdigest()[:20]
 
 
 def known_epoch_seconds(study: Any, key: str) -> float | None:

@@ -18,10 +18,12 @@ import sqlite3
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
+from headsearch.config import stable_key
 from headsearch.errors import HeadsearchError
 from headsearch.jsonsafe import json_safe
 from headsearch.search.hypervolume import front_indices, hypervolume, scale_minimised
 from headsearch.search.objectives import Objective, directions_of, objectives_of
+from headsearch.search.record import was_trained
 from headsearch.search.snapshot import TRIAL_STATES, count_states, trial_state
 from headsearch.search.storage import check_sqlite_file, journal_path, open_storage, sqlite_path
 
@@ -323,19 +325,15 @@ def importance_evaluator():
 
 
 def json_key(x: Any) -> str:
-    import json
-
-    return json.dumps(x, sort_keys=True, default=str)
+    return stable_key(x)
 
 
 def pruning_savings(trials, default_epochs: int | None) -> Savings:
     """Epochs trained by complete and pruned trials (not rejected, not duplicates) vs. all of them run to the end."""
-    from optuna.trial import TrialState
-
     run = without = n = 0
     for t in trials:
         a = t.user_attrs
-        if t.state not in (TrialState.COMPLETE, TrialState.PRUNED) or "rejected" in a or a.get("duplicate_of") is not None:
+        if not was_trained(t):
             continue
         epochs = ((a.get("config") or {}).get("train") or {}).get("epochs", default_epochs)
         if epochs is None:
@@ -352,13 +350,6 @@ def pruning_savings(trials, default_epochs: int | None) -> Savings:
 
 
 ANYTIME_REFERENCE = 1.1  # objectives scaled to [0, 1] over the study's complete trials: 10% beyond the worst
-
-
-def _trained(t) -> bool:
-    from optuna.trial import TrialState
-
-    a = t.user_attrs
-    return t.state in (TrialState.COMPLETE, TrialState.PRUNED) and "rejected" not in a and a.get("duplicate_of") is None
 
 
 def _fair_seconds_trained(t) -> float | None:
@@ -381,7 +372,7 @@ def anytime_curve(trials, directions: Sequence[str]) -> list[AnytimePoint]:
     from optuna.trial import TrialState
 
     latest = datetime.datetime.max
-    trained = sorted((t for t in trials if _trained(t)), key=lambda t: (t.datetime_complete or latest, t.number))
+    trained = sorted((t for t in trials if was_trained(t)), key=lambda t: (t.datetime_complete or latest, t.number))
     complete = [t for t in trained if t.state == TrialState.COMPLETE and t.values is not None]
     if not complete:
         return []

@@ -3,7 +3,7 @@
 In the spirit of Syne Tune's simulator (Salinas et al. 2022, "Syne Tune: A Library for Large Scale
 Hyperparameter Tuning and Reproducible Research"): the scheduler cannot tell a real trial from one looked
 up in a table. `simulate` builds the same `Search` as `headsearch run` and drives its own loop
-(`Search.run_interleaved`: asking, sampling, skipping duplicates, ending an exhausted space, the pruner's
+(`Search.run`, the one loop of `headsearch.search.loop`: asking, sampling, skipping duplicates, ending an exhausted space, the pruner's
 decision after every epoch, telling) over `TableCohort`, which instead of training reads each epoch's
 validation value from the table and advances a simulated clock by the architecture's epoch seconds. With
 ``workers`` slots, trials start and end out of order as they would on that many workers; a trial asked at
@@ -29,7 +29,7 @@ from headsearch.search.table import arch_key, overrides_of
 from headsearch.training.trainer import EpochRecord, TrainResult
 
 REFERENCE = 1.1  # every objective scaled to [0, 1]: the reference point lies 10% beyond the worst
-SIMULATED_STORAGE = "memory:"  # no URL: the simulator hands `run_interleaved` an in-memory study itself
+SIMULATED_STORAGE = "memory:"  # no URL: the simulator hands `Search.run` an in-memory study itself
 
 
 @dataclass
@@ -53,7 +53,7 @@ class TableEnd:
 
 
 class TableCohort:
-    """`workers` slots that look their trials' epochs up in a table: what `Search.run_interleaved` drives.
+    """`workers` slots that look their trials' epochs up in a table: a backend of `Search.run` (headsearch.search.backends).
 
     `train_epoch` moves the simulated clock to the next epoch that ends on any slot, gives that trial its
     epoch record (the table's validation value, the architecture's epoch seconds and parameter count)
@@ -199,7 +199,7 @@ def replay(search, table: dict[str, Any], *, workers: int = 1, table_seed: int |
                                 pruner=search.make_pruner()[0])
     search.adopt(study, storage)
     cohort = TableCohort(table, workers, random.Random(seed if table_seed is None else table_seed))
-    search.run_interleaved(study, cohort, device=torch.device("cpu"))
+    search.run(study, cohort, device=torch.device("cpu"))
     trials = study.get_trials(deepcopy=False)
     counts = count_states(trials)
     front_keys = []

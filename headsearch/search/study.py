@@ -7,11 +7,11 @@ fields of `EXECUTION_ONLY`, which change how a trial runs and not what it comput
 """
 from __future__ import annotations
 
-import json
 import re
 import warnings
 from typing import Any, Mapping, Sequence
 
+from headsearch.config import stable_key
 from headsearch.errors import ConfigError, HeadsearchError
 from headsearch.search.storage import open_storage
 
@@ -219,4 +219,4 @@ def _comparable(key: str, value: Any) -> str:
     if key == "base_config" and isinstance(value, dict):
         value = {section: ({k: v for k, v in fields.items() if k not in EXECUTION_ONLY.get(section, ())}
                            if isinstance(fields, dict) else fields) for section, fields in value.items()}
-    return json.dumps(value, sort_keys=True)
+    return stable_key(value)

@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
+from headsearch.config import stable_key
 from headsearch.errors import ConfigError
 from headsearch.io import write_atomic
 from headsearch.tasks.registry import task_reference
@@ -38,7 +39,7 @@ def overrides_of(config: dict[str, Any], base: dict[str, Any]) -> dict[str, dict
 
 
 def arch_key(overrides: dict[str, Any]) -> str:
-    return json.dumps(overrides, sort_keys=True, default=str)
+    return stable_key(overrides)
 
 
 def table_search(task: str, space: str, *, seeds: int, preset: str | None = None, epochs: int | None = None,

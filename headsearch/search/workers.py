@@ -146,7 +146,7 @@ def run_workers(search, argv: list[str] | None = None) -> list:
     ctx = mp.get_context("spawn")
     procs = []
     for i, gpu in enumerate(plan.devices):
-        p = ctx.Process(target=_worker_main, args=(search.settings, i, gpu, len(plan.devices), argv, plan),
+        p = ctx.Process(target=_worker_main, args=(search.settings, i, gpu, len(plan.devices), argv, plan, search.base),
                         name=f"headsearch-worker-{i}")
         p.start()
         procs.append(p)
@@ -154,7 +154,7 @@ def run_workers(search, argv: list[str] | None = None) -> list:
 
 
 def _worker_main(settings: SearchSettings, index: int, gpu: str | None, n_processes: int, argv,
-                 plan: Plan | None = None) -> None:
+                 plan: Plan | None = None, base=None) -> None:
     if gpu is not None:
         # The parent's own name for the GPU (CUDA_VISIBLE_DEVICES "2,3" gives "2" and "3"), set before
         # torch initialises CUDA in this process, which then sees it as cuda:0.
@@ -166,10 +166,10 @@ def _worker_main(settings: SearchSettings, index: int, gpu: str | None, n_proces
     if gpu is None:
         torch.set_num_threads(plan.threads if plan is not None and plan.threads else share)
 
-    search = Search(settings)
+    search = Search(settings, resolved_base=base)  # the parent resolved and checked the config: not again
     if plan is not None:
         search.use_plan(plan)  # the parent's: a worker sees one GPU and would plan otherwise
-    search.alone_threads = alone_threads
+    search.life.alone_threads = alone_threads
     log_dir = worker_log_dir(search)
     log_dir.mkdir(parents=True, exist_ok=True)
     failed = log_dir / f"worker-{index}.failed"

@@ -87,6 +87,7 @@ class BoundTask(Protocol):
     interchangeable for `loss` (plain numbers in a batch are not used by it).
     """
 
+    cfg: RunConfig  # the config it is bound to: what training reads (`rebind` gives another)
     n_train: int  # training samples per epoch
 
     def build_model(self) -> Any: ...

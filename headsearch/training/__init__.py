@@ -1,5 +1,10 @@
 """Training: `train_run` is the library entry point behind `headsearch train`; `train_bound` trains
-on already-loaded data (each search trial); `preflight` checks what can be checked before data loads."""
+on already-loaded data (each search trial); `preflight` checks what can be checked before data loads.
+
+The whole config is a parameter of `train_run`, `preflight` and `check_fits` (checks and binding the data
+need any field) and the cohort's `add`/`refusal`/`cohort_key` (a run joins by its config); below them a run
+reads its bound task's own copy (`bound.cfg`: `train_bound`, `trainer.fit`, `clock.measure_alone`), so one
+trial has one config, and the step machinery (`prepare.prepare_steps`) gets the training section only."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -89,24 +94,24 @@ def train_run(
     check_run_dir(run_dir)
     bound = task.setup(cfg, source, dev)
     if tensorboard is None:
-        return run_dir, train_bound(cfg, bound, run_dir, device=dev, argv=argv, callbacks=callbacks, clock=clock)
+        return run_dir, train_bound(bound, run_dir, device=dev, argv=argv, callbacks=callbacks, clock=clock)
     from headsearch.training.tensorboard import TensorBoardWriter
 
     writer = TensorBoardWriter(tensorboard, hparams=cfg.arch.to_dict())
     try:
-        return run_dir, train_bound(cfg, bound, run_dir, device=dev, argv=argv, callbacks=[writer, *callbacks],
+        return run_dir, train_bound(bound, run_dir, device=dev, argv=argv, callbacks=[writer, *callbacks],
                                     clock=clock)
     finally:
         writer.close()
 
 
-def train_bound(cfg: RunConfig, bound, run_dir: Path, *, device, argv: list[str] | None = None, callbacks: Sequence = (),
-                clock=None):
-    """Create `run_dir` (config, command, versions, task artifacts) and train `bound` in it (`clock`: a
-    search's `clock.AloneClock`, for the fair time)."""
+def train_bound(bound, run_dir: Path, *, device, argv: list[str] | None = None, callbacks: Sequence = (), clock=None):
+    """Create `run_dir` (the bound task's config, command, versions, task artifacts) and train `bound` in it
+    (`clock`: a search's `clock.AloneClock`, for the fair time). The config is `bound.cfg`: the one the data
+    was bound under, so the run directory records what actually trained."""
     from headsearch.training.rundir import create_run_dir
     from headsearch.training.trainer import fit
 
-    create_run_dir(run_dir, cfg.to_yaml(), argv)
+    create_run_dir(run_dir, bound.cfg.to_yaml(), argv)
     bound.write_artifacts(run_dir)
-    return fit(get_task(cfg.task), cfg, bound, device=device, run_dir=run_dir, callbacks=callbacks, clock=clock)
+    return fit(get_task(bound.cfg.task), bound, device=device, run_dir=run_dir, callbacks=callbacks, clock=clock)

@@ -13,7 +13,6 @@ from typing import Callable
 
 import torch
 
-from headsearch.config import RunConfig
 from headsearch.io import env_flag
 from headsearch.tasks import BoundTask, Task
 from headsearch.training.devicelock import Share
@@ -174,14 +173,15 @@ def alone_epoch_seconds(step_seconds: list[float], samples: int, batch_size: int
     return statistics.median(step_seconds) * samples / batch_size
 
 
-def measure_alone(task: Task, cfg: RunConfig, bound: BoundTask, device: torch.device, clock: AloneClock) -> float:
+def measure_alone(task: Task, bound: BoundTask, device: torch.device, clock: AloneClock) -> float:
     """An architecture's epoch seconds with the device to itself, measured apart from its run: a solo copy of
     the model, warmed up in the step mode a solo run would use, times the steps a solo run's epoch 1 times
     (the first ALONE_STEPS, or every step of a shorter epoch) under the clock's exclusive hold (a process
     alone's threads on a CPU); the median step x the epoch's batches, as `AloneClock` measures a solo run's
     epoch 1. A cohort's trials get their `time` this way, so it is the
-    same figure whatever cohort they trained in. `bound` is used under a fresh data order (its own is
-    untouched), and the global RNG is put back as it was."""
+    same figure whatever cohort they trained in. The config is `bound.cfg`; `bound` is used under a fresh
+    data order (its own is untouched), and the global RNG is put back as it was."""
+    cfg = bound.cfg
     t = cfg.train
     use_device(device)
     spe = steps_per_epoch(bound, t)
@@ -191,7 +191,7 @@ def measure_alone(task: Task, cfg: RunConfig, bound: BoundTask, device: torch.de
         seed_everything(cfg.seed)
         model = bound.build_model().to(device)
         with warm_up_hold(clock, device):
-            solo_steps, _, _ = prepare_steps(task, cfg, scratch, model, device, spe)
+            solo_steps, _, _ = prepare_steps(task, t, scratch, model, device, spe)
         clock.ran_as(solo_steps.mode.describe())
         if clock.known is not None:  # measured before in the mode the solo run fell back to
             return clock.known

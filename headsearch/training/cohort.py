@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 import torch
 
-from headsearch.config import RunConfig
+from headsearch.config import RunConfig, stable_key
 from headsearch.errors import Diverged
 from headsearch.tasks import BoundTask, Task
 from headsearch.training.cohort_optim import StackedAdam
@@ -46,15 +46,13 @@ from headsearch.training.trainer import Callback, EpochRecord, TrainResult, _fin
 def cohort_key(cfg: RunConfig) -> str:
     """What every run of a cohort shares: the config without the head schedule, skip, fusion, learning rate and
     seed (all per slot). Two configs with the same key can share a cohort (if their task stacks them)."""
-    import json
-
     from headsearch.models.cohort import stack_signature
 
     d = cfg.to_dict()
     d.pop("seed", None)
     d["train"] = {k: v for k, v in d["train"].items() if k != "lr"}
     d["arch"] = list(stack_signature(cfg.arch))
-    return json.dumps(d, sort_keys=True, default=str)
+    return stable_key(d)
 
 
 @dataclass
@@ -88,6 +86,8 @@ class Cohort:
     """K slots of one task trained as one stacked model on `device`. `soft_columns`: the width to keep for
     soft-attention weights (`headsearch.models.cohort.soft_width`; None when no run will fuse).
     `share`: the device lock every epoch is held shared under (None: none)."""
+
+    needs_data = True  # each run's data is bound to its config (the simulator's table needs none)
 
     def __init__(self, task: Task, size: int, device: torch.device, soft_columns: int | None = None, share: Share | None = None,
                  keep_step_losses: bool = False):
@@ -128,7 +128,9 @@ class Cohort:
     def add(self, cfg: RunConfig, bound: BoundTask, run_dir: Path | None = None, *, callbacks: Sequence[Callback] = (),
             argv: list[str] | None = None, clock: AloneClock | None = None, tag: Any = None) -> int:
         """Put a run in a free slot (its run directory made as `headsearch train` makes one) and return the slot.
-        With a `clock`, the architecture's speed alone is the clock's known value or measured now."""
+        With a `clock`, the architecture's speed alone is the clock's known value or measured now.
+        `bound` is bound under `cfg` (`bound.cfg`); the config comes apart from it because the simulator's
+        table, which the search drives the same way, has no bound data."""
         if (why := self.refusal(cfg)) is not None:
             raise ValueError(f"this run cannot join the cohort: {why}")
         if not self.free:
@@ -145,7 +147,7 @@ class Cohort:
         if clock is not None:
             result.epoch_seconds_alone = clock.known
             if clock.known is None:
-                result.epoch_seconds_alone = measure_alone(self.task, cfg, bound, self.device, clock)
+                result.epoch_seconds_alone = measure_alone(self.task, bound, self.device, clock)
         if self.model is None:
             self.model = bound.build_cohort([solo] * self.size, self.soft_columns)
             self.optimizer = StackedAdam(list(self.model.parameters()), self.size, kind=cfg.train.optimizer,

@@ -9,14 +9,14 @@ import time
 
 import torch
 
-from headsearch.config import RunConfig
+from headsearch.config import TrainConfig
 from headsearch.errors import ConfigError, Diverged
 from headsearch.tasks import BoundTask, Task
 from headsearch.training.fastpath import StepMode, compile_blocks, resolve_mode
 from headsearch.training.steps import CaptureBrokeCuda, Steps, make_steps
 
 
-def prepare_steps(task: Task, cfg: RunConfig, bound: BoundTask, model: torch.nn.Module, device: torch.device,
+def prepare_steps(task: Task, t: TrainConfig, bound: BoundTask, model: torch.nn.Module, device: torch.device,
                   spe: int) -> tuple[Steps, float, str | None]:
     """The run's steps, warmed up (compiled, captured) before the clock starts: (steps, warm-up seconds,
     note). If compiling or capturing fails, fall back a step at a time (compiled blocks without the
@@ -27,8 +27,7 @@ def prepare_steps(task: Task, cfg: RunConfig, bound: BoundTask, model: torch.nn.
     that fits eagerly must not fail its trial there. The failed attempt's steps (its graphs, their pool,
     its optimizer state) are dropped and CUDA's cache emptied before the next mode. Out of memory in
     eager steps is the run's own, and raised. A capture that left CUDA unusable (`CaptureBrokeCuda`) is
-    raised too: no fallback can run in this process."""
-    t = cfg.train
+    raised too: no fallback can run in this process. `t`: the run's training section, all a step needs."""
     mode = resolve_mode(t, task, device)
     total, warmup = spe * t.epochs, round(t.warmup_epochs * spe)
     notes: list[str] = []

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from headsearch.config import RunConfig, TrainConfig
+from headsearch.config import TrainConfig
 from headsearch.errors import Diverged
 from headsearch.io import append_line, write_atomic
 from headsearch.tasks import BoundTask, Task
@@ -116,7 +116,6 @@ class Callback:
 
 def fit(
     task: Task,
-    cfg: RunConfig,
     bound: BoundTask,
     *,
     device: torch.device,
@@ -125,13 +124,15 @@ def fit(
     log_seconds: float = LOG_SECONDS,
     clock: AloneClock | None = None,
 ) -> TrainResult:
-    """Train `bound`'s model under `cfg`; evaluate each epoch; test the best checkpoint at the end.
+    """Train `bound`'s model under its own config (`bound.cfg`, the one its data was bound under: a second
+    copy could disagree with it); evaluate each epoch; test the best checkpoint at the end.
 
     Inside an epoch nothing waits for the device, except a step callback's report (at most every
     `log_seconds`, when a callback listens to steps): losses, the divergence check and the learning
     rate stay device tensors until the epoch ends. With a `clock` (a search), each epoch's training and
     evaluation hold the device as `AloneClock` says, and epoch 1 measures the speed alone.
     """
+    cfg = bound.cfg
     t = cfg.train
     check_compile(t, task)  # before anything is built or trained
     use_device(device)
@@ -151,7 +152,7 @@ def fit(
     stopped_by: int | None = None
     try:
         with warm_up_hold(clock, device):
-            steps, result.compile_seconds, note = prepare_steps(task, cfg, bound, model, device, spe)
+            steps, result.compile_seconds, note = prepare_steps(task, t, bound, model, device, spe)
         result.step_mode, result.step_note = steps.mode.describe(), note
         for cb in callbacks:
             cb.on_prepared(result.step_mode, result.compile_seconds, note)

@@ -1,0 +1,152 @@
+"""What trains a search's trials: a backend with slots that the search's one loop (`headsearch.search.loop`)
+fills, trains an epoch at a time, and empties as trials end.
+
+Three backends share that shape (Syne Tune's scheduler/backend split; Salinas et al. 2022): `SoloBackend`,
+one slot that trains its trial to the end through `train_bound` (a plain search's worker);
+`headsearch.training.cohort.Cohort`, K trials trained together as one stacked model; and
+`headsearch.search.simulate.TableCohort`, which looks each epoch up in a table. Each has `free`,
+`occupied`, `refusal(cfg)`, `add(...) -> slot`, `train_epoch() -> [ends]` and `interrupt() -> [ends]`; an
+end has `slot`, `tag` (the trial's `TrialRun`), `result` and `error`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from headsearch.config import RunConfig
+from headsearch.training.trainer import TrainResult
+
+if TYPE_CHECKING:
+    from headsearch.search.runner import Search
+
+
+@dataclass
+class SoloEnd:
+    slot: int
+    tag: Any
+    result: TrainResult | None
+    error: BaseException | None
+
+
+@dataclass
+class _Pending:
+    cfg: RunConfig
+    bound: Any
+    run_dir: Path
+    argv: list[str] | None
+    clock: Any
+    tag: Any
+    callbacks: list
+
+
+class SoloBackend:
+    """One slot whose trial trains to its end in one `train_epoch` (a pruner or an error ends it sooner)."""
+
+    size = 1
+    needs_data = True
+
+    def __init__(self, device):
+        self.device = device
+        self._pending: _Pending | None = None
+
+    @property
+    def free(self) -> bool:
+        return self._pending is None
+
+    @property
+    def occupied(self) -> bool:
+        return self._pending is not None
+
+    def refusal(self, cfg: RunConfig) -> str | None:
+        return None
+
+    def add(self, cfg: RunConfig, bound, run_dir: Path, *, argv=None, clock=None, tag=None, callbacks=()) -> int:
+        if self._pending is not None:
+            raise ValueError("the solo backend's slot is taken")
+        self._pending = _Pending(cfg, bound, run_dir, argv, clock, tag, list(callbacks))
+        return 0
+
+    def train_epoch(self) -> list[SoloEnd]:
+        """Train the trial in the slot to its end; the exception that ended it, if one did, is handed back."""
+        from headsearch.training import train_bound
+
+        p, self._pending = self._pending, None
+        result, error = None, None
+        try:
+            result = train_bound(p.bound, p.run_dir, device=self.device, argv=p.argv, clock=p.clock,
+                                 callbacks=p.callbacks)
+        except BaseException as e:
+            error = e
+        try:
+            return [SoloEnd(0, p.tag, result, error)]
+        finally:
+            # This frame -> `error` -> its traceback -> this frame (and fit's, holding the model, its graphs and
+            # its optimizer state): a cycle only the cyclic collector would break. Without it, a pruned or failed
+            # trial's GPU memory is free as soon as the loop lets its end go.
+            error = None
+
+    def interrupt(self) -> list[SoloEnd]:
+        p, self._pending = self._pending, None
+        return [] if p is None else [SoloEnd(0, p.tag, TrainResult(status="interrupted", primary_metric="", params=0), None)]
+
+
+class DataCache:
+    """The task's data bound to a trial's config: loaded once per worker, rebound for later trials."""
+
+    def __init__(self, search: "Search"):
+        self.search = search
+        self._key: str | None = None
+        self._bound = None
+        self._cpu_bound = None
+
+    def bound_for(self, cfg: RunConfig, device):
+        key = cfg.key("data", "seed")
+        if key != self._key:
+            self._bound = self.search.task.setup(cfg, self.search.source, device)
+            self._key = key
+            return self._bound
+        return self._bound.rebind(cfg)
+
+    def cpu_data(self):
+        """The data loaded on the CPU: the plan's `step_footprint` loads it, and the data check that follows
+        (`check`, `prepare`) reuses it and lets it go."""
+        import torch
+
+        if self._cpu_bound is None:
+            self._cpu_bound = self.search.task.setup(self.search.base, self.search.source, torch.device("cpu"))
+        return self._cpu_bound
+
+    def check(self) -> None:
+        """Load the data once on the CPU and let it go: missing or malformed data fails here (worker processes
+        load their own)."""
+        self.cpu_data()
+        self._cpu_bound = None
+
+    def prepare(self, device) -> None:
+        """Load the data now, so that missing or malformed data fails before a study is created."""
+        self.bound_for(self.search.base, device)
+        self._cpu_bound = None  # a copy the plan loaded on the CPU is not needed any more
+
+
+def soft_columns(search: "Search") -> int | None:
+    """The soft-branch width a cohort keeps (None: the space never fuses): enough for the fewest heads it may sample."""
+    from headsearch.models.cohort import soft_width
+
+    space = search.space
+    if all(f == "none" for f in space.fusions) and search.base.arch.fusion == "none":
+        return None
+    fewest = min(space.heads)
+    if {"halving", "doubling"} & set(space.families):
+        fewest = min(fewest, space.min_heads)
+    return soft_width(search.base.arch, max(1, fewest))
+
+
+def machine_backend(search: "Search", device, cohort_size: int, share) -> Any:
+    """The backend a worker's plan asks for: one slot, or a cohort of `cohort_size`."""
+    if cohort_size <= 1:
+        return SoloBackend(device)
+    from headsearch.training.cohort import Cohort
+
+    return Cohort(search.task, cohort_size, device, soft_columns=soft_columns(search), share=share)
+

@@ -1,0 +1,239 @@
+"""The scheduler: which trial a worker runs next, under the budget lock.
+
+"Take the budget lock, count, ask" makes the trial budget exact across any number of workers on any
+number of machines sharing one storage; the fence behind it (`Scheduler._fence`) keeps it exact when the
+lock did not hold. An architecture some trial holds is never trained twice: a proposal of one is told FAIL
+(`duplicate_of`) and the sampler asked again. A dead worker's running trial is failed and retried
+(`DeadTrials`).
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import TYPE_CHECKING
+
+from headsearch.config import RunConfig
+from headsearch.errors import ConfigError, HeadsearchError
+from headsearch.search.liveness import SilenceWatch, finished_trial_error, never_beaten, retry_callback
+from headsearch.search.record import arch_summary, config_key, counts_toward_budget, failed_for_good
+from headsearch.search.storage import LockHold, budget_lock
+from headsearch.training.runtime import resolve_device
+
+if TYPE_CHECKING:
+    from headsearch.search.runner import Search
+
+WAIT = object()  # next_trial: the budget is held by running trials; ask again later
+# Proposals of an architecture some trial holds that the sampler may make in a row before the search takes
+# an architecture no trial holds itself (at random, seeded): each is a FAIL trial marked duplicate_of.
+DUPLICATE_ASKS = 5
+
+
+class _OverBudget(Exception):
+    """The trial just asked found the budget full in the storage's own order (`Scheduler._fence`)."""
+
+
+class Scheduler:
+    """Chooses this worker's next trial of `search`'s study; keeps the configs it sampled for their trials."""
+
+    def __init__(self, search: "Search"):
+        self.search = search
+        self.sampled: dict[int, RunConfig] = {}  # configs sampled under the budget lock, by trial number
+        self.dead = DeadTrials(search)
+
+    def next_trial(self, study):
+        """The next trial to run under the budget lock, or None (the budget is spent, the space exhausted),
+        or WAIT (running trials hold the rest)."""
+        s = self.search
+        # A study adopted in this process (the simulator's, in memory) has no other worker to exclude: only a
+        # storage URL's lock is taken, and a URL no storage scheme knows is refused there, never left unlocked.
+        lock = contextlib.nullcontext(LockHold("in memory")) if s.adopted else budget_lock(s.settings.storage, s.study_name)
+        with lock:
+            with warnings.catch_warnings():
+                # Optuna warns that heartbeats go with Study.optimize; ask/tell workers beat themselves (Heartbeat).
+                warnings.filterwarnings("ignore", message="Heartbeat of storage")
+                warnings.filterwarnings("ignore", message=".*fail_stale_trials is experimental")
+                while True:
+                    try:
+                        return self._next_trial_once(study)
+                    except _OverBudget:
+                        continue  # another worker took the last place meanwhile: count again
+
+    def _next_trial_once(self, study):
+        from optuna.trial import TrialState
+
+        s = self.search
+        while True:
+            self.dead.fail(study)  # a dead worker's trial -> FAIL, re-enqueued as WAITING
+            trials = study.get_trials(deepcopy=False)
+            waiting = sum(1 for t in trials if t.state == TrialState.WAITING)
+            # Failed trials do not count toward the budget; stop if they pile up (every config diverging).
+            failed = sum(1 for t in trials if failed_for_good(t))
+            if failed >= max(5, 2 * s.settings.trials):
+                raise HeadsearchError(
+                    f"{failed} trials failed in study {s.study_name} (see their fail_reason with `headsearch report`):"
+                    " fix the cause (e.g. a lower lr) before running more"
+                )
+            running = any(t.state == TrialState.RUNNING for t in trials)
+            counted = sum(1 for t in trials if counts_toward_budget(t))
+            # Nothing left to ask: running trials hold the rest. With heartbeats (leases on a journal), wait for
+            # them: one may belong to a dead worker and come back as a retry (or fail and free its place).
+            done = WAIT if running and s.store_of(study).tells_dead_workers else None
+            if waiting == 0 and counted >= s.settings.trials:
+                return done
+            next_point = getattr(s.space, "next_point", None)  # a grid that says which point comes next
+            if next_point is not None and waiting == 0:
+                point = next_point(trials)
+                if point is None:  # every point is held, by finished runs or running ones
+                    return done
+                study.enqueue_trial(point)
+            if next_point is not None or waiting:  # a grid's point, or an enqueued one (a retry, a warm start)
+                study.sampler = s.make_sampler(len(trials))
+                trial = self._ask(study)
+                if next_point is not None or self._unless_held(study, trial, trials) is not None:
+                    return trial
+                continue  # an enqueued architecture that a trial holds already: told FAIL, not trained
+            return self._ask_unheld(study, trials, done)
+
+    def _ask_unheld(self, study, trials: list, done):
+        """A new trial whose architecture no trial holds (`holds_architecture`), its config sampled and kept
+        (under the budget lock, so two workers never start the same one). A proposal of a held architecture
+        is told FAIL with user_attr duplicate_of (neither trained nor counted) and the sampler is asked again,
+        reseeded; after DUPLICATE_ASKS such proposals in a row the search takes an architecture no trial holds.
+        `done` (None, or WAIT while trials run) when every architecture of the space is held."""
+        s = self.search
+        trials = list(trials)
+        if s.archs.exhausted(trials):
+            return done
+        for attempt in range(DUPLICATE_ASKS + 1):
+            if attempt == DUPLICATE_ASKS:
+                point = s.archs.untried_point(trials, len(trials))
+                if point is None:  # a space too big to list kept giving held points: stop this worker
+                    return done
+                study.enqueue_trial(point)
+            study.sampler = s.make_sampler(len(trials))
+            trial = self._ask(study)
+            if self._unless_held(study, trial, trials) is not None:
+                return trial
+            trials.append(s.store_of(study).frozen_trial(trial.number))
+        return done  # not reached: the last attempt takes an unheld point or returns
+
+    def _ask(self, study):
+        """`study.ask()`, its first heartbeat (or lease) recorded at once, under the budget lock, then fenced."""
+        trial = study.ask()
+        self.search.store_of(study).beat(trial.number)
+        self._fence(study, trial)
+        return trial
+
+    def _fence(self, study, trial) -> None:
+        """Make the budget exact whatever happened to the lock: if the trials created before `trial`, in the
+        storage's own order, already fill the budget, `trial` is told FAIL as over-budget (never trained, not
+        counted, holds no architecture) and `_OverBudget` raised. Every worker sees the same order, so whoever
+        asked last backs off: a worker paused past its lock's silence limit, a broken lock, a symlinked path
+        that got a second lock, an NFS client caching a lock file's time, enqueued trials beyond --trials."""
+        from optuna.trial import TrialState
+
+        # Trial ids, not numbers: an id is the storage's order of creation (a database's key, a journal's
+        # record), where two trials created at once on a database without the lock could share a number.
+        mine = trial._trial_id
+        before = sum(1 for t in study.get_trials(deepcopy=False) if t._trial_id < mine and counts_toward_budget(t))
+        if before < self.search.settings.trials:
+            return
+        trial.set_user_attr("over_budget", before)
+        study.tell(trial, state=TrialState.FAIL)
+        self.search.store_of(study).ended(trial.number)
+        raise _OverBudget
+
+    def _unless_held(self, study, trial, trials: list):
+        """`trial`, its config sampled and kept for its beginning; or None when a trial in `trials` holds its
+        architecture already: then it is told FAIL with user_attr duplicate_of (neither trained nor counted).
+        A config that cannot be built is returned as is (its beginning rejects it and says why)."""
+        from optuna.trial import TrialState
+
+        s = self.search
+        try:
+            cfg = s.archs.sample_config(trial, resolve_device(s.settings.device))
+        except ConfigError:
+            return trial
+        config = cfg.to_dict()
+        trial.set_user_attr("config", config)
+        holder = s.archs.holder(trials, config_key(config), trial.number)
+        if holder is None:
+            self.sampled[trial.number] = cfg
+            return trial
+        trial.set_user_attr("duplicate_of", holder.number)
+        trial.set_user_attr("arch", arch_summary(cfg))
+        study.tell(trial, state=TrialState.FAIL)
+        return None
+
+    def config_of(self, trial, device) -> tuple[RunConfig, bool]:
+        """The config sampled for `trial` under the lock (recorded already: True), or sampled now (False;
+        ConfigError if invalid)."""
+        cfg = self.sampled.pop(trial.number, None)
+        return (cfg, True) if cfg is not None else (self.search.archs.sample_config(trial, device), False)
+
+
+class DeadTrials:
+    """Fails the RUNNING trials of dead workers, each re-enqueued as WAITING (Optuna's retry callback, up to
+    twice): on a database, Optuna's stale heartbeats, and trials that never recorded one (a worker killed
+    between `ask` and its first heartbeat); on a journal file or a Redis journal, trials whose lease was
+    not renewed. Silence is judged over 3 heartbeats of this worker's own clock."""
+
+    def __init__(self, search: "Search"):
+        self.search = search
+        self._silence: SilenceWatch | None = None  # running trials without a sign of life, as this worker saw them
+
+    def fail(self, study) -> None:
+        from optuna.trial import TrialState
+
+        store = self.search.store_of(study)
+        if not store.tells_dead_workers:
+            return
+        if self._silence is None:
+            self._silence = SilenceWatch(3 * store.heartbeat)
+        if store.heartbeats:
+            # Optuna's own test (`fail_stale_trials`), with a reason recorded: a heartbeat older than the grace
+            # period by the database's clock.
+            for trial_id in store.storage._get_stale_trial_ids(store.study_id):
+                self._give_up(study, trial_id, "interrupted (its heartbeat stopped: its worker died or lost the storage)")
+            ids = never_beaten(store.storage, store.study_id)
+            reason = "interrupted (its worker stopped before its first heartbeat)"
+            silent = self._silence.silent({("id", i): None for i in ids})
+            dead = [i for _, i in silent]
+        else:
+            running = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.RUNNING]
+            reason = "interrupted (its worker stopped renewing its lease)"
+            silent = self._silence.silent({("lease", t.number): store.leases.read(t.number) for t in running})
+            dead = [store.trial_id(n) for _, n in silent]
+        for key, trial_id in zip(silent, dead):
+            self._silence.forget(key)
+            self._give_up(study, trial_id, reason)
+
+    def _give_up(self, study, trial_id: int, reason: str) -> None:
+        """Tell a dead worker's trial FAIL with `reason` (not counted, holds no architecture) and retry it."""
+        from optuna.trial import TrialState
+
+        store = self.search.store_of(study)
+        try:
+            store.storage.set_trial_user_attr(trial_id, "fail_reason", reason)
+            if not store.storage.set_trial_state_values(trial_id, state=TrialState.FAIL):
+                return
+        except finished_trial_error():  # it ended meanwhile (its worker was alive after all)
+            return
+        frozen = store.storage.get_trial(trial_id)
+        store.ended(frozen.number)
+        retry_callback()(study, frozen)
+
+
+
+def enqueue_first(study, params) -> list[int]:
+    """Put architectures first (Optuna's `enqueue_trial`: a warm start from known ones, e.g. the papers'),
+    each unless a trial of the study already has its parameters (a resumed search enqueues nothing twice).
+    Returns the indices in `params` that were enqueued."""
+    have = [t.params for t in study.get_trials(deepcopy=False)]
+    out = []
+    for i, p in enumerate(params):
+        if p not in have:
+            study.enqueue_trial(p)
+            have.append(p)
+            out.append(i)
+    return out

@@ -1,0 +1,222 @@
+"""A trial's life in a search: begun (its config, run directory, pruning, fair clock), then told how it ended.
+
+Whatever trains it (alone, in a cohort, looked up in a table), a trial begins and ends here, so its record
+(`headsearch.search.record`) is written the same way in a real search and in a simulated one.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+from headsearch.analysis.tracking import diversity_callbacks
+from headsearch.config import RunConfig
+from headsearch.errors import ConfigError, Diverged
+from headsearch.search.artifacts import write_trial_link
+from headsearch.search.fairtime import alone_key, device_share, known_epoch_seconds
+from headsearch.search.liveness import StorageUnavailable, finished_trial_error
+from headsearch.search.record import arch_summary, record_result
+from headsearch.search.trial_pruning import TrialPruning
+from headsearch.training.clock import AloneClock
+from headsearch.training.trainer import Callback
+
+if TYPE_CHECKING:
+    from headsearch.search.runner import Search
+
+
+@dataclass
+class TrialRun:
+    """A trial being trained: its config, run directory, pruning callback and fair clock, and its TensorBoard
+    writer (--tensorboard) if any."""
+
+    trial: object
+    cfg: RunConfig
+    run_dir: Path
+    pruning: TrialPruning
+    clock: AloneClock
+    tensorboard: Callback | None = None
+
+    def trainer_callbacks(self, callbacks: Sequence[Callback] = ()) -> list[Callback]:
+        """What its trainer (or cohort slot) is given: the TensorBoard writer first (so that it records the epoch
+        a pruner stops at), the pruner, the diversity tracker, then `callbacks`."""
+        return [*([self.tensorboard] if self.tensorboard else []), self.pruning, *diversity_callbacks(self.cfg),
+                *callbacks]
+
+
+class SearchCallback(Callback):
+    """A trainer callback that also hears when each trial starts and ends (the CLI's live display)."""
+
+    def on_trial_start(self, number: int, cfg: RunConfig) -> None: ...
+    def on_trial_end(self, number: int, state: str) -> None: ...
+
+
+def worker_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+class TrialLife:
+    """Begins and ends the trials of `search` in this worker; holds its hold on the device's lock."""
+
+    def __init__(self, search: "Search"):
+        self.search = search
+        self._share = None
+        # Threads a process alone on this machine uses: what the fair time measures with on a CPU
+        # (a worker among several runs with fewer; `headsearch.search.workers` sets it from the parent's).
+        self.alone_threads: int | None = None
+
+    def begin(self, study, trial, device, callbacks: Sequence) -> "TrialRun | str":
+        """A trial's config, run directory, pruning and fair clock, or the name of the state it ended in
+        already ("REJECTED": an invalid config)."""
+        from optuna.trial import TrialState
+
+        s = self.search
+        trial.set_user_attr("worker", worker_name())
+        try:
+            cfg, recorded = s.scheduler.config_of(trial, device)
+        except ConfigError as e:
+            # An invalid combination (e.g. a head count that does not divide a searched d_model, or a
+            # model too big for the device): recorded as such, and never trained.
+            trial.set_user_attr("rejected", str(e))
+            study.tell(trial, state=TrialState.PRUNED)
+            return "REJECTED"
+        if not recorded:  # sampled under the lock, its config was written then
+            trial.set_user_attr("config", cfg.to_dict())
+        trial.set_user_attr("arch", arch_summary(cfg))
+        run_dir = Path(s.settings.run_root) / s.study_name / f"trial-{trial.number:05d}"
+        trial.set_user_attr("run_dir", str(run_dir.resolve()))
+        for cb in callbacks:
+            cb.on_trial_start(trial.number, cfg)
+        _, curve_pruner = s.make_pruner()
+        pruning = TrialPruning(study, trial, s.task.primary.name, curve_pruner, s.pruner_name(), not s.multi_objective,
+                               epochs=cfg.train.epochs, store=s.store_of(study))
+        writer = None
+        if s.settings.tensorboard is not None:
+            from headsearch.training.tensorboard import TensorBoardWriter, trial_dir
+
+            writer = TensorBoardWriter(trial_dir(s.settings.tensorboard, trial.number), hparams=trial.params)
+        return TrialRun(trial, cfg, run_dir, pruning, self.alone_clock(study, trial, cfg, device), writer)
+
+    def alone_clock(self, study, trial, cfg: RunConfig, device) -> AloneClock:
+        """The trial's fair clock (headsearch.search.fairtime): this device's lock, and the architecture's
+        epoch seconds alone if an earlier trial measured them in the step mode this one runs (then nobody
+        is paused again). The trial's `alone_key` names that mode once its steps are prepared (a fallback
+        changes it)."""
+        import torch
+
+        from headsearch.training.fastpath import resolve_mode
+
+        if self.alone_threads is None:
+            self.alone_threads = torch.get_num_threads()
+        share = self.device_share(device)
+        threads = self.alone_threads if device.type == "cpu" else None
+
+        def recall(step_mode: str) -> float | None:
+            key = alone_key(cfg, device, threads, step_mode)
+            trial.set_user_attr("alone_key", key)
+            return known_epoch_seconds(study, key)
+
+        intended = resolve_mode(cfg.train, self.search.task, device).describe()
+        return AloneClock(share, known=recall(intended), alone_threads=self.alone_threads, recall=recall)
+
+    def device_share(self, device):
+        """This worker's hold on the device's lock (one per process)."""
+        if self._share is None:
+            self._share = device_share(device)
+        return self._share
+
+    def end(self, study, run: TrialRun, result, error: BaseException | None, callbacks: Sequence,
+            reraise: bool = True) -> str:
+        """Tell the study how a trial ended: COMPLETE with its objectives (`result`), PRUNED, or FAIL with
+        its reason. An interruption or an unexpected error is re-raised after the trial is told (unless
+        `reraise` is False: a cohort telling its other trials first). Two endings are not told: the storage
+        gone (`StorageUnavailable`, re-raised: the trial's heartbeat or lease stops and a resumed search
+        retries it, so it is never recorded failed for good), and a trial another worker already gave up
+        (this worker was paused past 3 heartbeats: its retry trains it again): "LOST"."""
+        if run.tensorboard is not None:
+            run.tensorboard.close()
+        if isinstance(error, StorageUnavailable):
+            raise error
+        store = self.search.store_of(study)
+        try:
+            if not store.frozen_trial(run.trial.number).state.is_finished():
+                return self._tell(study, run, result, error, callbacks, reraise)
+        except finished_trial_error():  # given up between the check and the tell
+            pass
+        finally:
+            store.ended(run.trial.number)
+        print(f"trial {run.trial.number} was failed by another worker while this one was paused (past 3 heartbeats):"
+              " its result is dropped and its retry trains it again", file=sys.stderr, flush=True)
+        for cb in callbacks:
+            cb.on_trial_end(run.trial.number, "LOST")
+        if reraise and error is not None and not isinstance(error, Exception):  # Ctrl-C still stops the worker
+            raise error
+        return "LOST"
+
+    def _tell(self, study, run: TrialRun, result, error: BaseException | None, callbacks: Sequence,
+              reraise: bool) -> str:
+        import optuna
+        import torch
+        from optuna.trial import TrialState
+
+        s, trial, pruning = self.search, run.trial, run.pruning
+        state, values = TrialState.FAIL, None
+        if error is None:
+            values = [o.value(result) for o in s.objectives]
+            record_result(trial, result)
+            state = TrialState.COMPLETE
+        elif isinstance(error, optuna.TrialPruned):
+            trial.set_user_attr("epochs_run", len(pruning.curve))
+            state = TrialState.PRUNED
+        elif isinstance(error, Diverged):
+            trial.set_user_attr("fail_reason", str(error))
+            trial.set_user_attr("epochs_run", len(pruning.curve))
+        elif isinstance(error, torch.cuda.OutOfMemoryError):
+            trial.set_user_attr("fail_reason", "out of GPU memory")
+            trial.set_user_attr("epochs_run", len(pruning.curve))
+            torch.cuda.empty_cache()
+        else:
+            reason = "interrupted (Ctrl-C)" if isinstance(error, KeyboardInterrupt) else f"{type(error).__name__}: {error}"
+            # Retried: after Ctrl-C another process (a dashboard, a poller) may hold SQLite's lock for a moment,
+            # and the interruption must not turn into a storage error that leaves the trial RUNNING.
+            with_storage_retries(lambda: trial.set_user_attr("fail_reason", reason))
+            with_storage_retries(lambda: study.tell(trial, state=TrialState.FAIL))
+            if reraise:
+                raise error
+            return "FAIL"
+        if run.run_dir.is_dir():  # lets `headsearch analyze` upload its figures to this trial
+            write_trial_link(run.run_dir, s.settings.storage, s.study_name, trial.number)
+        if state == TrialState.COMPLETE:
+            study.tell(trial, values=values)
+        else:
+            study.tell(trial, state=state)
+        for cb in callbacks:
+            cb.on_trial_end(trial.number, state.name)
+        self._call_optuna_callbacks(study, trial.number)
+        return state.name
+
+    def _call_optuna_callbacks(self, study, number: int) -> None:
+        """The user's Optuna callbacks on the trial just told, as `study.optimize` calls them (an exception
+        in one stops this worker, as it stops `optimize`)."""
+        if not self.search.optuna_callbacks:
+            return
+        frozen = next(t for t in study.get_trials(deepcopy=True) if t.number == number)
+        for callback in self.search.optuna_callbacks:
+            callback(study, frozen)
+
+
+def with_storage_retries(write, attempts: int = 5, wait: float = 0.2):
+    """`write()`, tried again (after `wait`, doubling) when the storage fails transiently (Optuna's
+    StorageInternalError: e.g. SQLite locked by another reader); the last failure is raised."""
+    from optuna.exceptions import StorageInternalError
+
+    for attempt in range(attempts):
+        try:
+            return write()
+        except StorageInternalError:
+            if attempt == attempts - 1:
+                raise
+            time.sleep(wait * 2**attempt)
