@@ -15,18 +15,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from headsearch.config import RunConfig
+from headsearch.training.cohort import SlotEnd
 from headsearch.training.trainer import TrainResult
 
 if TYPE_CHECKING:
     from headsearch.search.runner import Search
-
-
-@dataclass
-class SoloEnd:
-    slot: int
-    tag: Any
-    result: TrainResult | None
-    error: BaseException | None
 
 
 @dataclass
@@ -67,7 +60,7 @@ class SoloBackend:
         self._pending = _Pending(cfg, bound, run_dir, argv, clock, tag, list(callbacks))
         return 0
 
-    def train_epoch(self) -> list[SoloEnd]:
+    def train_epoch(self) -> list[SlotEnd]:
         """Train the trial in the slot to its end; the exception that ended it, if one did, is handed back."""
         from headsearch.training import train_bound
 
@@ -79,16 +72,16 @@ class SoloBackend:
         except BaseException as e:
             error = e
         try:
-            return [SoloEnd(0, p.tag, result, error)]
+            return [SlotEnd(0, p.tag, result, error)]
         finally:
             # This frame -> `error` -> its traceback -> this frame (and fit's, holding the model, its graphs and
             # its optimizer state): a cycle only the cyclic collector would break. Without it, a pruned or failed
             # trial's GPU memory is free as soon as the loop lets its end go.
             error = None
 
-    def interrupt(self) -> list[SoloEnd]:
+    def interrupt(self) -> list[SlotEnd]:
         p, self._pending = self._pending, None
-        return [] if p is None else [SoloEnd(0, p.tag, TrainResult(status="interrupted", primary_metric="", params=0), None)]
+        return [] if p is None else [SlotEnd(0, p.tag, TrainResult(status="interrupted", primary_metric="", params=0))]
 
 
 class DataCache:
@@ -142,11 +135,13 @@ def soft_columns(search: "Search") -> int | None:
     return soft_width(search.base.arch, max(1, fewest))
 
 
-def machine_backend(search: "Search", device, cohort_size: int, share) -> Any:
-    """The backend a worker's plan asks for: one slot, or a cohort of `cohort_size`."""
+def machine_backend(search: "Search", device, cohort_size: int) -> Any:
+    """The backend a worker's plan asks for: one slot, or a cohort of `cohort_size` (held shared under this
+    worker's hold on the device's lock)."""
     if cohort_size <= 1:
         return SoloBackend(device)
     from headsearch.training.cohort import Cohort
 
-    return Cohort(search.task, cohort_size, device, soft_columns=soft_columns(search), share=share)
+    return Cohort(search.task, cohort_size, device, soft_columns=soft_columns(search),
+                  share=search.life.device_share(device))
 

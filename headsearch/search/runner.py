@@ -21,7 +21,7 @@ from typing import Any, Sequence
 from headsearch.config import RunConfig
 from headsearch.errors import ConfigError
 from headsearch.search.architectures import SpaceArchitectures
-from headsearch.search.backends import DataCache, machine_backend, soft_columns
+from headsearch.search.backends import DataCache, machine_backend
 from headsearch.search.loop import TrialLoop
 from headsearch.search.objectives import Objective, resolve_objectives
 from headsearch.search.plan import Plan, plan_search
@@ -38,7 +38,7 @@ from headsearch.training import check_fits, preflight
 from headsearch.training.runtime import resolve_device
 
 __all__ = ["DUPLICATE_ASKS", "WAIT", "Search", "SearchCallback", "SearchSettings", "TrialPruning", "TrialRun",
-           "arch_summary", "config_key", "holds_architecture", "record_result", "soft_columns", "with_storage_retries"]
+           "arch_summary", "config_key", "holds_architecture", "record_result", "with_storage_retries"]
 
 
 @dataclass
@@ -197,7 +197,7 @@ class Search:
         cohorts as the machine's plan says."""
         study = self.open()
         device = resolve_device(self.settings.device)
-        backend = machine_backend(self, device, self.machine_plan().cohort, self.life.device_share(device))
+        backend = machine_backend(self, device, self.machine_plan().cohort)
         self.run(study, backend, device, callbacks, argv)
 
     def run(self, study, backend, device, callbacks: Sequence[SearchCallback] = (), argv: list[str] | None = None) -> None:
