@@ -6,6 +6,9 @@
 #                                    #   and the line to start the device command with
 #   bash benchmarks/gpu.sh quick     # FIRST on a new GPU machine: at most 8 minutes (440 s), says whether the
 #                                    #   defaults are right and fast there (benchmarks/README.md: each line)
+#   bash benchmarks/gpu.sh next      # the second GPU run (issue 41), at most 470 s: a slice of the headline job
+#                                    #   with every default (B) and with the opt-in switches (C), bench (D), a
+#                                    #   canary (A), eager translation (E), HAM B (F); NEXT_STEPS="C E" reruns some
 #   bash benchmarks/gpu.sh checks    # ~5 min (estimate): the CUDA-only tests (capture failure, one pool, cuda:N, MPS),
 #                                    #   the bare step vs the trainer in each step mode
 #   bash benchmarks/gpu.sh bench     # ~8 min (estimate): headsearch bench for the ViT (modes, K processes +- MPS,
@@ -67,7 +70,7 @@ np.savez(".gpu-data/cifar10/test.npz", **{k: (z[k][:2000] if z[k].ndim and len(z
 P
   if [[ -f ../shared/device/wheels.sh ]]; then bash ../shared/device/wheels.sh  # a machine that reaches no index
   else echo "the GPU machine needs headsearch's dependencies (pip install -e . there, or optuna beside its torch)"; fi
-  echo "carry [\".whl\", \".gpu-data\"], timeout_s 480, then: bash benchmarks/gpu.sh quick"
+  echo "carry [\".whl\", \".gpu-data\"], then: bash benchmarks/gpu.sh quick (timeout_s 480) or next (timeout_s 540)"
 }
 
 QUICK_END=0
@@ -127,12 +130,109 @@ quick() {  # the 8-minute check: steps in order of importance (benchmarks/README
   fi
 }
 
+# -- next: the second GPU run --------------------------------------------------------------------------
+NEXT_TOTAL=${NEXT_TOTAL:-470}  # the hard end, in seconds, S0 and the summaries included (lower it when less device time is left)
+NEXT_RESERVE=30       # S0 and the summaries
+# The steps in the order they run, each with its cap: B (the headline job's slice) is never dropped; when the
+# caps exceed the budget, F, E, the cohort way (D with --no-cohorts), C, then A are dropped in that order, and a
+# dropped step still runs at the end if the steps before it left time (F and E need 35 s).
+NEXT_ORDER="A B D C E F"
+declare -A NEXT_CAP=([A]=40 [B]=135 [D]=100 [C]=135 [E]=45 [F]=45)
+NEXT_COHORT_S=20      # what D's cohort of 8 adds to its cap
+NEXT_MIN=35           # the least a step is started with
+NEXT_DROP="F E cohort C A"
+
+next_plan() {  # sets NEXT_RUN (the steps planned, in order), NEXT_LATE (dropped, run if time is left), D_COHORT
+  local wanted=${NEXT_STEPS:-$NEXT_ORDER} total=$NEXT_RESERVE s d
+  D_COHORT=1; NEXT_RUN=""; NEXT_LATE=""
+  for s in $wanted; do [[ -n "${NEXT_CAP[$s]:-}" ]] || { echo "NEXT_STEPS: unknown step $s (the steps: $NEXT_ORDER)" >&2; exit 2; }; done
+  for s in $NEXT_ORDER; do [[ " $wanted " == *" $s "* ]] && NEXT_RUN="$NEXT_RUN $s" && total=$((total + NEXT_CAP[$s])); done
+  [[ " $NEXT_RUN " == *" D "* ]] && total=$((total + NEXT_COHORT_S))
+  for d in $NEXT_DROP; do
+    ((total <= NEXT_TOTAL)) && break
+    if [[ $d == cohort ]]; then [[ " $NEXT_RUN " == *" D "* ]] && D_COHORT=0 && total=$((total - NEXT_COHORT_S)); continue; fi
+    [[ " $NEXT_RUN " == *" $d "* ]] || continue
+    NEXT_RUN=$(echo " $NEXT_RUN " | sed "s/ $d / /"); total=$((total - NEXT_CAP[$d]))
+  done
+  NEXT_RUN=$(echo $NEXT_RUN)
+  for s in $NEXT_ORDER; do [[ " $wanted " == *" $s "* && " $NEXT_RUN " != *" $s "* ]] && NEXT_LATE="$NEXT_LATE $s"; done
+  NEXT_LATE=$(echo $NEXT_LATE)
+  NEXT_PLANNED=$total
+}
+
+next_step() {  # next_step NAME CACHE CMD...: at most the step's cap, never past the hard end; a failure never stops the rest
+  local name=$1 cache=$2 cap=${NEXT_CAP[$1]}; shift 2
+  [[ $name == D && $D_COHORT == 1 ]] && cap=$((cap + NEXT_COHORT_S))
+  if [[ $DRY == 1 ]]; then echo "+ [$name, at most $cap s, cache $cache] $*"; return 0; fi
+  local t=$((NEXT_END - SECONDS - NEXT_RESERVE / 2)); ((t > cap)) && t=$cap
+  if ((t < NEXT_MIN)); then echo "== $name: SKIPPED, $t s left"; return 0; fi
+  echo "== $name (limit $t s)"; local start=$SECONDS rc=0
+  HEADSEARCH_CACHE=$NEXT_CACHES/$cache timeout -s INT -k 10 "$t" "$@" > "$OUT/$name.log" 2>&1 || rc=$?
+  echo "   rc=$rc after $((SECONDS - start)) s"; ((rc)) && tail -n 12 "$OUT/$name.log"; return 0
+}
+
+next_run() {  # one step by name: its command, with its own cold cache where its warm-ups are measured
+  local hs="$PY -m headsearch" cifar="--data-dir $DATA/cifar10" quick="--config $Q/vit.yaml"
+  # The headline job with every default (its space, sampler, pruner, plan, MPS, holds), on one prepared shard:
+  # 24 trials x 30 epochs of 8,960 images (the quick check's 35 batches of 256), the seed architecture first.
+  local slice="run --task vit-cifar10 $cifar --trials 24 --epochs 30 --set data.val_size=1000 --set data.train_limit=8960 --enqueue examples/vit-classic.yaml"
+  case $1 in
+    A) next_step A a $hs train --task vit-cifar10 $cifar $quick --out "$OUT/a-seed" ;;
+    B) next_step B b $hs $slice --storage "sqlite:///$OUT/b.db" --run-root "$OUT/b-runs" ;;
+    C) next_step C c env HEADSEARCH_UNHELD_WARM_UP=1 HEADSEARCH_SHARED_GRAPH_POOL=1 \
+         $hs $slice --storage "sqlite:///$OUT/c.db" --run-root "$OUT/c-runs" ;;
+    D) local cohorts=""; [[ $D_COHORT == 1 ]] || cohorts="--no-cohorts"
+       next_step D a $hs bench --task vit-cifar10 --space $Q/space.yaml $cifar --ks 8 --modes off,reduce-overhead \
+         --seconds 4 $cohorts ;;
+    E) next_step E e $hs train --task translation-en-es --preset tiny --epochs 1 --compile off \
+         --data-file $DATA/spa-eng/spa.txt --out "$OUT/e-translation-eager" ;;
+    F) next_step F a $hs train --task vit-cifar10 $cifar $quick --set arch.fusion=add --set train.epochs=2 --out "$OUT/f-ham-b" ;;
+  esac
+}
+
+next_show() {  # next_show STEP CMD...: a step's summary, if that step ran
+  if [[ $DRY == 1 || ! -f "$OUT/$1.log" ]]; then return 0; fi
+  shift; timeout 60 "$@" || echo "   (summary failed)"
+}
+
+next() {  # the second GPU run: the headline job's slice with every default, the opt-in ways decided, <= 470 s
+  set +e
+  NEXT_END=$((SECONDS + NEXT_TOTAL))
+  next_plan
+  if [[ $DRY == 1 ]]; then OUT=${OUT:-'$OUT'}; NEXT_CACHES='$TMPDIR/headsearch-next'; else OUT=${OUT:-$(mktemp -d)}; NEXT_CACHES=$(mktemp -d); fi
+  export HEADSEARCH_TEST_DATA=$DATA PYTHONUNBUFFERED=1
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  if [[ $DRY == 0 ]]; then
+    echo "== S0: versions, GPU, MPS; logs in $OUT; planned: $NEXT_RUN; if time is left: ${NEXT_LATE:-nothing}"
+    nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader; echo "$(nproc) cores"
+    $PY -c "import torch,optuna as o;p=torch.cuda.get_device_properties(0);print('torch',torch.__version__,'CUDA',torch.version.cuda,p.name,p.multi_processor_count,'SMs; optuna',o.__version__)"
+  fi
+  local s
+  for s in $NEXT_RUN; do next_run "$s"; done
+  for s in $NEXT_LATE; do
+    if [[ $DRY == 1 ]]; then echo "   (dropped: $s runs only if time is left)"; continue; fi
+    next_run "$s"
+  done
+  next_show A $PY $Q/summary.py canary "$OUT"
+  next_show B $PY $Q/summary.py slice "$OUT"
+  next_show D grep -vi warn "$OUT/D.log"
+  next_show E $PY $Q/summary.py run "E, translation --compile off" "$OUT/e-translation-eager"
+  next_show F $PY $Q/summary.py run "F, HAM B" "$OUT/f-ham-b"
+  if [[ $DRY == 0 ]]; then
+    pgrep -a nvidia-cuda-mps || echo "no MPS process left"
+    rm -rf "$NEXT_CACHES"; echo "== done in $SECONDS s"
+  else
+    echo "at most $NEXT_PLANNED s in all (the caps of $NEXT_RUN, S0 and the summaries); the hard end is $NEXT_TOTAL s"
+  fi
+}
+
 case "$STAGE" in
   prepare) prepare ;;
   quick) quick ;;
+  next) next ;;
   checks) checks ;;
   bench) bench ;;
   search) search ;;
   all) checks; bench; search ;;
-  *) echo "usage: bash benchmarks/gpu.sh [--dry-run] prepare|quick|checks|bench|search|all" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/gpu.sh [--dry-run] prepare|quick|next|checks|bench|search|all" >&2; exit 2 ;;
 esac
