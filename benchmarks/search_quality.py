@@ -8,6 +8,7 @@ the median front recall, and the epochs trained relative to no pruning in the sa
     python benchmarks/search_quality.py                       # the deep-head table in benchmarks/tables/
     python benchmarks/search_quality.py --table my.json --space my-space.yaml --budgets 20,40
     python benchmarks/search_quality.py --samplers nsga2,tpe,random,gp:20 --pruners pareto --workers 1 --budgets 12,20,39
+    python benchmarks/search_quality.py --samplers cost,nsga2,tpe,random,oracle --pruners pareto --workers 1 --budgets 12,20,39
     python benchmarks/search_quality.py --pruners none,pareto,pareto@2x2,pareto@2x3 --workers 1   # rungs M x R^k
     python benchmarks/search_quality.py --pruners none,pareto~0,pareto~2 --workers 1,8   # noise margins (sigmas)
 """
@@ -21,6 +22,7 @@ from common import ROOT, markdown_table, parser, report
 
 DEFAULT_TABLE = ROOT / "benchmarks" / "tables" / "vit-cifar10-deep-head-tiny.json"
 PRUNERS = ("pareto", "multi-metric", "median", "percentile", "asha", "none")
+ORACLE = "oracle"  # --samplers oracle: the true front's architectures first (`_front_first`)
 
 
 def main() -> None:
@@ -34,7 +36,8 @@ def main() -> None:
                    help="comma list of pruners; NAME@MxR (pareto, asha) sets the rungs: first at epoch M, then x R, the top"
                         " 1/R going on; NAME~Z (pareto) the noise margin in sigmas (pareto@2x2~1); #S the startup trials (pareto#8)")
     p.add_argument("--samplers", default=None,
-                   help="comma list of samplers (nsga2, tpe, random, gp; default: the search's default); NAME:N replays"
+                   help="comma list of samplers (nsga2, tpe, random, gp; cost: the cost-aware sampler with the table's epoch"
+                        " seconds; oracle: the true front first; default: the search's default); NAME:N replays"
                         " that one with N seeds only (a slow sampler)")
     args = p.parse_args()
     if args.quick:
@@ -66,10 +69,13 @@ def main() -> None:
                     hv, recall, epochs, front, duplicates, replay_seconds, simulated = [], [], [], [], [], [], []
                     name, rungs, margin = _rungs(pruner)
                     for seed in range(seeds):
-                        search = simulation_search(table, space=space, trials=budget, sampler=sampler, pruner=name, seed=seed,
+                        search = simulation_search(table, space=space, trials=budget, pruner=name, seed=seed,
+                                                   sampler="cost" if sampler == ORACLE else sampler,
                                                    pruner_min_epochs=rungs[0], pruner_reduction_factor=rungs[1],
                                                    pruner_noise_margin=margin, pruner_startup_trials=_startup(pruner)[1])
                         truth = truth or true_points(table, [o.name for o in search.objectives], search.directions)
+                        if sampler == ORACLE:
+                            search.make_sampler = _front_first(search, table, truth)
                         t1 = time.perf_counter()
                         r = replay(search, table, workers=workers, truth=truth)
                         replay_seconds.append(time.perf_counter() - t1)
@@ -106,6 +112,32 @@ def main() -> None:
     ]
     notes += _bounds(table, truth)
     report("Search quality against a table: replayed searches", markdown_table(headers, rows), torch.device("cpu"), args, notes)
+
+
+def _front_first(search, table, truth):
+    """The oracle sampler: the true front's architectures first (cheapest first), then the others nearest the
+    front; what no sampler can beat with one seed per trial. A factory for `search.make_sampler`."""
+    import torch
+    from optuna.trial import FixedTrial
+
+    from headsearch.search.cost_sampler import CostAwareSampler
+    from headsearch.search.table import arch_key, overrides_of
+
+    where = {c.key: arch_key(overrides_of(search.archs.sample_config(FixedTrial(c.params), torch.device("cpu")).to_dict(),
+                                          table["base_config"])) for c in search.cost_candidates}
+
+    class FrontFirst(CostAwareSampler):
+        def choose(self, trials, number):
+            held = self._read(trials, number)[2]
+            free = [c for key, c in self.candidates.items() if key not in held]
+            return min(free, key=lambda c: (where[c.key] not in truth.front, sum(truth.points[where[c.key]])), default=None)
+
+    def make(trial_index: int = 0):
+        names = [o.name for o in search.objectives]
+        return FrontFirst(search.cost_candidates, quality=names.index(table["primary_metric"]), time=names.index("time"),
+                          maximize=table["direction"] == "maximize", epochs=table["epochs"], seed=trial_index)
+
+    return make
 
 
 def _startup(pruner: str) -> tuple[str, int | None]:

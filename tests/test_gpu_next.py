@@ -1,9 +1,10 @@
 """`bash benchmarks/gpu.sh next` (the second GPU run, issue 41) and its summary, on the CPU: the plan fits the
-device's 470 s and drops steps in the stated order; summary.py reads a real CPU slice (a canary run, then two
-3-trial searches: the defaults and the opt-in switches) and prints every figure; its arithmetic by hand."""
+device's 470 s and drops steps in the stated order; summary.py reads a real CPU slice (two 3-trial searches:
+the defaults and the opt-in switches) and prints every figure; its arithmetic by hand."""
 import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -94,21 +95,21 @@ def test_the_slice_figures_by_hand():
 
 
 def test_summary_reads_a_cpu_slice_and_prints_every_figure(tmp_path, cifar_dir, capsys):
-    """A real slice on the CPU, as `next` runs it on a GPU with smaller sizes: A trains the seed, B and C each
-    search 3 trials (C with both opt-in switches), then summary.py prints each figure, checked against the
-    studies it read."""
+    """A real slice on the CPU, as `next` runs it on a GPU with smaller sizes: B and C each search 3 trials, the
+    seed first (C with both opt-in switches), then summary.py prints each figure, checked against the studies
+    it read."""
     s = load_summary()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     small = ["--preset", "tiny", "--data-dir", str(cifar_dir), "--set", "data.train_limit=256", "--set", "data.val_size=128",
              "--set", "data.test_limit=256"]
     hs = [sys.executable, "-m", "headsearch"]
-    subprocess.run(hs + ["train", "--task", "vit-cifar10", *small, "--set", "train.epochs=2", "--out",
-                         str(tmp_path / "a-seed")], check=True, env=env, cwd=ROOT, capture_output=True, timeout=300)
     for name, switches in (("b", {}), ("c", {"HEADSEARCH_UNHELD_WARM_UP": "1", "HEADSEARCH_SHARED_GRAPH_POOL": "1"})):
         subprocess.run(hs + ["run", "--task", "vit-cifar10", *small, "--trials", "3", "--epochs", "2", "--enqueue",
                              "examples/vit-classic.yaml", "--storage", f"sqlite:///{tmp_path}/{name}.db",
                              "--run-root", str(tmp_path / f"{name}-runs")],
                        check=True, env={**env, **switches}, cwd=ROOT, capture_output=True, timeout=300)
+    # A: the seed's own run as the canary's run directory (on a GPU, `headsearch train` of the same config)
+    shutil.copytree(tmp_path / "b-runs" / "vit-cifar10-deep-head-tiny" / "trial-00000", tmp_path / "a-seed")
     s.slice_(str(tmp_path))  # as `summary.py slice OUT` prints it
     text = capsys.readouterr().out
     b = s.load_slice(str(tmp_path / "b.db"))

@@ -22,6 +22,7 @@ from headsearch.config import RunConfig
 from headsearch.errors import ConfigError
 from headsearch.search.architectures import SpaceArchitectures
 from headsearch.search.backends import DataCache, machine_backend
+from headsearch.search.cost_sampler import COST_AWARE, cost_aware_sampler
 from headsearch.search.loop import TrialLoop
 from headsearch.search.objectives import Objective, resolve_objectives
 from headsearch.search.plan import Plan, plan_search
@@ -78,6 +79,9 @@ class Search:
         # The parts: the space's architectures, the scheduler, a trial's life, the data (one of each per worker).
         self.scheduler, self.life, self.data = Scheduler(self), TrialLife(self), DataCache(self)
         self._plan: Plan | None = None
+        # Every architecture's epoch seconds, known before training (`cost_sampler.Candidate`s): the cost-aware
+        # sampler proposes from them. The simulator gives them from its table.
+        self.cost_candidates: list | None = None
         self.current_trial: int | None = None  # the number of the trial this worker trains alone, if any
         self.store: StudyStorage | None = None  # the storage of the study `open` (or `adopt`) gave this search
         self.adopted = False  # the study was made in this process (`adopt`): no storage URL, no budget lock to share
@@ -108,10 +112,14 @@ class Search:
         return self.task.stack_refusal is not None and self.task.stack_refusal(self.base) is None
 
     def sampler_name(self) -> str:
+        if getattr(self, "cost_candidates", None) is not None:
+            return COST_AWARE
         return default_sampler(self.settings.sampler, len(self.objectives))
 
     def make_sampler(self, trial_index: int = 0):
         """Seeded by the index of the trial about to start (see `headsearch.search.study.make_sampler`)."""
+        if self.cost_candidates is not None:
+            return cost_aware_sampler(self, seed=self.settings.seed * 100_003 + trial_index)
         return make_sampler(self.sampler_name(), seed=self.settings.seed, trials=self.settings.trials, trial_index=trial_index,
                             curve_direction=self.task.primary.direction if self.multi_objective else None)
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from headsearch.config import RunConfig
+from headsearch.search.cost_sampler import COST_AWARE
 from headsearch.errors import ConfigError
 from headsearch.search.hypervolume import front_indices, hypervolume, scale_minimised
 from headsearch.search.table import arch_key, overrides_of
@@ -165,7 +166,9 @@ def simulation_search(table: dict[str, Any], *, space: str, trials: int, sampler
     (with the `--set` overrides the table's runs were trained with, `sets` or the table's own)."""
     from headsearch.search.runner import Search, SearchSettings
 
-    settings = SearchSettings(task=table["task"], space=space, trials=trials, sampler=sampler, pruner=pruner, seed=seed,
+    cost_aware = sampler == COST_AWARE  # every architecture's epoch seconds known before training: the table's
+    settings = SearchSettings(task=table["task"], space=space, trials=trials, sampler=None if cost_aware else sampler,
+                              pruner=pruner, seed=seed,
                               objectives=tuple(objectives) if objectives else None, preset=table.get("preset"),
                               epochs=table["epochs"], storage=SIMULATED_STORAGE, device="cpu", heartbeat=0,
                               pruner_startup_trials=pruner_startup_trials, pruner_warmup_epochs=pruner_warmup_epochs,
@@ -177,11 +180,28 @@ def simulation_search(table: dict[str, Any], *, space: str, trials: int, sampler
         raise ConfigError(f"the table holds {held} of the space's {in_space} architectures (a sample, or a build not"
                           " finished): a replayed search may sample any of them; build it without --sample, to the end")
     search = Search(settings)
+    if cost_aware:
+        search.cost_candidates = table_candidates(search, table)
     for o in search.objectives:
         if o.convergence is None and o.name != table["primary_metric"]:
             raise ConfigError(f"objective {o.name}: a table records the curve of {table['primary_metric']} only;"
                               f" simulate with {table['primary_metric']}, time, epochs or params")
     return search
+
+
+def table_candidates(search, table: dict[str, Any]) -> list:
+    """The space's architectures with the table's epoch seconds (the mean over its seeds) as their measured cost."""
+    import torch
+    from optuna.trial import FixedTrial
+
+    from headsearch.search.cost_sampler import candidates
+
+    cohort = TableCohort(table, 1, random.Random(0))  # its row_of: a table's row for a config, or a clear error
+    seconds = {}
+    for key, params in (search.archs.listing() or {}).items():
+        row = cohort.row_of(search.archs.sample_config(FixedTrial(params), torch.device("cpu")))
+        seconds[key] = statistics.fmean(r["epoch_seconds"] for r in row["runs"])
+    return candidates(search, seconds)
 
 
 def replay(search, table: dict[str, Any], *, workers: int = 1, table_seed: int | None = None, truth=None) -> Replay:
