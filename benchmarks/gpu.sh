@@ -80,6 +80,10 @@ step() {  # step NAME CAP CMD...: at most CAP s and never past the quick check's
   if [[ $DRY == 1 ]]; then echo "+ [$name, at most $cap s] $*"; return 0; fi
   local t=$((QUICK_END - SECONDS - 12)); ((t > cap)) && t=$cap
   if ((t < 25)); then echo "== $name: SKIPPED, no time left"; return 0; fi
+  capped "$name" "$t" "$@"
+}
+capped() {  # capped NAME SECONDS CMD...: CMD stopped (Ctrl-C, then kill) after SECONDS, its log in $OUT/NAME.log
+  local name=$1 t=$2; shift 2
   echo "== $name (limit $t s)"; local start=$SECONDS rc=0
   timeout -s INT -k 10 "$t" "$@" > "$OUT/$name.log" 2>&1 || rc=$?
   echo "   rc=$rc after $((SECONDS - start)) s"; ((rc)) && tail -n 12 "$OUT/$name.log"; return 0
@@ -166,9 +170,7 @@ next_step() {  # next_step NAME CACHE CMD...: at most the step's cap, never past
   if [[ $DRY == 1 ]]; then echo "+ [$name, at most $cap s, cache $cache] $*"; return 0; fi
   local t=$((NEXT_END - SECONDS - NEXT_RESERVE / 2)); ((t > cap)) && t=$cap
   if ((t < NEXT_MIN)); then echo "== $name: SKIPPED, $t s left"; return 0; fi
-  echo "== $name (limit $t s)"; local start=$SECONDS rc=0
-  HEADSEARCH_CACHE=$NEXT_CACHES/$cache timeout -s INT -k 10 "$t" "$@" > "$OUT/$name.log" 2>&1 || rc=$?
-  echo "   rc=$rc after $((SECONDS - start)) s"; ((rc)) && tail -n 12 "$OUT/$name.log"; return 0
+  HEADSEARCH_CACHE=$NEXT_CACHES/$cache capped "$name" "$t" "$@"
 }
 
 next_run() {  # one step by name: its command, with its own cold cache where its warm-ups are measured

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from headsearch.search.record import config_key
+from headsearch.search.record import config_key, holds_architecture
 
 COST_AWARE = "cost"  # the sampler's name, as a study records it
 INITIAL_QUANTILES = (0.0,)  # the first proposals, as quantiles of the cost ranking: the cheapest (on the front)
@@ -197,31 +197,24 @@ class CostAwareSampler:
         return self._best_ehvi(free, observed, pending)
 
     def _read(self, trials: Sequence, number: int):
-        """(observed [(candidate, cost coordinate, quality)], pending [candidate], held keys)."""
+        """(observed [(candidate, cost coordinate, quality)], pending [candidate], held keys): the trials that hold
+        their architecture (`record.holds_architecture`), and the waiting ones (a retry) that carry one."""
         observed, pending, held = [], [], set()
         for t in trials:
-            config = t.user_attrs.get("config")
-            if t.number == number or config is None or "duplicate_of" in t.user_attrs or "over_budget" in t.user_attrs:
+            waiting = t.state.name == "WAITING" and "config" in t.user_attrs
+            if t.number == number or not (holds_architecture(t) or waiting):
                 continue
-            key = config_key(config)
+            key = config_key(t.user_attrs["config"])
+            held.add(key)
             c = self.candidates.get(key)
-            if t.state.name == "RUNNING" or t.state.name == "WAITING":
-                held.add(key)
-                if c is not None:
-                    pending.append(c)
+            if c is None:
                 continue
-            if t.state.name == "COMPLETE" and t.values is not None:
-                held.add(key)
-                if c is not None:
-                    observed.append((c, t.values[self.time], self.sign * t.values[self.quality]))
-            elif t.state.name == "PRUNED" and "rejected" not in t.user_attrs:
-                held.add(key)
-                if c is not None and t.intermediate_values:
-                    last = t.intermediate_values[max(t.intermediate_values)]
-                    observed.append((c, c.cost * self.epochs, self.sign * last))
-            elif t.state.name == "FAIL" and t.user_attrs.get("fail_reason") and not str(
-                    t.user_attrs["fail_reason"]).startswith("interrupted"):
-                held.add(key)  # failed for good: not proposed again
+            if t.state.name in ("RUNNING", "WAITING"):
+                pending.append(c)
+            elif t.state.name == "COMPLETE":
+                observed.append((c, t.values[self.time], self.sign * t.values[self.quality]))
+            elif t.state.name == "PRUNED" and t.intermediate_values:  # at its last epoch's value
+                observed.append((c, c.cost * self.epochs, self.sign * t.intermediate_values[max(t.intermediate_values)]))
         return observed, pending, held
 
     def _by_cost_quantile(self, free: list[Candidate], q: float) -> Candidate:

@@ -67,6 +67,9 @@ class Search:
             raise ConfigError(f"space {self.space.name} is for {', '.join(self.space.tasks)}, not {self.task.name}")
         self.objectives = resolve_objectives(self.task, s.objectives)
         self.optuna_callbacks = [load_callback(spec) for spec in s.callbacks]  # a bad one fails before any study
+        # Every architecture's epoch seconds, known before training (`cost_sampler.Candidate`s): the cost-aware
+        # sampler proposes from them. The simulator gives them from its table.
+        self.cost_candidates: list | None = None
         check_settings(s)
         check_sampler(self.sampler_name(), len(self.objectives))
         self.study_name = s.study or "-".join([self.task.name, self.space.name] + ([s.preset] if s.preset else []))
@@ -79,9 +82,6 @@ class Search:
         # The parts: the space's architectures, the scheduler, a trial's life, the data (one of each per worker).
         self.scheduler, self.life, self.data = Scheduler(self), TrialLife(self), DataCache(self)
         self._plan: Plan | None = None
-        # Every architecture's epoch seconds, known before training (`cost_sampler.Candidate`s): the cost-aware
-        # sampler proposes from them. The simulator gives them from its table.
-        self.cost_candidates: list | None = None
         self.current_trial: int | None = None  # the number of the trial this worker trains alone, if any
         self.store: StudyStorage | None = None  # the storage of the study `open` (or `adopt`) gave this search
         self.adopted = False  # the study was made in this process (`adopt`): no storage URL, no budget lock to share
@@ -112,7 +112,7 @@ class Search:
         return self.task.stack_refusal is not None and self.task.stack_refusal(self.base) is None
 
     def sampler_name(self) -> str:
-        if getattr(self, "cost_candidates", None) is not None:
+        if self.cost_candidates is not None:
             return COST_AWARE
         return default_sampler(self.settings.sampler, len(self.objectives))
 

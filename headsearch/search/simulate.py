@@ -53,6 +53,15 @@ class TableEnd:
     error: BaseException | None
 
 
+def table_row(table: dict[str, Any], rows: dict[str, Any], cfg: RunConfig) -> dict[str, Any]:
+    """`cfg`'s architecture in `table` (`rows`: its architectures by `arch_key`), or a ConfigError that says why not."""
+    key = arch_key(overrides_of(cfg.to_dict(), table["base_config"]))
+    if key not in rows:
+        raise ConfigError(f"the search sampled an architecture the table does not hold ({key}): build the table"
+                          " for this space, task and preset with `headsearch table`")
+    return rows[key]
+
+
 class TableCohort:
     """`workers` slots that look their trials' epochs up in a table: a backend of `Search.run` (headsearch.search.backends).
 
@@ -82,11 +91,7 @@ class TableCohort:
         return None
 
     def row_of(self, cfg: RunConfig) -> dict[str, Any]:
-        key = arch_key(overrides_of(cfg.to_dict(), self.table["base_config"]))
-        if key not in self.rows:
-            raise ConfigError(f"the search sampled an architecture the table does not hold ({key}): build the table"
-                              " for this space, task and preset with `headsearch table`")
-        return self.rows[key]
+        return table_row(self.table, self.rows, cfg)
 
     def add(self, cfg: RunConfig, bound, run_dir, *, argv=None, clock=None, tag=None, callbacks=()) -> int:
         slot = min(set(range(self.size)) - set(self.slots))
@@ -196,10 +201,10 @@ def table_candidates(search, table: dict[str, Any]) -> list:
 
     from headsearch.search.cost_sampler import candidates
 
-    cohort = TableCohort(table, 1, random.Random(0))  # its row_of: a table's row for a config, or a clear error
+    rows = {arch_key(a["overrides"]): a for a in table["architectures"]}
     seconds = {}
     for key, params in (search.archs.listing() or {}).items():
-        row = cohort.row_of(search.archs.sample_config(FixedTrial(params), torch.device("cpu")))
+        row = table_row(table, rows, search.archs.sample_config(FixedTrial(params), torch.device("cpu")))
         seconds[key] = statistics.fmean(r["epoch_seconds"] for r in row["runs"])
     return candidates(search, seconds)
 
