@@ -14,7 +14,8 @@ Errors are `headsearch.errors.HeadsearchError` (bad input: `ConfigError`), with 
 A `watch` is the CLI's live view of a search: `watch(study, trials, grid)` is called once the study is open
 (`grid`: the `ConfigGrid` of a comparison or a table, else None) and returns a context manager held while the
 trials run; what it yields is a `SearchCallback` with `refresh()` (called while worker processes run) and
-`announce(line)` (the plan, once, before any trial).
+`announce(line)` (the plan, once, before any trial) and `on_cost(done, total, cost)` (each architecture's cost
+measured before the first trial, with `--sampler cost`).
 """
 from __future__ import annotations
 
@@ -199,7 +200,7 @@ def _train_trials(s, trials: int, watch: Callable | None, argv: Sequence[str] | 
     if first is not None:
         s.enqueue(study, first)
     with (watch(study, trials, grid) if watch is not None else nullcontext()) as display:
-        hooks = dict(poll=display.refresh, announce=display.announce) if display is not None else {}
+        hooks = dict(poll=display.refresh, announce=display.announce, on_cost=display.on_cost) if display is not None else {}
         failures = run_search(s, [display] if display is not None else [], argv=list(argv) if argv else None, **hooks)
     if failures:
         raise SearchFailed(failure_line(failures), 2 if all(f.bad_input for f in failures) else 1, failures)

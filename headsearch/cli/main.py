@@ -141,7 +141,7 @@ def run(
     trials: int = typer.Option(50, "--trials", "-n", help="Finished trials the study should hold (resumes up to this).", rich_help_panel=SEARCH),
     timeout: Optional[float] = typer.Option(None, "--timeout", help="Stop starting trials after this many seconds.", rich_help_panel=SEARCH),
     objectives: Optional[str] = typer.Option(None, "--objectives", help="Comma list: a task metric, time, epochs, params. Default: <quality>,time.", rich_help_panel=SEARCH),
-    sampler: Optional[str] = typer.Option(None, "--sampler", help="nsga2 | tpe | random | gp (default nsga2; tpe for one objective).", rich_help_panel=SEARCH),
+    sampler: Optional[str] = typer.Option(None, "--sampler", help="nsga2 | tpe | random | gp | cost (default nsga2; tpe for one objective). cost: every architecture's epoch seconds measured before training, then expected hypervolume improvement (docs/searching.md).", rich_help_panel=SEARCH),
     pruner: Optional[str] = _pruning("--pruner", "pareto (several objectives) | median | percentile | asha (successive halving, one bracket) | hyperband (Optuna's, one objective) | multi-metric (OptunaHub's multi_metric_pruner rule, several objectives) | none (default: pareto for several objectives, median for one)."),
     pruner_startup: Optional[int] = _pruning("--pruner-startup", "Finished trials needed before pruning starts."),
     pruner_warmup: Optional[int] = _pruning("--pruner-warmup", "Epochs a trial always runs before it can be pruned."),

@@ -339,6 +339,12 @@ class SearchProgress(SearchCallback):
         """The search's plan (workers, trials per GPU, step mode, MPS): one line above the live table."""
         self.console.print(f"plan: {line}", soft_wrap=True, markup=False, highlight=False)  # one line, whatever the width
 
+    def on_cost(self, done: int, total: int, cost) -> None:
+        """One architecture's cost measured before the first trial (--sampler cost): a line above the live table."""
+        how = f"measured in {cost.seconds:.1f} s" if cost.source == "measured" else "timed by a trial before"
+        self.console.print(f"cost {done}/{total}: {cost.arch}: {cost.epoch_seconds_alone:.3g} s per epoch alone ({how})",
+                           soft_wrap=True, markup=False, highlight=False)
+
     def refresh(self, final: bool = False) -> None:
         if self.plain:
             self.plain.poll()

@@ -236,6 +236,8 @@ def print_report(rep, console=None) -> None:
     s = rep.savings
     console.print(f"pruning: {s.trials} trained trials ran {s.epochs_run} epochs; without pruning {s.epochs_without_pruning}"
                   f" -> {s.epochs_saved} epochs saved ({s.saved_fraction:.0%})")
+    if rep.costs:
+        console.print(rep.costs["line"], soft_wrap=True, markup=False, highlight=False)
     if rep.anytime:
         console.print(anytime_line(rep.anytime), soft_wrap=True)
     if rep.rung_check:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from headsearch.config import stable_key
 from headsearch.errors import HeadsearchError
 from headsearch.jsonsafe import json_safe
+from headsearch.search.costs import study_cost_summary
 from headsearch.search.hypervolume import front_indices, hypervolume, scale_minimised
 from headsearch.search.objectives import Objective, directions_of, objectives_of
 from headsearch.search.record import was_trained
@@ -178,6 +179,8 @@ class StudyReport:
     # the rungs assumes? `rung_warning`: one line when the first rung ranks them poorly.
     rung_check: list[RungCorrelation] = field(default_factory=list)
     rung_warning: str | None = None
+    # The cost-aware sampler's costs measured before training (`headsearch.search.costs`): architectures, seconds.
+    costs: dict[str, Any] | None = None
 
     @property
     def multi_objective(self) -> bool:
@@ -424,6 +427,7 @@ def summarize(storage_url: str, study_name: str | None = None, *, study=None) ->
     from headsearch.search.rungcheck import check_rungs  # here: rungcheck imports this module
 
     rung_check, rung_warning = check_rungs(trials, meta)
+    costs = study_cost_summary(study)
     return StudyReport(
         study=study.study_name, storage=storage_url, task=meta.get("task"), primary_metric=primary,
         epochs=meta.get("epochs"), objectives=objectives, counts=counts,
@@ -433,6 +437,7 @@ def summarize(storage_url: str, study_name: str | None = None, *, study=None) ->
         diversity_vs_quality=diversity_correlations(trials, objectives),
         anytime=anytime_curve(trials, [o.direction for o in objectives]),
         rung_check=rung_check, rung_warning=rung_warning,
+        costs={"architectures": costs.architectures, "seconds": costs.seconds, "line": costs.line()} if costs else None,
     )
 
 

@@ -22,7 +22,8 @@ from headsearch.config import RunConfig
 from headsearch.errors import ConfigError
 from headsearch.search.architectures import SpaceArchitectures
 from headsearch.search.backends import DataCache, machine_backend
-from headsearch.search.cost_sampler import COST_AWARE, cost_aware_sampler
+from headsearch.search.cost_sampler import COST_AWARE, candidates, cost_aware_sampler
+from headsearch.search.costs import CostSummary, check_cost_search, cost_seconds, measure_costs
 from headsearch.search.loop import TrialLoop
 from headsearch.search.objectives import Objective, resolve_objectives
 from headsearch.search.plan import Plan, plan_search
@@ -68,7 +69,7 @@ class Search:
         self.objectives = resolve_objectives(self.task, s.objectives)
         self.optuna_callbacks = [load_callback(spec) for spec in s.callbacks]  # a bad one fails before any study
         # Every architecture's epoch seconds, known before training (`cost_sampler.Candidate`s): the cost-aware
-        # sampler proposes from them. The simulator gives them from its table.
+        # sampler proposes from them. Measured before the first trial (`use_costs`); the simulator's table gives them.
         self.cost_candidates: list | None = None
         check_settings(s)
         check_sampler(self.sampler_name(), len(self.objectives))
@@ -79,6 +80,8 @@ class Search:
         self.archs = SpaceArchitectures(self)
         if self.resolved_base is None:
             self.archs.check_feasible(resolve_device(s.device))
+        if self.sampler_name() == COST_AWARE:
+            check_cost_search(self)
         # The parts: the space's architectures, the scheduler, a trial's life, the data (one of each per worker).
         self.scheduler, self.life, self.data = Scheduler(self), TrialLife(self), DataCache(self)
         self._plan: Plan | None = None
@@ -118,7 +121,9 @@ class Search:
 
     def make_sampler(self, trial_index: int = 0):
         """Seeded by the index of the trial about to start (see `headsearch.search.study.make_sampler`)."""
-        if self.cost_candidates is not None:
+        if self.sampler_name() == COST_AWARE:
+            if self.cost_candidates is None:
+                raise RuntimeError("the cost-aware sampler has no costs yet: Search.use_costs first")
             return cost_aware_sampler(self, seed=self.settings.seed * 100_003 + trial_index)
         return make_sampler(self.sampler_name(), seed=self.settings.seed, trials=self.settings.trials, trial_index=trial_index,
                             curve_direction=self.task.primary.direction if self.multi_objective else None)
@@ -184,8 +189,22 @@ class Search:
         study, self.store = open_study(
             self.settings.storage, self.settings.heartbeat, self.study_name,
             metric_names=[o.name for o in self.objectives], directions=self.directions,
-            attrs=self.study_attrs()["headsearch"], sampler=self.make_sampler(0), pruner=optuna_pruner)
+            attrs=self.study_attrs()["headsearch"], sampler=self._first_sampler(), pruner=optuna_pruner)
         return study
+
+    def _first_sampler(self):
+        """The sampler a study opens with; None (Optuna's default, never asked) while the cost-aware sampler
+        waits for its costs: the scheduler sets the sampler before every ask."""
+        if self.sampler_name() == COST_AWARE and self.cost_candidates is None:
+            return None
+        return self.make_sampler(0)
+
+    def use_costs(self, study, device, on_cost=None) -> CostSummary:
+        """Every architecture's epoch seconds alone (`headsearch.search.costs`), measuring those `study` lacks,
+        for the cost-aware sampler to propose from."""
+        summary = measure_costs(self, study, device, on_cost)
+        self.cost_candidates = candidates(self, cost_seconds(self, study, device))
+        return summary
 
     def adopt(self, study, storage) -> None:
         """Run this search's trials in `study`, which the caller created on `storage` (an Optuna storage
@@ -205,6 +224,8 @@ class Search:
         cohorts as the machine's plan says."""
         study = self.open()
         device = resolve_device(self.settings.device)
+        if self.sampler_name() == COST_AWARE and self.cost_candidates is None:
+            self.use_costs(study, device)  # measured before this worker started, unless it is on another machine
         backend = machine_backend(self, device, self.machine_plan().cohort)
         self.run(study, backend, device, callbacks, argv)
 

@@ -10,6 +10,9 @@ validation value from the table and advances a simulated clock by the architectu
 simulated time t sees exactly the results that had arrived by t. Each trial takes one of its
 architecture's seeds from the table at random (seeded), so the noise between seeds is part of a replay.
 
+With the cost-aware sampler the clock starts at what measuring every architecture's cost takes
+(`measuring_seconds`), as a real search measures them before its first trial.
+
 `score` measures the answer: the hypervolume of the reported front (its architectures placed at their true
 points, the means over the table's seeds) relative to the true front's, front recall, and epochs spent.
 """
@@ -154,7 +157,7 @@ class Replay:
     trained: int  # trials trained (complete or pruned)
     duplicates: int  # proposals of held architectures, skipped
     epochs: int  # epochs trained in all
-    seconds: float  # simulated wall-clock seconds until the last trial ended
+    seconds: float  # simulated wall-clock seconds until the last trial ended (the cost measurement's first, if any)
     front: list[str]  # the reported front's architectures (table keys)
     hypervolume: float  # of the reported front at its architectures' true points, over the true front's
     recall: float  # the share of the true front's architectures the reported front holds
@@ -171,8 +174,7 @@ def simulation_search(table: dict[str, Any], *, space: str, trials: int, sampler
     (with the `--set` overrides the table's runs were trained with, `sets` or the table's own)."""
     from headsearch.search.runner import Search, SearchSettings
 
-    cost_aware = sampler == COST_AWARE  # every architecture's epoch seconds known before training: the table's
-    settings = SearchSettings(task=table["task"], space=space, trials=trials, sampler=None if cost_aware else sampler,
+    settings = SearchSettings(task=table["task"], space=space, trials=trials, sampler=sampler,
                               pruner=pruner, seed=seed,
                               objectives=tuple(objectives) if objectives else None, preset=table.get("preset"),
                               epochs=table["epochs"], storage=SIMULATED_STORAGE, device="cpu", heartbeat=0,
@@ -185,7 +187,7 @@ def simulation_search(table: dict[str, Any], *, space: str, trials: int, sampler
         raise ConfigError(f"the table holds {held} of the space's {in_space} architectures (a sample, or a build not"
                           " finished): a replayed search may sample any of them; build it without --sample, to the end")
     search = Search(settings)
-    if cost_aware:
+    if search.sampler_name() == COST_AWARE:  # every architecture's epoch seconds known before training: the table's
         search.cost_candidates = table_candidates(search, table)
     for o in search.objectives:
         if o.convergence is None and o.name != table["primary_metric"]:
@@ -209,6 +211,23 @@ def table_candidates(search, table: dict[str, Any]) -> list:
     return candidates(search, seconds)
 
 
+def measuring_seconds(table: dict[str, Any]) -> float:
+    """What measuring every architecture's cost before training takes (`headsearch.search.costs`) at the table's
+    epoch seconds: `measure_alone`'s ALONE_SETTLE + min(ALONE_STEPS, steps per epoch) steps of each, steps per
+    epoch from the runs' train_limit and batch size. Its warm-up is not counted: a table does not record it."""
+    from headsearch.training.clock import ALONE_SETTLE, ALONE_STEPS
+
+    train, data = table["base_config"]["train"], table["base_config"]["data"]
+    if not data.get("train_limit"):
+        raise ConfigError("the table's runs name no data.train_limit: the cost measurement's share of an epoch is"
+                          " unknown; build the table with --set data.train_limit=N")
+    steps = math.ceil(data["train_limit"] / train["batch_size"])
+    if train.get("max_steps_per_epoch"):
+        steps = min(steps, train["max_steps_per_epoch"])
+    timed = ALONE_SETTLE + min(ALONE_STEPS, steps)
+    return sum(statistics.fmean(r["epoch_seconds"] for r in a["runs"]) * timed / steps for a in table["architectures"])
+
+
 def replay(search, table: dict[str, Any], *, workers: int = 1, table_seed: int | None = None, truth=None) -> Replay:
     """Run `search` (from `simulation_search`) against `table` with `workers` slots; score its front."""
     import optuna
@@ -224,6 +243,8 @@ def replay(search, table: dict[str, Any], *, workers: int = 1, table_seed: int |
                                 pruner=search.make_pruner()[0])
     search.adopt(study, storage)
     cohort = TableCohort(table, workers, random.Random(seed if table_seed is None else table_seed))
+    if search.sampler_name() == COST_AWARE:  # the costs are measured before the first trial starts
+        cohort.now = measuring_seconds(table)
     search.run(study, cohort, device=torch.device("cpu"))
     trials = study.get_trials(deepcopy=False)
     counts = count_states(trials)

@@ -15,7 +15,9 @@ from headsearch.config import stable_key
 from headsearch.errors import ConfigError, HeadsearchError
 from headsearch.search.storage import open_storage
 
-SAMPLERS = ("nsga2", "tpe", "random", "gp")
+# "cost": the cost-aware sampler (`headsearch.search.cost_sampler`), which `Search.make_sampler` builds from the
+# costs measured before training (`headsearch.search.costs`).
+SAMPLERS = ("nsga2", "tpe", "random", "gp", "cost")
 # How a trial runs, not what it computes: a study may be resumed with --compile on or off.
 EXECUTION_ONLY = {"train": ("compile", "channels_last")}
 COMPARED = ("task", "objectives", "base_config", "space")  # what a resumed study must keep
@@ -63,6 +65,8 @@ def make_sampler(name: str, *, seed: int, trials: int, trial_index: int = 0, cur
     import optuna
 
     seed = seed * 100_003 + trial_index
+    if name == "cost":
+        raise ValueError("the cost-aware sampler needs the measured costs: Search.make_sampler builds it")
     if name == "nsga2":
         # A population of 50 would spend a 50-trial budget on one random generation.
         pop = max(4, min(50, trials // 4))

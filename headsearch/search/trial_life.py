@@ -48,8 +48,10 @@ class TrialRun:
 
 
 class SearchCallback(Callback):
-    """A trainer callback that also hears when each trial starts and ends (the CLI's live display)."""
+    """A trainer callback that also hears when each trial starts and ends (the CLI's live display), and each
+    architecture's cost measured before the first trial (`headsearch.search.costs.ArchCost`)."""
 
+    def on_cost(self, done: int, total: int, cost) -> None: ...
     def on_trial_start(self, number: int, cfg: RunConfig) -> None: ...
     def on_trial_end(self, number: int, state: str) -> None: ...
 
@@ -105,6 +107,11 @@ class TrialLife:
         epoch seconds alone if an earlier trial measured them in the step mode this one runs (then nobody
         is paused again). The trial's `alone_key` names that mode once its steps are prepared (a fallback
         changes it)."""
+        return self.clock_for(study, cfg, device, lambda key: trial.set_user_attr("alone_key", key))
+
+    def clock_for(self, study, cfg: RunConfig, device, note_key=None) -> AloneClock:
+        """A fair clock for `cfg` on `device` (a trial's, or the cost measurement's: `headsearch.search.costs`);
+        `note_key(alone_key)` hears each step mode's key as it is looked up."""
         import torch
 
         from headsearch.training.fastpath import resolve_mode
@@ -112,15 +119,23 @@ class TrialLife:
         if self.alone_threads is None:
             self.alone_threads = torch.get_num_threads()
         share = self.device_share(device)
-        threads = self.alone_threads if device.type == "cpu" else None
 
         def recall(step_mode: str) -> float | None:
-            key = alone_key(cfg, device, threads, step_mode)
-            trial.set_user_attr("alone_key", key)
+            key = self.alone_key(cfg, device, step_mode)
+            if note_key is not None:
+                note_key(key)
             return known_epoch_seconds(study, key)
 
         intended = resolve_mode(cfg.train, self.search.task, device).describe()
         return AloneClock(share, known=recall(intended), alone_threads=self.alone_threads, recall=recall)
+
+    def alone_key(self, cfg: RunConfig, device, step_mode: str) -> str:
+        """`fairtime.alone_key` as this worker's clocks compute it (a CPU's key names a lone process's threads)."""
+        import torch
+
+        if self.alone_threads is None:
+            self.alone_threads = torch.get_num_threads()
+        return alone_key(cfg, device, self.alone_threads if device.type == "cpu" else None, step_mode)
 
     def device_share(self, device):
         """This worker's hold on the device's lock (one per process)."""

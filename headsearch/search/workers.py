@@ -29,7 +29,7 @@ class WorkerFailure:
     """A worker process that ended badly: exit code 2 for bad input (`message` is its one line), else a
     crash (`message` names the trial it was running and the error; the traceback is in `log`)."""
 
-    index: int
+    index: int | str  # a worker's index, or COSTS_WORKER
     exit_code: int
     message: str
     log: Path
@@ -59,23 +59,29 @@ def with_space_line(line: str, search) -> str:
 
 def run_search(search, callbacks: Sequence = (), argv: list[str] | None = None,
                poll: Callable[[], None] | None = None, every: float = 2.0,
-               announce: Callable[[str], None] | None = None) -> list[WorkerFailure]:
+               announce: Callable[[str], None] | None = None, on_cost: Callable | None = None) -> list[WorkerFailure]:
     """Run the trials of `search` on this machine as its plan says (headsearch.search.plan): in this
     process (with `callbacks`) when it has one worker, else in worker processes (`run_workers`), with
     NVIDIA MPS started for them when several share a GPU and it can be (stopped when they end), calling
     `poll()` every `every` seconds until they end. `announce(line)` hears the plan, once, before any trial.
+    With the cost-aware sampler every architecture's cost is measured first (`measure_costs_first`;
+    `on_cost(done, total, ArchCost)` hears each one) and the plan line says what that took.
     Returns the worker processes that failed (none in process: errors raise there)."""
     from headsearch.search.mps import managed_mps
 
     plan = search.machine_plan()
+    costs, failures = measure_costs_first(search, poll, every, on_cost)
+    if failures:
+        return failures
+    extra = [costs.line()] if costs is not None else []
     if len(plan.devices) == 1:
         if announce is not None:
-            announce(with_space_line(plan.describe(), search))
+            announce("; ".join([with_space_line(plan.describe(), search), *extra]))
         search.run_worker(0, callbacks=callbacks, argv=argv)
         return []
     with managed_mps(plan.mps) as mps:
         if announce is not None:
-            announce(with_space_line(plan.describe(mps if plan.mps else None), search))
+            announce("; ".join([with_space_line(plan.describe(mps if plan.mps else None), search), *extra]))
         procs = run_workers(search, argv)
         try:
             while any(p.is_alive() for p in procs):
@@ -89,6 +95,51 @@ def run_search(search, callbacks: Sequence = (), argv: list[str] | None = None,
     return [worker_failure(i, p.exitcode, logs) for i, p in enumerate(procs) if p.exitcode]
 
 
+def measure_costs_first(search, poll: Callable[[], None] | None = None, every: float = 2.0,
+                        on_cost: Callable | None = None):
+    """With the cost-aware sampler, every architecture's epoch seconds alone, measured before any trial
+    (`headsearch.search.costs`): in this process when the plan has one worker, else in one process on the
+    first worker's GPU before the workers (and MPS) start, its progress read from the study. Returns
+    (`CostSummary` or None for another sampler, [the measuring process's `WorkerFailure`] or [])."""
+    from headsearch.search.cost_sampler import COST_AWARE
+    from headsearch.search.costs import ArchCost, CostSummary, stored_costs
+    from headsearch.training.runtime import resolve_device
+
+    if search.sampler_name() != COST_AWARE:
+        return None, []
+    plan = search.machine_plan()
+    study = search.open()
+    if len(plan.devices) == 1:
+        return search.use_costs(study, resolve_device(search.settings.device), on_cost), []
+    import multiprocessing as mp
+
+    total = len(search.archs.listing() or {})
+    heard = set(stored_costs(study))
+    before, measured = len(heard), 0
+    proc = mp.get_context("spawn").Process(target=_costs_main, args=(search.settings, plan.devices[0], plan, search.base),
+                                           name="headsearch-costs")
+    proc.start()
+    try:
+        while proc.is_alive():
+            proc.join(timeout=every)
+            for key, c in stored_costs(study).items():
+                if key in heard:
+                    continue
+                heard.add(key)
+                cost = ArchCost(c["config_key"], c["arch"], key, c["epoch_seconds_alone"], c["seconds"], c["source"])
+                measured += cost.source == "measured"
+                if on_cost is not None:
+                    on_cost(len(heard) - before, total - before, cost)
+            if poll is not None:
+                poll()
+    except KeyboardInterrupt:
+        stop_workers([proc])
+        raise
+    if proc.exitcode:
+        return None, [worker_failure(COSTS_WORKER, proc.exitcode, worker_log_dir(search))]
+    return CostSummary(total, measured, sum(float(c["seconds"]) for c in stored_costs(study).values())), []
+
+
 def failure_line(failures: Sequence[WorkerFailure]) -> str:
     """One line for failed worker processes: the first failure's reason (bad input: as one process says
     it), where its log is, and how many others failed."""
@@ -96,7 +147,8 @@ def failure_line(failures: Sequence[WorkerFailure]) -> str:
     if first.bad_input:
         line = first.message
     else:
-        line = f"worker {first.index} failed {first.message} (traceback in {first.log})"
+        who = "the process measuring the costs" if first.index == COSTS_WORKER else f"worker {first.index}"
+        line = f"{who} failed {first.message} (traceback in {first.log})"
     others = len(failures) - 1
     return line + (f"; {others} other worker(s) failed too, logs beside it" if others else "")
 
@@ -125,7 +177,7 @@ def worker_log_dir(search) -> Path:
     return Path(search.settings.run_root) / search.study_name / "workers"
 
 
-def worker_failure(index: int, exit_code: int, log_dir: Path) -> WorkerFailure:
+def worker_failure(index: int | str, exit_code: int, log_dir: Path) -> WorkerFailure:
     """What worker `index` left in `log_dir` when it failed: its one-line reason, else how it ended."""
     log = log_dir / f"worker-{index}.log"
     try:
@@ -153,8 +205,28 @@ def run_workers(search, argv: list[str] | None = None) -> list:
     return procs
 
 
+COSTS_WORKER = "costs"  # the log and failure files of the process that measures the costs first
+
+
 def _worker_main(settings: SearchSettings, index: int, gpu: str | None, n_processes: int, argv,
                  plan: Plan | None = None, base=None) -> None:
+    search, alone_threads = _worker_search(settings, gpu, n_processes, plan, base)
+    search.life.alone_threads = alone_threads
+    _logged(search, index, lambda: search.run_worker(index, argv=argv))
+
+
+def _costs_main(settings: SearchSettings, gpu: str | None, plan: Plan, base) -> None:
+    """The process that measures every architecture's cost before the workers start (`measure_costs_first`)."""
+    from headsearch.training.runtime import resolve_device
+
+    search, alone_threads = _worker_search(settings, gpu, 1, plan, base)
+    search.life.alone_threads = alone_threads
+    _logged(search, COSTS_WORKER, lambda: search.use_costs(search.open(), resolve_device(settings.device)))
+
+
+def _worker_search(settings: SearchSettings, gpu: str | None, n_processes: int, plan: Plan | None, base):
+    """A worker process's search, pinned to `gpu` (before torch initialises CUDA) and given its share of
+    the CPU's threads; and the threads a process alone here uses (the fair time's measure)."""
     if gpu is not None:
         # The parent's own name for the GPU (CUDA_VISIBLE_DEVICES "2,3" gives "2" and "3"), set before
         # torch initialises CUDA in this process, which then sees it as cuda:0.
@@ -169,7 +241,12 @@ def _worker_main(settings: SearchSettings, index: int, gpu: str | None, n_proces
     search = Search(settings, resolved_base=base)  # the parent resolved and checked the config: not again
     if plan is not None:
         search.use_plan(plan)  # the parent's: a worker sees one GPU and would plan otherwise
-    search.life.alone_threads = alone_threads
+    return search, alone_threads
+
+
+def _logged(search, index, body: Callable[[], object]) -> None:
+    """Run `body` with this process's output in worker-INDEX.log; a failure leaves its one line in
+    worker-INDEX.failed and exits 2 (bad input) or 1."""
     log_dir = worker_log_dir(search)
     log_dir.mkdir(parents=True, exist_ok=True)
     failed = log_dir / f"worker-{index}.failed"
@@ -177,7 +254,7 @@ def _worker_main(settings: SearchSettings, index: int, gpu: str | None, n_proces
     with open(log_dir / f"worker-{index}.log", "a") as log:
         sys.stdout = sys.stderr = log
         try:
-            search.run_worker(index, argv=argv)
+            body()
         except KeyboardInterrupt:
             pass
         except HeadsearchError as e:  # bad input: the same one line as in one process
