@@ -9,8 +9,11 @@ Imports go one way: plan <- runner <- workers (this module starts workers that r
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -83,14 +86,17 @@ def run_search(search, callbacks: Sequence = (), argv: list[str] | None = None,
         if announce is not None:
             announce("; ".join([with_space_line(plan.describe(mps if plan.mps else None), search), *extra]))
         procs = run_workers(search, argv)
-        try:
-            while any(p.is_alive() for p in procs):
-                time.sleep(every)
-                if poll is not None:
-                    poll()
-        except KeyboardInterrupt:
-            stop_workers(procs)  # before MPS stops, and so that none goes on training alone
-            raise
+        with interrupt_flag() as interrupted:
+            try:
+                while any(p.is_alive() for p in procs) and not interrupted:
+                    time.sleep(every)
+                    if poll is not None and not interrupted:
+                        poll()
+                if interrupted:
+                    raise KeyboardInterrupt
+            except KeyboardInterrupt:
+                stop_workers(procs)  # before MPS stops, and so that none goes on training alone
+                raise
     logs = worker_log_dir(search)
     return [worker_failure(i, p.exitcode, logs) for i, p in enumerate(procs) if p.exitcode]
 
@@ -138,6 +144,23 @@ def measure_costs_first(search, poll: Callable[[], None] | None = None, every: f
     if proc.exitcode:
         return None, [worker_failure(COSTS_WORKER, proc.exitcode, worker_log_dir(search))]
     return CostSummary(total, measured, sum(float(c["seconds"]) for c in stored_costs(study).values())), []
+
+
+@contextlib.contextmanager
+def interrupt_flag():
+    """A list that Ctrl-C (SIGINT) appends to while the parent waits for its workers, instead of raising
+    KeyboardInterrupt wherever the parent happens to be: raised inside a garbage collector's weakref callback,
+    Python prints it as "Exception ignored" and drops it, and the workers would train on (seen in CI). Off the
+    main thread (where no handler can be set) it stays empty and Ctrl-C raises as usual."""
+    flag: list[bool] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+    previous = signal.signal(signal.SIGINT, lambda *_: flag.append(True))
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
 
 
 def failure_line(failures: Sequence[WorkerFailure]) -> str:
