@@ -14,7 +14,7 @@ DATA   ?= $(wildcard ../shared/data)
 CIFAR_ARG = $(if $(DATA),--data-dir $(DATA)/cifar10,)
 RUN_ARGS ?= --preset tiny --trials 12
 
-.PHONY: test test-oldest run setup clean
+.PHONY: test test-fast test-oldest run setup clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,13 @@ PYTEST := -m pytest -q --durations=15
 test: $(STAMP)
 	$(BIN)/python $(PYTEST) -n 2 -m "not serial"
 	$(BIN)/python $(PYTEST) -p no:xdist -m serial
+
+# The fast tier, for every change: the tests marked with no tier (slow, serial, server, processes, browser), over
+# two processes; at most 2 minutes here. tests/conftest.py's guard fails an unmarked test that starts a process or
+# takes over 10 s, so the tier stays fast. `make test` stays the whole suite, which CI runs.
+FAST := not (slow or serial or server or processes or browser)
+test-fast: $(STAMP)
+	$(BIN)/python $(PYTEST) -n 2 -m "$(FAST)"
 
 # HEADSEARCH_FLOOR makes tests/test_versions.py check that the floor's versions are the ones installed.
 # On the floor, only the tests marked `floor`: those whose outcome can depend on a dependency's version.

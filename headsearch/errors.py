@@ -6,6 +6,7 @@ recognises (a full disk, an I/O error), which get one line and exit code 1.
 """
 import errno
 import os
+from typing import Iterator
 
 
 class HeadsearchError(Exception):
@@ -40,17 +41,27 @@ def environment_fault(e: BaseException) -> str | None:
     None when it is anything else. The CLI reports these with exit code 1: not bad input, not a bug.
     Of a chain of faults (a checkpoint meets the full disk, then so does the record of the failure), the
     first one is described."""
-    seen: set[int] = set()
-    err: BaseException | None = e
     found = None
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
+    # What Python would print as "during handling of ... another exception occurred" / "caused by".
+    for err in cause_chain(e, suppressed=False):
         if isinstance(err, OSError) and err.errno in FAULT_ERRNOS:
             where = f" writing {err.filename}" if err.filename else ""
             found = f"{err.strerror or os.strerror(err.errno)}{where}"
         else:
             text = str(err).lower()
             found = next((f"the study's database reports: {m}" for m in FAULT_MESSAGES if m in text), found)
-        # What Python would print as "during handling of ... another exception occurred" / "caused by".
-        err = err.__cause__ if err.__cause__ is not None else (None if err.__suppress_context__ else err.__context__)
     return found
+
+
+def cause_chain(e: BaseException, *, suppressed: bool) -> Iterator[BaseException]:
+    """`e`, then what caused it (`__cause__`), else what it was raised while handling (`__context__`), and so on,
+    each once. `suppressed`: whether a context hidden by `raise ... from None` is followed too. On purpose, not for
+    `environment_fault` (the chain a traceback shows: what was re-raised `from None` was replaced by its wrapper),
+    but for `liveness.unavailable` (a dropped connection under any re-raise means the storage is away: retried)."""
+    seen: set[int] = set()
+    err: BaseException | None = e
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        yield err
+        err = err.__cause__ if err.__cause__ is not None else (
+            None if err.__suppress_context__ and not suppressed else err.__context__)

@@ -45,6 +45,66 @@ def pytest_configure(config):
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
 
+    _watch_for_processes()
+
+
+# ------------------------------------------------------------------------------------------ tiers
+# docs/testing.md: `make test-fast` runs every test marked with none of these; `make test` runs them all.
+TIERS = ("slow", "serial", "server", "processes", "browser")
+FIXTURE_TIERS = {"processes": "processes"}  # a fixture whose tests are in a tier by what the fixture does
+UNMARKED_SECONDS = float(os.environ.get("HEADSEARCH_UNMARKED_SECONDS", "10"))
+_started: list[str] = []  # the processes the running test started (its setup included)
+
+
+def _watch_for_processes() -> None:
+    """Note every process a test starts (subprocess, multiprocessing's spawn and forkserver, a fork), so the
+    tier guard can tell a test that starts one but is not marked `processes`."""
+    import multiprocessing.util
+
+    execute_child, spawnv_passfds = subprocess.Popen._execute_child, multiprocessing.util.spawnv_passfds
+
+    def noted_execute_child(self, args, *rest, **kwargs):
+        _started.append(str(args if isinstance(args, str) else args[0]))
+        return execute_child(self, args, *rest, **kwargs)
+
+    def noted_spawnv_passfds(path, args, passfds):
+        _started.append(f"{path} (multiprocessing)")
+        return spawnv_passfds(path, args, passfds)
+
+    subprocess.Popen._execute_child = noted_execute_child
+    multiprocessing.util.spawnv_passfds = noted_spawnv_passfds
+    os.register_at_fork(before=lambda: _started.append("a fork"))
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        for fixture in set(item.fixturenames) & FIXTURE_TIERS.keys():
+            item.add_marker(FIXTURE_TIERS[fixture])
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    _started.clear()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """The tier guard: a test that passed fails when it started a process unmarked `processes`, or took more
+    than UNMARKED_SECONDS (setup and call) marked with no tier, so the fast tier stays fast and its markers true."""
+    report = (yield).get_result()
+    item.tier_seconds = getattr(item, "tier_seconds", 0.0) + call.duration
+    if call.when != "call" or not report.passed:
+        return
+    tiers = {m.name for m in item.iter_markers()} & set(TIERS)
+    wrong = []
+    if _started and "processes" not in tiers:
+        wrong.append(f"it started a process ({_started[0]}) but is not marked processes")
+    if not tiers and item.tier_seconds > UNMARKED_SECONDS:
+        wrong.append(f"it took {item.tier_seconds:.1f} s (over {UNMARKED_SECONDS:g}) but is marked with none of {', '.join(TIERS)}")
+    if wrong:
+        report.outcome = "failed"
+        report.longrepr = "tier guard (docs/testing.md): " + "; ".join(wrong)
+
 
 def in_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")

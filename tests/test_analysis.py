@@ -363,6 +363,7 @@ def test_pruning_curve_masks_least_important_heads_first():
 # -- the real task ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_real_tiny_vit_run_end_to_end(cifar_dir):
     from headsearch.tasks import DataSource, apply_overrides, get_task, resolve_config
 

@@ -16,6 +16,7 @@ from headsearch.errors import ConfigError, HeadsearchError
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 def test_the_api_example_runs_and_its_answers_are_the_clis(tmp_path, cifar_dir, cli):
     work = tmp_path / "demo"

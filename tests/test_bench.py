@@ -117,6 +117,7 @@ SMALL = ("schedule: {families: [uniform], heads: [2, 4]}\nskip: [none]\nfusion: 
          " data: {train_limit: 512, val_size: 64, test_limit: 64}}\n")
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 def test_bench_on_this_cpu_saves_what_the_next_run_plans_from(tmp_path, cifar_dir):
     """`headsearch bench` measures the CPU's ways (workers x threads, cohorts, a cohort slot verified
@@ -172,6 +173,7 @@ def cohort_job(search: Search, k: int):
     return Job("vit-cifar10", with_compile(search.task, search.base, "off"), search.source, Way(COHORT, k, "off", threads=1), None, 0.2)
 
 
+@pytest.mark.slow
 def test_a_cohort_slot_is_checked_against_the_same_trial_alone(small_search, one_thread):
     """In a bench process: slot 0's first losses equal the same trial's alone (then it is timed); a slot that
     computed something else is reported as a mismatch, with both loss lists, and never timed."""

@@ -89,6 +89,7 @@ def test_alternate_rotates_and_measures_every_round():
     assert all(r > 0 for r in rates["a"] + rates["b"])
 
 
+@pytest.mark.processes
 def test_table_and_report_write_a_complete_section(tmp_path, monkeypatch):
     table = common.markdown_table(["model", "samples/s", "ratio"], [["ViT", 812.345, "1.000"], ["ref", 7.5, "0.9"]])
     assert table.splitlines()[2].split("|")[2].strip() == "812"
@@ -102,6 +103,7 @@ def test_table_and_report_write_a_complete_section(tmp_path, monkeypatch):
     assert table in text and "- a note" in text
 
 
+@pytest.mark.processes
 def test_the_quick_gpu_check_fits_eight_minutes_and_its_files_are_there(tmp_path):
     """`bash benchmarks/gpu.sh --dry-run quick` prints the 8-minute check's commands (a lent GPU machine has 15
     minutes in all, its start included): each step with its cap, the whole under one 440-s deadline. Every file

@@ -25,7 +25,7 @@ import pytest
 from optuna.trial import TrialState
 from test_custom_task import NAME, SPACE, TASK
 
-from headsearch.search import storage as storage_module
+from headsearch.search.storage import timings
 from headsearch.search.liveness import TrialLeases
 from headsearch.search.runner import WAIT, Search, SearchSettings
 from headsearch.search.snapshot import trial_state
@@ -66,8 +66,8 @@ sys.path.insert(0, {tests!r})
 from test_custom_task import NAME, TASK
 from headsearch.tasks import registry
 registry._REGISTRY[NAME] = TASK
-from headsearch.search import storage
-storage.LOCK_SILENCE, storage.LOCK_RENEW = 1.0, 0.2
+from headsearch.search.storage import timings
+timings.LOCK_SILENCE, timings.LOCK_RENEW = 1.0, 0.2
 from headsearch.search.runner import WAIT, Search, SearchSettings
 search = Search(SearchSettings(**{settings!r}))
 study = search.open()
@@ -111,8 +111,8 @@ def test_a_worker_paused_between_count_and_ask_backs_off_at_the_fence(kind, requ
     renewed, so after the silence limit worker B breaks it, counts 0 and asks trial 0. A resumes and asks trial 1,
     which the lock no longer guards: the fence sees trial 0 before it, tells it FAIL as over-budget, and A counts
     again. The budget holds: one trial, not two."""
-    monkeypatch.setattr(storage_module, "LOCK_SILENCE", 1.0)
-    monkeypatch.setattr(storage_module, "LOCK_RENEW", 0.2)
+    monkeypatch.setattr(timings, "LOCK_SILENCE", 1.0)
+    monkeypatch.setattr(timings, "LOCK_RENEW", 0.2)
     url, study = shared_storage(kind, request, tmp_path)
     s = settings(tmp_path, url, study, trials=1)
     a = start_worker(processes, s, pause=True)
@@ -158,6 +158,7 @@ def test_a_killed_workers_trial_on_a_journal_is_retried_once_its_lease_lapses(ki
     assert 3 <= took < 60, took  # silence is 3 heartbeats of 1 s
 
 
+@pytest.mark.slow
 @pytest.mark.floor
 @pytest.mark.parametrize("kind", ["sqlite", "postgresql", "mysql"])
 def test_a_running_trial_without_a_heartbeat_is_failed_and_retried(kind, request, tmp_path, planted):
@@ -357,6 +358,7 @@ def resumed_exactly(processes, tmp_path: Path, url: str, trials: int) -> list:
     return got
 
 
+@pytest.mark.server
 @pytest.mark.slow
 def test_a_redis_stall_is_waited_out_and_a_redis_restart_beyond_patience_stops_in_one_line_then_resumes(
         tmp_path, processes):
@@ -386,6 +388,7 @@ def test_a_redis_stall_is_waited_out_and_a_redis_restart_beyond_patience_stops_i
     resumed_exactly(processes, tmp_path, server.url, trials=4)
 
 
+@pytest.mark.server
 @pytest.mark.slow
 @pytest.mark.skipif(PG_BIN is None, reason="needs PostgreSQL's server binaries (initdb, pg_ctl)")
 def test_a_postgresql_restart_mid_search_is_waited_out_or_stops_in_one_line_then_resumes(tmp_path, processes, request):

@@ -94,6 +94,7 @@ def test_run_takes_set_for_every_trial(cli, tmp_path):
     assert not (tmp_path / "h.db").exists()
 
 
+@pytest.mark.slow
 def test_enqueued_architectures_are_trained_first_and_never_twice(cli, tmp_path, cifar_dir, one_thread):
     """`run --enqueue CONFIG`: the papers' architectures first (Optuna's enqueue_trial), once per study."""
     from headsearch.search.runner import Search, SearchSettings
@@ -146,6 +147,7 @@ record = Recorder()
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.floor
 def test_run_calls_optuna_callbacks_after_each_trained_trial(cli, tmp_path, cifar_dir, one_thread, monkeypatch):
     (tmp_path / "my_trackers.py").write_text(TRACKER)
@@ -191,6 +193,7 @@ def mlflow_tracker() -> None:
             unavailable(f"{name} is not installed (pip install -e '.[dev]')")
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 def test_every_worker_process_calls_the_callbacks_for_its_own_trials(cli, tmp_path, cifar_dir, monkeypatch, mlflow_tracker):
     """Two callbacks on a search with two worker processes: a recorder, and the MLflow tracker of
@@ -237,6 +240,7 @@ def test_every_worker_process_calls_the_callbacks_for_its_own_trials(cli, tmp_pa
         assert data.params == {k: str(v) for k, v in t.params.items()}
 
 
+@pytest.mark.processes
 @pytest.mark.floor
 def test_shell_completion_completes_commands_and_options():
     import subprocess
@@ -281,6 +285,7 @@ def test_an_empty_output_path_is_found_on_the_raw_command_line(argv, flag):
     assert empty_output_flag(argv) == flag
 
 
+@pytest.mark.processes
 def test_an_empty_output_path_is_one_line_and_writes_nothing(tmp_path):
     import subprocess
     import sys

@@ -76,6 +76,7 @@ TINY = {"task": "vit-cifar10", "seed": 0, "arch": {"d_model": 32, "d_ff": 64, "e
         "data": {"train_limit": 64, "val_size": 32, "test_limit": 32}}
 
 
+@pytest.mark.slow
 def test_api_train_and_the_cli_train_the_same_run(cli, tmp_path, cifar_dir, write_yaml, one_thread):
     """The same config through `headsearch train` and `api.train`: the same metrics, diversity tracked in both."""
     config = write_yaml(tmp_path / "run.yaml", TINY)

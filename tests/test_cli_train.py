@@ -55,6 +55,7 @@ def test_train_help_lists_its_options(cli):
         assert option in result.stdout
 
 
+@pytest.mark.processes
 def test_help_in_a_subprocess_does_not_import_torch():
     """`--help` stays quick because it imports none of the heavy libraries: that is what is checked, not its wall
     time, which a loaded machine (CI beside other jobs) stretches past any fixed bound (1.64 s against 1.5 once)."""
@@ -199,6 +200,7 @@ def test_empty_data_dir_error_names_the_expected_files(run_bad_input):
     assert "cifar-10-batches-py" in message and "data_batch_1" in message and "batches.meta" in message
 
 
+@pytest.mark.processes
 def test_bad_input_in_a_real_subprocess(tmp_path, write_yaml):
     config = write_yaml(tmp_path / "heads.yaml", {"d_model": 48, "enc_heads": [4, 5, 4, 4]})
     proc = python_m_headsearch("train", "--task", "vit-cifar10", "--config", config, "--out", tmp_path / "run",
@@ -259,6 +261,7 @@ def test_halving_heads_train_through_the_cli_for_every_skip_and_fusion(skip, fus
     assert f"run directory: {out}" in result.stdout
 
 
+@pytest.mark.slow
 def test_halving_heads_vit_with_score_skip_and_additive_fusion_through_the_cli(tmp_path, cifar_dir, cli, write_yaml):
     config = write_yaml(tmp_path / "run.yaml", {
         "task": "vit-cifar10",
@@ -280,6 +283,7 @@ def test_halving_heads_vit_with_score_skip_and_additive_fusion_through_the_cli(t
             "split.json"} == {p.name for p in out.iterdir()}
 
 
+@pytest.mark.processes
 def test_a_real_training_subprocess_records_its_command(tmp_path, spa_file, tokenizer_cache, write_yaml):
     config = write_yaml(tmp_path / "run.yaml", translation_config("scores", "add"))
     out = tmp_path / "run"

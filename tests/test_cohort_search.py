@@ -63,6 +63,7 @@ def test_cohort_4_and_cohort_1_give_the_same_trials_and_results(tmp_path, cifar_
     assert sorted(t.user_attrs["cohort"]["slot"] for t in a[:4]) == [0, 1, 2, 3] and a[4].user_attrs["cohort"]["slot"] == 0
 
 
+@pytest.mark.processes
 def test_the_cohort_flag_is_checked_before_anything_runs(tmp_path, cifar_dir):
     for flag, expected in (("0", "--cohort 0: give the number of trials"), ("x", "Invalid value for '--cohort'")):
         proc = subprocess.run([sys.executable, "-m", "headsearch", "run", "--task", "vit-cifar10", "--cohort", flag,

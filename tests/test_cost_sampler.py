@@ -68,6 +68,7 @@ def test_the_cost_aware_sampler_needs_quality_and_time(table):
         simulation_search(table, space="deep-head", trials=4, sampler="cost", objectives=["accuracy", "params"])
 
 
+@pytest.mark.processes
 def test_search_quality_replays_the_cost_aware_sampler_and_the_oracle():
     import subprocess
     import sys

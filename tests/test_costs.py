@@ -68,6 +68,7 @@ def cost_search(tmp_path_factory, spa_file, tokenizer_cache):
                 tmp=tmp)
 
 
+@pytest.mark.slow
 def test_every_architecture_is_measured_before_the_first_trial_and_stored_under_the_fair_clocks_key(cost_search):
     search, lines, heard = cost_search["first"]
     study = cost_search["study"]
@@ -120,6 +121,7 @@ def test_report_shows_what_measuring_the_costs_took(cost_search, cli):
     assert costs["architectures"] == 6 and costs["seconds"] == pytest.approx(total)
 
 
+@pytest.mark.slow
 def test_a_crash_while_measuring_keeps_what_was_measured(tmp_path, six_space, spa_file, cache_env, one_thread, monkeypatch):
     from headsearch.search.runner import SearchSettings
     from headsearch.training import clock
@@ -147,6 +149,7 @@ def test_a_crash_while_measuring_keeps_what_was_measured(tmp_path, six_space, sp
     assert len(stored_costs(load(settings.storage, "s"))) == 6 and "; 3 now)" in lines[0]
 
 
+@pytest.mark.slow
 def test_a_trial_timed_alone_before_lends_its_figure_instead_of_a_measurement(tmp_path, six_space, spa_file, cache_env,
                                                                                one_thread):
     from headsearch.search.runner import SearchSettings
@@ -187,6 +190,7 @@ def test_a_space_too_big_to_measure_whole_is_refused(tmp_path, spa_file, cache_e
     assert MAX_ARCHITECTURES >= 39 * 3  # every built-in space's architectures (deep-head: 39) fit, several times over
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 def test_with_two_workers_one_process_measures_first_and_the_workers_share_it(tmp_path, six_space, spa_file,
                                                                               tokenizer_cache):

@@ -161,6 +161,7 @@ def planted(monkeypatch):
     return TASK
 
 
+@pytest.mark.slow
 def test_a_task_defined_in_a_test_trains_searches_reports_exports_and_analyzes(planted, tmp_path, invoke):
     run_dir = tmp_path / "run"
     result = invoke(["train", "--task", NAME, "--out", str(run_dir), "--device", "cpu", "--seed", "1"])

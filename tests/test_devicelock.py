@@ -147,6 +147,7 @@ def order(log: list[list[str]]) -> list[str]:
     return [f"{e[0]} {e[1]}" for e in log if e[0] in ("acquire", "release")]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("holder_mode, waiter_mode", [("exclusive", "shared"), ("shared", "exclusive"),
                                                       ("exclusive", "exclusive")])
 def test_a_hold_blocks_a_conflicting_request_until_it_ends(helpers, holder_mode, waiter_mode):
@@ -164,6 +165,7 @@ def test_a_hold_blocks_a_conflicting_request_until_it_ends(helpers, holder_mode,
     assert helpers.waited("A") < TIMEOUT
 
 
+@pytest.mark.processes
 def test_shared_holders_overlap(helpers):
     for name in "ABC":
         helpers.start(name, "shared")
@@ -174,6 +176,7 @@ def test_shared_holders_overlap(helpers):
     assert sorted(events[:3]) == ["acquire A", "acquire B", "acquire C"]
 
 
+@pytest.mark.processes
 def test_a_waiting_exclusive_request_is_not_starved_by_busy_shared_holders(helpers):
     """Three workers re-take the device shared in a tight loop, each letting go only once another holds
     it: some shared hold is always in place, so with plain flock (which grants new shared locks while an
@@ -216,6 +219,7 @@ def shared_after_exclusive(log: list[list[str]]) -> set[str]:
     return {e[1] for e in log[heads.index(["release", "E"]):] if e[0] == "S+"}
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("victim_mode, waiter_mode", [("exclusive", "shared"), ("shared", "exclusive")])
 def test_a_killed_holder_frees_the_device(helpers, victim_mode, waiter_mode):
     victim = helpers.start("A", victim_mode)

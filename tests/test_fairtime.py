@@ -59,6 +59,7 @@ class RecordingShare:
 # ------------------------------------------------------------------------------ the trainer's clock
 
 
+@pytest.mark.slow
 def test_epoch_one_is_measured_alone_and_the_time_is_best_epoch_times_it(cifar_dir, tmp_path, one_thread):
     share = RecordingShare()
     _, result = train_run(vit_config(), DataSource(data_dir=cifar_dir), tmp_path / "run", device="cpu",
@@ -94,6 +95,7 @@ def timed_marks(monkeypatch) -> list[int]:
     return marks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("steps, timed", [(40, 30), (4, 4)])
 def test_the_exclusive_hold_covers_only_the_timed_steps(cifar_dir, tmp_path, one_thread, timed_marks, steps, timed):
     """Epoch 1 holds the device alone for its first ALONE_STEPS steps (every step when the epoch is shorter)
@@ -180,6 +182,7 @@ def test_a_time_measured_in_another_step_mode_is_not_reused(cifar_dir, tmp_path,
     assert len(keys) == 3
 
 
+@pytest.mark.slow
 def test_a_known_speed_is_reused_and_nobody_is_paused(cifar_dir, tmp_path, one_thread):
     share = RecordingShare()
     _, result = train_run(vit_config(), DataSource(data_dir=cifar_dir), tmp_path / "run", device="cpu",
@@ -188,6 +191,7 @@ def test_a_known_speed_is_reused_and_nobody_is_paused(cifar_dir, tmp_path, one_t
     assert result.epoch_seconds_alone == 2.5 and result.best_seconds_alone == result.best_epoch * 2.5
 
 
+@pytest.mark.slow
 def test_without_a_clock_there_is_no_fair_time(cifar_dir, tmp_path, one_thread):
     _, result = train_run(vit_config(), DataSource(data_dir=cifar_dir), tmp_path / "run", device="cpu")
     assert result.epoch_seconds_alone is None and result.best_seconds_alone is None

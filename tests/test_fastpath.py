@@ -384,6 +384,7 @@ def test_a_compiled_run_matches_the_eager_one_and_times_its_warm_up_apart(cifar,
     assert compiled.test_metrics["loss"] == pytest.approx(eager.test_metrics["loss"], rel=1e-4)
 
 
+@pytest.mark.processes
 @pytest.mark.floor
 @pytest.mark.slow
 def test_a_worker_compiles_each_block_kind_once_across_trials(cifar, tmp_path, one_thread):

@@ -149,6 +149,7 @@ def _dead_pid() -> int:
     return p.pid
 
 
+@pytest.mark.processes
 def test_a_killed_writers_temporary_file_is_removed_by_the_next_write(tmp_path):
     target = tmp_path / "model.safetensors"
     stale = tmp_path / f".model.safetensors.{_dead_pid()}-k1ll3d.tmp"  # what SIGKILL mid-write leaves
@@ -162,6 +163,7 @@ def test_a_killed_writers_temporary_file_is_removed_by_the_next_write(tmp_path):
     assert remove_stale_temporaries(tmp_path / "other.json") == [other]
 
 
+@pytest.mark.processes
 def test_sigkill_during_a_checkpoint_write_leaves_a_file_the_next_run_removes(tmp_path):
     """A real SIGKILL: a child process is killed while its write_atomic is blocked between writing the
     temporary file and renaming it; the next write to the same path removes what it left."""
@@ -196,6 +198,7 @@ def test_checkpoints_of_the_same_config_and_seed_are_byte_identical(planted, cli
     assert runs[0] == runs[1]
 
 
+@pytest.mark.processes
 def test_the_same_tensors_and_metadata_always_give_the_same_bytes(tmp_path):
     """safetensors writes metadata from a hash map whose order changes per process (and per map): the
     checkpoint writer sorts it. Fresh processes, so that the hash seeds really differ."""
@@ -237,6 +240,7 @@ def _crashing_worker(settings, tmp: str) -> None:
     _worker_main(settings, 0, None, 1, ["headsearch", "run"])
 
 
+@pytest.mark.processes
 def test_a_crashed_worker_is_named_with_its_trial_and_reason_in_one_line(planted, tmp_path):
     from headsearch.cli.common import worker_failure_line
     from headsearch.search.runner import SearchSettings
@@ -288,6 +292,7 @@ def test_dashboard_on_a_busy_port_says_so_before_serving(cli, tmp_path):
     assert result.stdout == ""  # no "Listening on", no URL
 
 
+@pytest.mark.processes
 def test_warnings_do_not_reach_the_terminal_around_an_error(tmp_path, cifar_dir):
     """A Redis storage makes Optuna warn that its Redis journal is experimental before it fails (no
     driver here, or nothing listening on port 1): the user sees the error line alone."""
@@ -333,6 +338,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.processes
 def test_a_started_process_that_ignores_ctrl_c_is_killed_with_its_group():
     """tests/conftest.py's `processes`: a test's Ctrl-C that stops nothing (a child ignoring SIGINT, as a
     suite launched in the background passes it on) must not leave a search running beside the suite."""

@@ -36,6 +36,7 @@ def total(out: str) -> int:
     return int(re.search(r"^at most (\d+) s in all", out, re.M)[1])
 
 
+@pytest.mark.processes
 def test_the_next_run_fits_470_seconds_with_the_slice_never_dropped():
     out = dry_run()
     assert out.returncode == 0, out.stderr
@@ -54,6 +55,7 @@ def test_the_next_run_fits_470_seconds_with_the_slice_never_dropped():
     assert len(caches) == 3  # B's and C's warm-ups start cold, apart from A's
 
 
+@pytest.mark.processes
 def test_short_of_time_the_next_run_drops_f_e_the_cohort_c_then_a():
     steps = planned(dry_run(NEXT_TOTAL="340").stdout)  # A 40 + B 135 + D 100 + 30 = 305: C and the cohort go
     assert list(steps) == ["A", "B", "D"] and steps["D"] == 100
@@ -94,6 +96,7 @@ def test_the_slice_figures_by_hand():
     assert hours == pytest.approx((epochs * 45_000 / 2000 + validation + warm_ups / 2 + tail) / 3600)
 
 
+@pytest.mark.processes
 def test_summary_reads_a_cpu_slice_and_prints_every_figure(tmp_path, cifar_dir, capsys):
     """A real slice on the CPU, as `next` runs it on a GPU with smaller sizes: B and C each search 3 trials, the
     seed first (C with both opt-in switches), then summary.py prints each figure, checked against the studies

@@ -75,6 +75,7 @@ def assert_varied(out: torch.Tensor) -> None:
     assert len(set(ends)) >= 3 and len(ends) >= N_PAIRS // 2, ends
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("skip,fusion", list(itertools.product(["none", "output", "scores"], ["none", "hadamard", "add"])))
 def test_cached_decoding_gives_exactly_the_reference_tokens(data, skip, fusion, one_thread):
     model = trained(data, skip=skip, fusion=fusion)
@@ -83,6 +84,7 @@ def test_cached_decoding_gives_exactly_the_reference_tokens(data, skip, fusion, 
     assert cached.shape == reference.shape and torch.equal(cached, reference)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", [
     dict(skip="scores", fusion="add", soft_score="key"),
     dict(skip="output", fusion="hadamard", soft_score="key", soft_dim=4),
@@ -94,6 +96,7 @@ def test_cached_decoding_with_key_scores_soft_width_and_running_mean(data, arch,
     assert torch.equal(cached, reference)
 
 
+@pytest.mark.slow
 def test_cached_decoding_with_head_masks(data, one_thread):
     """Analysis masks heads (Attention.head_mask, Michel et al. 2019): the cache sees the same masks."""
     model = trained(data, skip="scores", fusion="add")
@@ -108,6 +111,7 @@ def test_cached_decoding_with_head_masks(data, one_thread):
     assert torch.equal(cached, reference)
 
 
+@pytest.mark.slow
 def test_cached_decoding_in_float64(data):
     model = trained(data, steps=25, dtype=torch.float64, skip="scores", fusion="hadamard")
     cached, reference = decode_both(model, data[0].src)

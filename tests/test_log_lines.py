@@ -61,6 +61,7 @@ def load(storage: str, name: str) -> optuna.Study:
         return optuna.load_study(study_name=name, storage=storage)
 
 
+@pytest.mark.processes
 def test_a_piped_run_logs_each_finished_trial_once_a_status_line_and_an_unwrapped_summary(tmp_path, tokenizer_cache):
     space = tmp_path / "planted.yaml"
     space.write_text(SPACE)
@@ -98,6 +99,7 @@ def test_a_piped_run_logs_each_finished_trial_once_a_status_line_and_an_unwrappe
     assert f"next: headsearch report --study {LONG} --storage {storage}" in out, proc.stdout
 
 
+@pytest.mark.processes
 def test_a_piped_compare_logs_each_run_by_config_and_seed_and_prints_whole_tables(tmp_path, tokenizer_cache):
     long_config = "a-config-named-so-that-its-row-of-the-comparison-is-wider-than-eighty-columns"
     (tmp_path / "a.yaml").write_text("enc_heads: [1, 1]\n")
@@ -120,6 +122,7 @@ def test_a_piped_compare_logs_each_run_by_config_and_seed_and_prints_whole_table
     assert row.count("±") >= 3 and row.split()[3] == "2", row
 
 
+@pytest.mark.processes
 def test_a_piped_table_logs_each_run_and_prints_the_whole_table(tmp_path, tokenizer_cache):
     space = tmp_path / "planted.yaml"
     space.write_text(SPACE)

@@ -169,6 +169,7 @@ def a_dead_pid() -> int:
     return ended.pid
 
 
+@pytest.mark.processes
 def test_a_search_starts_its_daemon_and_stops_it_after(fake_mps, only_this_test, tmp_path, monkeypatch):
     record = fake_mps()
     with managed_mps(True, find_mps=only_this_test, probe=passes) as status:
@@ -188,6 +189,7 @@ def test_a_search_starts_its_daemon_and_stops_it_after(fake_mps, only_this_test,
     assert Path(pipe).is_relative_to(tmp_path / "tmp") and not leftovers(tmp_path)
 
 
+@pytest.mark.processes
 def test_the_environment_is_restored_as_it_was(fake_mps, only_this_test, monkeypatch):
     fake_mps()
     monkeypatch.setenv(LOG_VAR, "/var/log/nvidia-mps")  # set, but not the pipe: nobody runs MPS yet
@@ -196,6 +198,7 @@ def test_the_environment_is_restored_as_it_was(fake_mps, only_this_test, monkeyp
     assert os.environ[LOG_VAR] == "/var/log/nvidia-mps" and PIPE_VAR not in os.environ
 
 
+@pytest.mark.processes
 def test_the_daemon_is_stopped_when_the_search_fails(fake_mps, only_this_test, tmp_path):
     record = fake_mps()
     with pytest.raises(KeyboardInterrupt):  # Ctrl-C, or any error in the search
@@ -207,6 +210,7 @@ def test_the_daemon_is_stopped_when_the_search_fails(fake_mps, only_this_test, t
     assert PIPE_VAR not in os.environ
 
 
+@pytest.mark.processes
 def test_a_daemon_that_ignores_quit_is_terminated(fake_mps, only_this_test, tmp_path):
     record = fake_mps("stubborn")
     with managed_mps(True, find_mps=only_this_test, probe=passes, timeout=0.5) as status:
@@ -223,6 +227,7 @@ def wait_until(condition, what: str, timeout: float = 30.0) -> None:
         time.sleep(0.01)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("their_pipe", [None, "/tmp/nvidia-mps/"])  # unset, or the default named
 def test_someone_elses_daemon_on_the_default_pipe_directory_is_used_as_it_is(fake_mps, only_this_test, tmp_path,
                                                                              their_pipe):
@@ -267,6 +272,7 @@ def test_not_wanted_means_off(fake_mps, only_this_test):
     assert calls(record) == []
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("mode, said", [("fail", "exited with code 1: fake: cannot start the daemon"),
                                         ("hang", "did not return within 0.5 s")])
 def test_a_daemon_that_will_not_start_is_reported_and_the_search_goes_on(fake_mps, only_this_test, tmp_path, mode, said):
@@ -285,6 +291,7 @@ def test_mps_is_wanted_when_two_workers_share_a_gpu():
     assert not shares_a_gpu([None, None, None])  # CPU workers: no GPU to share
 
 
+@pytest.mark.processes
 def test_the_daemon_sees_every_gpu_and_the_workers_keep_their_names(fake_mps, only_this_test, tmp_path, monkeypatch):
     record = fake_mps()
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")  # `CUDA_VISIBLE_DEVICES=2,3 headsearch run`: workers get "2", "3"
@@ -304,6 +311,7 @@ def test_the_daemon_sees_every_gpu_and_the_workers_keep_their_names(fake_mps, on
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,3"
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("probe, said", [
     (lambda env: "RuntimeError: all CUDA-capable devices are busy or unavailable\nmore lines",
      "RuntimeError: all CUDA-capable devices are busy or unavailable; the workers' kernels take turns on each GPU"),
@@ -322,6 +330,7 @@ def test_a_daemon_no_client_gets_through_is_stopped_before_the_search(fake_mps, 
     assert len(calls(record)) == 2 and not leftovers(tmp_path)
 
 
+@pytest.mark.processes
 def test_the_default_probe_says_why_a_client_fails():
     # No GPU is visible with CUDA_VISIBLE_DEVICES=-1, on any machine: the client's first CUDA call fails.
     said = cuda_client_probe({**os.environ, "CUDA_VISIBLE_DEVICES": "-1"})
@@ -331,6 +340,7 @@ def test_the_default_probe_says_why_a_client_fails():
         "a CUDA client did not get through the daemon within 0.001 s"
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("owner", ["missing", "dead", "pid reused"])
 def test_an_orphan_of_a_killed_search_is_stopped_and_our_daemon_started(fake_mps, only_this_test, tmp_path, owner):
     record = fake_mps()
@@ -351,6 +361,7 @@ def test_an_orphan_of_a_killed_search_is_stopped_and_our_daemon_started(fake_mps
         stop(orphan)
 
 
+@pytest.mark.processes
 def test_another_running_searchs_daemon_is_left_alone(fake_mps, only_this_test, tmp_path):
     record = fake_mps()
     folder = a_killed_searchs_folder(None)
@@ -367,6 +378,7 @@ def test_another_running_searchs_daemon_is_left_alone(fake_mps, only_this_test, 
         stop(theirs)
 
 
+@pytest.mark.processes
 def test_a_daemon_on_another_pipe_directory_is_not_taken_for_ours(fake_mps, only_this_test, tmp_path):
     record = fake_mps()
     their_pipe = tmp_path / "their-mps"

@@ -104,6 +104,7 @@ def test_the_cpu_plan_is_unchanged():
     assert Search(SearchSettings(task="vit-cifar10", device="cpu")).machine_plan().devices == (None,)
 
 
+@pytest.mark.processes
 def test_a_search_says_its_plan_in_one_line(tmp_path, cifar_dir):
     space = tmp_path / "space.yaml"
     space.write_text("schedule: {families: [uniform], heads: [2]}\nskip: [none]\nfusion: [none]\n"

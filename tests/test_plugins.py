@@ -129,6 +129,7 @@ def pip(python: Path, *args: str) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 def test_the_example_plugin_installs_with_pip_and_runs_through_every_command(tmp_path, spa_file):
     python = fresh_venv(tmp_path / "venv")
@@ -194,6 +195,7 @@ def test_the_example_plugin_installs_with_pip_and_runs_through_every_command(tmp
     assert any(Path(f).name.startswith("head_importance") for f in analysis["figures"])
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 def test_a_module_attr_task_reaches_worker_processes_and_later_commands(tmp_path, spa_file, cli, monkeypatch):
     # Not installed: on PYTHONPATH only, named by its reference, which workers and `report` import again.

@@ -257,6 +257,7 @@ def test_dashboard_notes_say_why_each_trial_was_pruned(study, optuna_dashboard):
     assert write_dashboard_notes(study).written == ["study"] and _notes(study)["study"] == notes["study"]
 
 
+@pytest.mark.slow
 def test_report_plots_writes_the_notes(study, tmp_path, cli, optuna_dashboard):
     url = f"sqlite:///{tmp_path / 'audit.db'}"
     result = cli(["report", "--storage", url, "--plots", tmp_path / "plots"])
@@ -265,6 +266,7 @@ def test_report_plots_writes_the_notes(study, tmp_path, cli, optuna_dashboard):
     assert set(_notes(study)) == {3, 5, "study"}
 
 
+@pytest.mark.server
 @pytest.mark.slow
 def test_a_pruned_trials_note_on_its_dashboard_page(study, tmp_path, optuna_dashboard, processes):
     """`headsearch dashboard` writes the notes before serving; headless Chromium renders trial 3's page, as the

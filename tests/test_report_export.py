@@ -26,8 +26,9 @@ from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState, create_trial
 
 from headsearch.search.artifacts import default_artifact_dir, upload_plots
+from headsearch.search.hypervolume import dominates, minimised
 from headsearch.search.objectives import CONVERGENCE, Objective, axis_label, objectives_of, resolve_objectives
-from headsearch.search.report import dominates, summarize
+from headsearch.search.report import summarize
 
 EPOCHS = 3
 SPACE = {
@@ -330,6 +331,8 @@ def _studies_once_up(proc: subprocess.Popen, base: str, timeout: float = 30.0):
             time.sleep(0.3)
 
 
+@pytest.mark.server
+@pytest.mark.processes
 @pytest.mark.floor
 @pytest.mark.slow
 def test_dashboard_serves_the_study(real, optuna_dashboard, cli, tmp_path):
@@ -465,6 +468,8 @@ def _render(chromium: str, page: str, screenshot: Path, processes, size=(1400, 2
     return dom
 
 
+@pytest.mark.browser
+@pytest.mark.server
 @pytest.mark.slow
 def test_dashboard_page_draws_the_study_in_a_browser(real, optuna_dashboard, cli, processes, tmp_path):
     """The study `headsearch run` made and `report --plots` drew, on optuna-dashboard's study page as headless
@@ -625,9 +630,10 @@ def test_summarize_hand_made_study_states_duplicates_and_savings(tmp_path):
     assert notes[4] == "median rule at epoch 1: 0.1 < 0.3 (3 trials compared)"
     assert "does not divide" in notes[5] and notes[6] == "training diverged" and "duplicate of trial 1" in notes[3]
     assert [r.state for r in rep.trials] == ["complete"] * 4 + ["pruned", "rejected", "failed", "waiting"]
-    assert dominates([0.5, 10.0], [0.4, 30.0], ["maximize", "minimize"])
-    assert not dominates([0.6, 20.0], [0.5, 10.0], ["maximize", "minimize"])
-    assert not dominates([0.6, 20.0], [0.6, 20.0], ["maximize", "minimize"])
+    directions = ["maximize", "minimize"]
+    assert dominates(minimised([0.5, 10.0], directions), minimised([0.4, 30.0], directions))
+    assert not dominates(minimised([0.6, 20.0], directions), minimised([0.5, 10.0], directions))
+    assert not dominates(minimised([0.6, 20.0], directions), minimised([0.6, 20.0], directions))
     assert all(i.error or math.isclose(sum(i.importances.values()), 1.0) for i in rep.importances)
 
 

@@ -571,6 +571,7 @@ def test_pruner_options_are_checked_before_the_storage_is_created(name, invoke_b
     assert not db.exists()
 
 
+@pytest.mark.processes
 def test_run_bad_space_in_a_real_subprocess(tmp_path, spa_file, tokenizer_cache, write_space):
     space = _bad_space(schedule={"families": ["spiral"]})(tmp_path, write_space)[1]
     db = tmp_path / "h.db"
@@ -643,6 +644,7 @@ def test_workers_asking_in_turn_propose_what_one_worker_would(tmp_path, spa_file
     assert all(p != q for i, p in enumerate(alone) for q in alone[i + 1:]), alone  # four different architectures
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 def test_trials_per_gpu_on_the_cpu_runs_k_workers_and_exactly_the_budget(tmp_path, spa_file, tokenizer_cache, write_space):
     space = write_space(tmp_path / "space.yaml")
@@ -688,6 +690,7 @@ def shared_storage(kind: str, request, tmp_path: Path) -> tuple[str, str]:
     return f"journal:{tmp_path / 'h.log'}", "s"
 
 
+@pytest.mark.processes
 @pytest.mark.floor
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["sqlite", "postgresql", "mysql", "journal", "redis"])
@@ -774,6 +777,7 @@ class FreshDatabase:
         return f"`{self.name}`" if self.mysql else f'"{self.name}"'
 
 
+@pytest.mark.processes
 @pytest.mark.floor
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["postgresql", "mysql"])
@@ -801,6 +805,7 @@ SLOW_TRAIN = {"epochs": 3, "max_steps_per_epoch": 30}  # ~0.6 s per epoch: time 
 SLOWER_TRAIN = {"epochs": 12, "max_steps_per_epoch": 30}  # 1,000 pairs are 16 steps an epoch: length comes from epochs
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 def test_sigint_to_the_parent_alone_stops_its_workers(tmp_path, spa_file, tokenizer_cache, write_space):
     """`kill -INT` of the `headsearch run` process alone (not its process group, as a terminal's Ctrl-C
@@ -829,6 +834,7 @@ def test_sigint_to_the_parent_alone_stops_its_workers(tmp_path, spa_file, tokeni
     assert alive == [], f"worker processes left running: {alive}"
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 def test_killed_worker_trial_is_failed_and_retried(tmp_path, spa_file, tokenizer_cache, write_space):
     space = write_space(tmp_path / "space.yaml", train=SLOWER_TRAIN)
@@ -871,6 +877,7 @@ def test_killed_worker_trial_is_failed_and_retried(tmp_path, spa_file, tokenizer
 # ------------------------------------------------------------------------ Ctrl-C
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 def test_ctrl_c_fails_the_running_trial_and_the_same_command_resumes(tmp_path, spa_file, tokenizer_cache, write_space):
     space = write_space(tmp_path / "space.yaml", train=SLOWER_TRAIN)

@@ -22,6 +22,7 @@ def node_env(pg_url: str, study: str, cifar_dir: Path, tmp_path: Path) -> dict[s
                                " --set data.train_limit=256 --set data.val_size=64 --set data.test_limit=64"}
 
 
+@pytest.mark.processes
 def test_the_sbatch_script_runs_the_task_script_for_every_array_task():
     sbatch = (SLURM / "search.sbatch").read_text()
     assert "#SBATCH --array=" in sbatch and "srun bash examples/slurm/task.sh" in sbatch
@@ -29,6 +30,7 @@ def test_the_sbatch_script_runs_the_task_script_for_every_array_task():
     assert checked.returncode == 0, checked.stderr
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 def test_three_nodes_starting_together_on_a_fresh_database_fill_the_budget_exactly(pg_url, cifar_dir, tmp_path):
     """The array's first submission: three tasks start at once on a new, empty database (Optuna creates its tables
@@ -50,6 +52,7 @@ def test_three_nodes_starting_together_on_a_fresh_database_fill_the_budget_exact
         assert len(set(architectures)) == 4, architectures
 
 
+@pytest.mark.processes
 def test_the_task_script_names_what_is_missing(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("OPTUNA_STORAGE", "HEADSEARCH_DATA")}
     proc = subprocess.run(["bash", str(SLURM / "task.sh")], cwd=tmp_path, env=env, capture_output=True, text=True)

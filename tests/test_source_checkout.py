@@ -46,6 +46,7 @@ def headsearch(args, cwd, env):
                           timeout=600)
 
 
+@pytest.mark.processes
 def test_spaces_are_found_from_a_source_checkout(checkout):
     cwd, env = checkout
     listed = headsearch(["spaces"], cwd, env)
@@ -53,6 +54,7 @@ def test_spaces_are_found_from_a_source_checkout(checkout):
     assert all(name in listed.stdout for name in ("deep-head", "ham", "full"))
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 def test_run_from_a_source_checkout(checkout, cifar_dir):
     cwd, env = checkout
@@ -63,6 +65,7 @@ def test_run_from_a_source_checkout(checkout, cifar_dir):
     assert "Traceback" not in result.stderr and (cwd / "h.db").is_file()
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 def test_train_and_bench_start_without_scipy_and_pandas(checkout, cifar_dir):
     cwd, env = checkout

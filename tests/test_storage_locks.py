@@ -16,7 +16,7 @@ from typing import Iterator
 import pytest
 
 from headsearch.search import storage
-from headsearch.search.storage import budget_lock
+from headsearch.search.storage import budget_lock, timings
 from test_search import shared_storage
 
 KINDS = ["sqlite", "postgresql", "mysql", "journal", "redis"]
@@ -46,13 +46,14 @@ def test_the_budget_lock_lets_one_holder_in_at_a_time(kind, request, tmp_path):
     assert int(counter.read_text()) == 100
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["journal", "redis"])
 def test_a_live_holder_keeps_the_lock_and_a_dead_ones_lock_is_broken(kind, request, tmp_path, monkeypatch):
     """With a 1.5 s silence limit renewed every 0.2 s: a holder that keeps the lock for 2.5 s keeps it to the
     end (the waiter gets it only after release), and a lock nobody renews (its worker was killed) is taken
     about 1.5 s later, not never."""
-    monkeypatch.setattr(storage, "LOCK_SILENCE", 1.5)
-    monkeypatch.setattr(storage, "LOCK_RENEW", 0.2)
+    monkeypatch.setattr(timings, "LOCK_SILENCE", 1.5)
+    monkeypatch.setattr(timings, "LOCK_RENEW", 0.2)
     url, study = shared_storage(kind, request, tmp_path)[0], f"lock-{uuid.uuid4().hex[:8]}"
     events: list[tuple[str, float]] = []
     held = threading.Event()
@@ -125,8 +126,8 @@ def test_a_holder_whose_lock_was_broken_leaves_its_successors_lock(tmp_path, mon
     """Issue 38 row 2. Holder A stops renewing (a pause past the silence limit: here nobody renews), so waiter
     B breaks its lock and enters. When A leaves, the lock file is B's and stays there (A used to remove it by
     path): a third worker C stays out while B is inside, and A knows that it lost the lock."""
-    monkeypatch.setattr(storage, "LOCK_SILENCE", 1.0)
-    monkeypatch.setattr(storage, "LOCK_RENEW", 60.0)
+    monkeypatch.setattr(timings, "LOCK_SILENCE", 1.0)
+    monkeypatch.setattr(timings, "LOCK_RENEW", 60.0)
     url, holds = f"journal:{tmp_path / 'h.log'}", {}
     lock_file = Path(str(tmp_path / "h.log") + ".budget.lock")
     a_in, a_out, b_in, b_out, c_in, c_out = (threading.Event() for _ in range(6))
@@ -151,14 +152,15 @@ def test_a_holder_whose_lock_was_broken_leaves_its_successors_lock(tmp_path, mon
     assert not holds["b"].lost and not lock_file.exists()
 
 
+@pytest.mark.slow
 def test_waiters_that_judge_the_same_lock_stale_let_one_in(tmp_path, monkeypatch):
     """Issue 38 row 3. A dead worker's lock file (nobody renews it) and four waiters released together by a
     barrier, in 8 rounds: they all judge it stale at about the same moment, and exactly one may enter at a
     time. Each look at the lock file is followed by a random pause of up to 3 ms, so a waiter acts on what it
     saw a little late (what let two waiters each remove "the stale file", the second removing the first's
     new lock)."""
-    monkeypatch.setattr(storage, "LOCK_SILENCE", 0.3)
-    monkeypatch.setattr(storage, "LOCK_RENEW", 0.05)
+    monkeypatch.setattr(timings, "LOCK_SILENCE", 0.3)
+    monkeypatch.setattr(timings, "LOCK_RENEW", 0.05)
     import os
     import random
 
@@ -286,7 +288,7 @@ def test_optunas_own_lock_left_by_a_killed_writer_is_broken(left, reached, tmp_p
 
     from headsearch.search.storage import open_storage
 
-    monkeypatch.setattr(storage, "LOCK_SILENCE", 1.0)
+    monkeypatch.setattr(timings, "LOCK_SILENCE", 1.0)
     real = tmp_path / "real" / "h.log"
     real.parent.mkdir()
     real.touch()
@@ -404,6 +406,7 @@ def test_a_waiter_whose_session_is_ended_waits_again(kind, request):
     assert events == ["released", "taken"] and not holds["h"].lost
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["postgresql", "mysql"])
 def test_session_timeouts_neither_end_a_hold_nor_a_wait(kind, request):
     """Issue 38 row 4: the user's session settings (PGOPTIONS, init_command; here in the URL) end an idle
@@ -482,6 +485,7 @@ def frozen_redis(tmp_path) -> Iterator[str]:
             proc.wait()
 
 
+@pytest.mark.processes
 @pytest.mark.floor
 def test_a_frozen_redis_fails_the_lock_and_the_storage_instead_of_hanging(frozen_redis, monkeypatch):
     """Issue 38 row 12: redis-py up to 7 has no socket timeout by default, so a frozen Redis hung the search.
@@ -489,8 +493,8 @@ def test_a_frozen_redis_fails_the_lock_and_the_storage_instead_of_hanging(frozen
     from headsearch.errors import HeadsearchError
     from headsearch.search.storage import open_storage
 
-    monkeypatch.setattr(storage, "REDIS_TIMEOUT", 1)
-    monkeypatch.setattr(storage, "REDIS_CONNECT_TIMEOUT", 1)
+    monkeypatch.setattr(timings, "REDIS_TIMEOUT", 1)
+    monkeypatch.setattr(timings, "REDIS_CONNECT_TIMEOUT", 1)
 
     def lock() -> None:
         with budget_lock(frozen_redis, "s"):
@@ -516,7 +520,7 @@ def test_every_redis_client_headsearch_makes_has_socket_timeouts(redis_url, monk
 
     from headsearch.search.storage import open_storage, redis_url_with_timeouts
 
-    monkeypatch.setattr(storage, "REDIS_TIMEOUT", 7)
+    monkeypatch.setattr(timings, "REDIS_TIMEOUT", 7)
     clients = []
     real_from_url = redis.Redis.from_url.__func__
 
@@ -532,7 +536,7 @@ def test_every_redis_client_headsearch_makes_has_socket_timeouts(redis_url, monk
     assert len(clients) == 3
     for client in clients:
         options = client.connection_pool.connection_kwargs
-        assert options["socket_timeout"] == 7 and options["socket_connect_timeout"] == storage.REDIS_CONNECT_TIMEOUT
+        assert options["socket_timeout"] == 7 and options["socket_connect_timeout"] == timings.REDIS_CONNECT_TIMEOUT
     assert "socket_timeout=2" in redis_url_with_timeouts(redis_url + "?socket_timeout=2")
     assert redis_url_with_timeouts(redis_url + "?socket_timeout=2").count("socket_timeout=") == 1
 

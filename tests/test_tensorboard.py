@@ -92,6 +92,7 @@ def test_train_writes_each_epoch_as_metrics_jsonl_holds_it(cli, tmp_path, cifar_
     assert len(list(tb.glob("events.out.tfevents.*"))) == 1  # one run, one file
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 def test_run_with_two_workers_writes_one_tensorboard_run_per_trial(cli, tmp_path, cifar_dir, one_thread,
                                                                     tensorboard_package):

@@ -75,6 +75,7 @@ def metric_values(run_dir: Path) -> list[dict]:
 # --------------------------------------------------------------------------------- the run directory
 
 
+@pytest.mark.slow
 def test_run_directory_holds_exactly_the_run_files(vit_run):
     _, run_dir, _ = vit_run
     assert {p.name for p in run_dir.iterdir()} == RUN_FILES  # no temporary files left behind either
@@ -151,6 +152,7 @@ def test_checkpoint_reloads_strictly_and_reproduces_the_test_accuracy(vit_run, c
 # ------------------------------------------------------------------------------------- determinism
 
 
+@pytest.mark.slow
 def test_same_seed_gives_identical_metrics_and_another_seed_does_not(vit_run, cifar, tmp_path):
     cfg, first_dir, _ = vit_run
     again, _ = train_run(cfg, cifar, tmp_path / "again", device="cpu", argv=["test"])
@@ -210,6 +212,7 @@ def test_a_callback_stopping_the_run_keeps_the_finished_work(cifar, tmp_path):
 # ------------------------------------------------------------------------------- seconds to target
 
 
+@pytest.mark.slow
 def test_seconds_to_target(cifar, tmp_path):
     reached_dir, reached = train_run(vit_config(train={"target": 0.0}), cifar, tmp_path / "reached",
                                      device="cpu", argv=["test"])

@@ -144,6 +144,7 @@ def test_rebind_to_another_batch_size_shares_the_device_table(fixed, tiny_transl
         (100, 8), (100, 12), (100, 16), (other.n_train % 100, 16)]
 
 
+@pytest.mark.slow
 def test_validation_metrics_are_the_same_at_either_padding_and_with_or_without_the_cache(bound, fixed, one_thread):
     torch.manual_seed(0)
     model = bound.build_model()

@@ -24,6 +24,7 @@ from typing import Any, Sequence
 from headsearch.analysis.stats import bootstrap_ci, mean_std, paired_difference
 from headsearch.config import RunConfig
 from headsearch.errors import ConfigError
+from headsearch.search.hypervolume import front_indices, minimised
 from headsearch.search.record import config_key, holds_point
 from headsearch.tasks.registry import parse_sets  # noqa: F401  (re-exported: compare's --set)
 from headsearch.tasks.registry import task_reference
@@ -255,16 +256,12 @@ def _metric_of(objective) -> str:
 
 
 def front_on_means(configs: list[dict], objectives) -> list[str]:
-    """The configs no other config dominates on the objectives' mean values over seeds (a Pareto front of
-    the means: at least as good on every objective, better on one)."""
-    keys = [(_metric_of(o), -1.0 if o.direction == "maximize" else 1.0) for o in objectives]
-    points = {c["name"]: [sign * c["mean"][k] for k, sign in keys] for c in configs
-              if all(c["mean"].get(k) is not None for k, _ in keys)}
-
-    def dominates(p, q):
-        return all(a <= b for a, b in zip(p, q)) and any(a < b for a, b in zip(p, q))
-
-    return [n for n, p in points.items() if not any(dominates(q, p) for m, q in points.items() if m != n)]
+    """The configs no other config dominates (`hypervolume.dominates`) on the objectives' means over seeds."""
+    keys = [_metric_of(o) for o in objectives]
+    points = {c["name"]: minimised([c["mean"][k] for k in keys], [o.direction for o in objectives]) for c in configs
+              if all(c["mean"].get(k) is not None for k in keys)}
+    names = list(points)
+    return [names[i] for i in front_indices(list(points.values()))]
 
 
 def robust_search(storage: str, study_name: str | None, seeds: int, *, run_root: str = "runs", device: str = "auto",

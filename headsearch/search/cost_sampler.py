@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from headsearch.search.hypervolume import front_indices
 from headsearch.search.record import config_key, holds_architecture
 
 COST_AWARE = "cost"  # the sampler's name, as a study records it
@@ -136,7 +137,7 @@ def ehvi(cost: float, mu: float, sd: float, front: Sequence[tuple[float, float]]
 
 def non_dominated(points: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
     """The points (cost minimised, quality maximised) that no other point beats on both."""
-    return [p for p in points if not any(o[0] <= p[0] and o[1] >= p[1] and o != p for o in points)]
+    return [points[i] for i in front_indices([(cost, -quality) for cost, quality in points])]
 
 
 # -- the sampler ----------------------------------------------------------------------------------

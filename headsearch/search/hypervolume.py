@@ -1,9 +1,14 @@
-"""The hypervolume indicator (Zitzler & Thiele 1998) of points that are minimised, through Optuna's own
-implementation: the one measure of a front that `headsearch report` (the anytime curve) and the simulator
-(a replay's score) share."""
+"""Pareto dominance and the hypervolume indicator (Zitzler & Thiele 1998, through Optuna's own implementation) of
+points that are minimised (`minimised`: values with directions as such a point): the one measure of a front that
+`headsearch report` (the anytime curve) and the simulator (a replay's score) share."""
 from __future__ import annotations
 
 from typing import Sequence
+
+
+def minimised(values: Sequence[float], directions: Sequence[str]) -> list[float]:
+    """`values` as a point to minimise: a maximised one negated, any other kept."""
+    return [-v if d == "maximize" else v for v, d in zip(values, directions)]
 
 
 def dominates(a: Sequence[float], b: Sequence[float]) -> bool:
@@ -33,7 +38,7 @@ def hypervolume(points: Sequence[Sequence[float]], reference: Sequence[float]) -
 
 def scale_minimised(values: Sequence[Sequence[float]], directions: Sequence[str]) -> list[list[float]]:
     """Every objective turned into one to minimise and scaled to [0, 1] over `values` (0 where all agree)."""
-    signed = [[-v if d == "maximize" else v for v, d in zip(row, directions)] for row in values]
+    signed = [minimised(row, directions) for row in values]
     if not signed:
         return []
     lo = [min(col) for col in zip(*signed)]

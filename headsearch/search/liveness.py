@@ -22,9 +22,10 @@ import time
 import uuid
 import zlib
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
-from headsearch.errors import HeadsearchError
+from headsearch.errors import HeadsearchError, cause_chain
+from headsearch.search.storage.locks import Silence
 
 STORAGE_PATIENCE = 120.0  # seconds a storage may be unreachable before the search stops (HEADSEARCH_STORAGE_PATIENCE)
 
@@ -41,15 +42,6 @@ def storage_patience() -> float:
         raise HeadsearchError(f"HEADSEARCH_STORAGE_PATIENCE={raw!r} is not a number of seconds: unset it or give e.g. 120") from None
 
 
-def _chain(e: BaseException) -> Iterable[BaseException]:
-    seen: set[int] = set()
-    err: BaseException | None = e
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        yield err
-        err = err.__cause__ if err.__cause__ is not None else err.__context__
-
-
 # The driver errors that mean the server is not there, or not now (not a bad query, not a constraint).
 _GONE = ("OperationalError", "InterfaceError", "DisconnectionError", "ConnectionError", "TimeoutError",
          "BusyLoadingError", "ConnectionRefusedError", "ConnectionResetError", "BrokenPipeError")
@@ -59,7 +51,7 @@ _DRIVERS = ("sqlalchemy", "redis", "psycopg", "pymysql", "MySQLdb", "sqlite3", "
 def unavailable(e: BaseException) -> str | None:
     """The first line of why the storage could not be reached when `e` (or what caused it) says so; None
     for any other error (a bug, a finished trial updated, a constraint), which is not retried."""
-    for err in _chain(e):
+    for err in cause_chain(e, suppressed=True):
         kind = type(err)
         if kind.__name__ in _GONE and (kind.__module__ or "").startswith(_DRIVERS):
             text = str(err).strip()
@@ -217,21 +209,18 @@ class SilenceWatch:
 
     def __init__(self, silence: float):
         self.silence = silence
-        self._seen: dict[Any, tuple[Any, float]] = {}
+        self._seen: dict[Any, Silence] = {}  # a clock per trial: the one a waiter keeps on a lock file
 
     def silent(self, current: dict[Any, Any]) -> list:
         """`current`: {trial: what its sign of life reads now}, for the trials running now. Returns those
         unchanged for `silence` seconds of this worker's clock."""
         now = time.monotonic()
-        for key in list(self._seen):
-            if key not in current:
-                del self._seen[key]
+        self._seen = {key: self._seen.get(key) or Silence() for key in current}  # the trials running now only
         out = []
         for key, value in current.items():
-            seen = self._seen.get(key)
-            if seen is None or seen[0] != value:
-                self._seen[key] = (value, now)
-            elif now - seen[1] >= self.silence:
+            clock = self._seen[key]
+            # A value first seen (or changed) at this reading (its clock started now) is not silent, whatever `silence`.
+            if clock.silent_for(value, now) >= self.silence and clock.since != now:
                 out.append(key)
         return out
 

@@ -177,7 +177,7 @@ def trial_bytes(footprint: Any, search: Any, device: Any) -> int:
     base config (0: none): with CUDA graphs in private pools (the default), each captured batch shape keeps
     its own activations."""
     from headsearch.training.fastpath import resolve_mode
-    from headsearch.training.steps import shared_graph_pool
+    from headsearch.training.capture import shared_graph_pool
 
     if footprint is None:
         return 0

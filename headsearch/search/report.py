@@ -22,8 +22,10 @@ from headsearch.config import stable_key
 from headsearch.errors import HeadsearchError
 from headsearch.jsonsafe import json_safe
 from headsearch.search.costs import study_cost_summary
-from headsearch.search.hypervolume import front_indices, hypervolume, scale_minimised
+from headsearch.search.hypervolume import dominates, front_indices, hypervolume, minimised, scale_minimised
 from headsearch.search.objectives import Objective, directions_of, objectives_of
+from headsearch.search.ranks import metric_direction as _metric_direction  # the name audit.py imports from here
+from headsearch.search.ranks import spearman
 from headsearch.search.record import was_trained
 from headsearch.search.snapshot import TRIAL_STATES, count_states, trial_state
 from headsearch.search.storage import check_sqlite_file, journal_path, open_storage, sqlite_path
@@ -231,13 +233,6 @@ def trial_note(t, state: str, primary_direction: str | None) -> str:
     return ""
 
 
-def dominates(a: Sequence[float], b: Sequence[float], directions: Sequence[str]) -> bool:
-    """True when `a` is at least as good as `b` on every objective and better on one."""
-    sign = [1.0 if d == "maximize" else -1.0 for d in directions]
-    ge = all(s * x >= s * y for s, x, y in zip(sign, a, b))
-    return ge and any(s * x > s * y for s, x, y in zip(sign, a, b))
-
-
 def pareto_front(study) -> list:
     """Study.best_trials (several objectives) or [best_trial] (one); checked to be non-dominated."""
     from optuna.trial import TrialState
@@ -249,7 +244,7 @@ def pareto_front(study) -> list:
     directions = directions_of(study)
     for f in front:
         for t in complete:
-            if dominates(t.values, f.values, directions):
+            if dominates(minimised(t.values, directions), minimised(f.values, directions)):
                 raise RuntimeError(f"bug: Pareto trial {f.number} {f.values} is dominated by trial {t.number} {t.values}")
     return sorted(front, key=lambda t: t.number)
 
@@ -424,7 +419,7 @@ def summarize(storage_url: str, study_name: str | None = None, *, study=None) ->
     settings = {k: meta[k] for k in ("sampler", "pruner", "seed", "trials", "data", "run_root") if k in meta}
     if "space" in meta:
         settings["space"] = meta["space"].get("name")
-    from headsearch.search.rungcheck import check_rungs  # here: rungcheck imports this module
+    from headsearch.search.rungcheck import check_rungs  # here: rungcheck imports optuna (through pruning)
 
     rung_check, rung_warning = check_rungs(trials, meta)
     costs = study_cost_summary(study)
@@ -441,15 +436,6 @@ def summarize(storage_url: str, study_name: str | None = None, *, study=None) ->
     )
 
 
-def spearman(x: list[float], y: list[float]) -> float | None:
-    """Spearman's rank correlation (SciPy's, ties averaged); None with fewer than 3 pairs or a constant side."""
-    from scipy import stats
-
-    if len(x) < 3 or len(set(x)) == 1 or len(set(y)) == 1:
-        return None
-    return float(stats.spearmanr(x, y)[0])
-
-
 def diversity_correlations(trials, objectives) -> dict[str, dict[str, float | None]]:
     """How each tracked diversity scalar (docs/design.md §5) relates to each objective across complete trials."""
     from optuna.trial import TrialState
@@ -464,14 +450,3 @@ def diversity_correlations(trials, objectives) -> dict[str, dict[str, float | No
         pairs = [(d, v) for d, v in pairs if d is not None]
         out[metric] = {o.name: spearman([d for d, _ in pairs], [v[i] for _, v in pairs]) for i, o in enumerate(objectives)}
     return out
-
-
-def _metric_direction(task: str | None, metric: str | None) -> str | None:
-    if not task or not metric:
-        return None
-    try:
-        from headsearch.tasks import get_task
-
-        return get_task(task).metric(metric).direction
-    except HeadsearchError:
-        return None

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 from headsearch.search.pruning import rule_rungs, rung_epochs
-from headsearch.search.report import _metric_direction, spearman
+from headsearch.search.ranks import metric_direction, spearman
 
 LOW_RHO = 0.5  # below this the first rung is flagged: it ranks the finished trials little better than chance
 MIN_TRIALS = 5  # fewer finished trials: rho is too noisy to warn on
@@ -155,7 +155,7 @@ def primary_direction(meta: Mapping[str, Any]) -> str | None:
     for o in meta.get("objectives") or []:
         if isinstance(o, Mapping) and o.get("name") == primary and o.get("direction") in ("maximize", "minimize"):
             return o["direction"]
-    return _metric_direction(meta.get("task"), primary)
+    return metric_direction(meta.get("task"), primary)
 
 
 def check_rungs(trials: Sequence[Any], meta: Mapping[str, Any], *,

@@ -15,9 +15,6 @@ from headsearch.config import stable_key
 from headsearch.errors import ConfigError, HeadsearchError
 from headsearch.search.storage import open_storage
 
-# "cost": the cost-aware sampler (`headsearch.search.cost_sampler`), which `Search.make_sampler` builds from the
-# costs measured before training (`headsearch.search.costs`).
-SAMPLERS = ("nsga2", "tpe", "random", "gp", "cost")
 # How a trial runs, not what it computes: a study may be resumed with --compile on or off.
 EXECUTION_ONLY = {"train": ("compile", "channels_last")}
 COMPARED = ("task", "objectives", "base_config", "space")  # what a resumed study must keep
@@ -56,27 +53,49 @@ def check_sampler(name: str, n_objectives: int) -> None:
                           f" {optuna.__version__}): upgrade optuna, or use --sampler nsga2 or tpe")
 
 
+def _nsga2(seed: int, trials: int, curve_direction: str | None):
+    import optuna
+
+    # A population of 50 would spend a 50-trial budget on one random generation.
+    return optuna.samplers.NSGAIISampler(population_size=max(4, min(50, trials // 4)), seed=seed)
+
+
+def _tpe(seed: int, trials: int, curve_direction: str | None):
+    import optuna
+
+    tpe = optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True)
+    return CurveDirection(tpe, curve_direction) if curve_direction else tpe
+
+
+def _gp(seed: int, trials: int, curve_direction: str | None):
+    import optuna
+
+    return optuna.samplers.GPSampler(seed=seed)
+
+
+def _random(seed: int, trials: int, curve_direction: str | None):
+    import optuna
+
+    return optuna.samplers.RandomSampler(seed=seed)
+
+
+# The samplers by name: a row each, built by `make_sampler`. "cost", the cost-aware sampler
+# (`headsearch.search.cost_sampler`), has no builder here: `Search.make_sampler` builds it from the costs
+# measured before training (`headsearch.search.costs`).
+SAMPLERS = {"nsga2": _nsga2, "tpe": _tpe, "random": _random, "gp": _gp, "cost": None}
+
+
 def make_sampler(name: str, *, seed: int, trials: int, trial_index: int = 0, curve_direction: str | None = None):
-    """The sampler `name` (one of `SAMPLERS`), seeded by the search's seed and the index of the trial
+    """The sampler `name` (a row of `SAMPLERS`), seeded by the search's seed and the index of the trial
     about to start (counted under the budget lock), so workers started anywhere propose different
     points and a search replays the same way. `curve_direction`: in a study of several objectives, the
     direction of the curve headsearch records as intermediate values (the primary metric), which TPE
-    needs to rank pruned trials (`CurveDirection`)."""
-    import optuna
-
-    seed = seed * 100_003 + trial_index
-    if name == "cost":
+    needs to rank pruned trials (`CurveDirection`). A name without a row is refused, never sampled at random."""
+    if name not in SAMPLERS:
+        raise ConfigError(f"unknown sampler {name!r}: use one of {', '.join(SAMPLERS)}")
+    if SAMPLERS[name] is None:
         raise ValueError("the cost-aware sampler needs the measured costs: Search.make_sampler builds it")
-    if name == "nsga2":
-        # A population of 50 would spend a 50-trial budget on one random generation.
-        pop = max(4, min(50, trials // 4))
-        return optuna.samplers.NSGAIISampler(population_size=pop, seed=seed)
-    if name == "tpe":
-        tpe = optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True)
-        return CurveDirection(tpe, curve_direction) if curve_direction else tpe
-    if name == "gp":
-        return optuna.samplers.GPSampler(seed=seed)
-    return optuna.samplers.RandomSampler(seed=seed)
+    return SAMPLERS[name](seed * 100_003 + trial_index, trials, curve_direction)
 
 
 class CurveDirection:

@@ -84,7 +84,7 @@ class TranslationData(DataOptions):
             object.__setattr__(self, "buckets", self._checked_buckets())
 
     def _checked_buckets(self) -> tuple[int, ...]:
-        from headsearch.tasks.translation_data import bucket_ladder
+        from headsearch.tasks.translation_batches import bucket_ladder
 
         value, example = self.buckets, list(bucket_ladder(self.max_len))
         if not isinstance(value, (list, tuple)) or not value:
@@ -109,7 +109,7 @@ class TranslationData(DataOptions):
         side of a batch is padded to its own longest sentence there. Padding never changes the loss or
         the translations (masks), only the time they take (tests/test_translation_buckets.py).
         """
-        from headsearch.tasks.translation_data import bucket_ladder
+        from headsearch.tasks.translation_batches import bucket_ladder
 
         if self.buckets is None:
             return bucket_ladder(self.max_len) if device_type == "cuda" else None

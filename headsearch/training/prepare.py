@@ -12,8 +12,9 @@ import torch
 from headsearch.config import TrainConfig
 from headsearch.errors import ConfigError, Diverged
 from headsearch.tasks import BoundTask, Task
+from headsearch.training.capture import CaptureBrokeCuda
 from headsearch.training.fastpath import StepMode, compile_blocks, resolve_mode
-from headsearch.training.steps import CaptureBrokeCuda, Steps, make_steps
+from headsearch.training.steps import Steps, make_steps
 
 
 def prepare_steps(task: Task, t: TrainConfig, bound: BoundTask, model: torch.nn.Module, device: torch.device,

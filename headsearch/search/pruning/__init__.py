@@ -57,7 +57,7 @@ Optuna pruner gets ``n_warmup_steps = n_warmup_epochs + 1``. Both paths then jud
 from headsearch.search.pruning.progress import (AUTO_FALLBACK, AUTO_FINISHED, AUTO_RHO, MIN_NOISE_SAMPLES, NOISE_MARGIN,
                                                 PROGRESS_KINDS, MultiMetricRule, ParetoRule, Progress, best_so_far,
                                                 curve_noise, hypervolume_contributions, non_dominated_ranks,
-                                                progress_of, progress_point, rank_correlation)
+                                                progress_of, progress_point)
 from headsearch.search.pruning.registry import (RULES, PrunerOptions, PruningRule, RulePruner, comparison_curves,
                                                 comparison_trials, judges_progress, make_curve_pruner,
                                                 make_optuna_pruner, pruner_names, pruning_rule, register_pruner,
@@ -71,5 +71,5 @@ __all__ = [
     "PruneDecision", "PrunerOptions", "PruningRule", "RulePruner", "RungRule", "best_so_far", "comparison_curves",
     "comparison_trials", "curve_noise", "hypervolume_contributions", "judges_progress",
     "make_curve_pruner", "make_optuna_pruner", "non_dominated_ranks", "progress_of", "progress_point",
-    "pruner_names", "pruning_rule", "rank_correlation", "register_pruner", "rule_rungs", "rung_epochs",
+    "pruner_names", "pruning_rule", "register_pruner", "rule_rungs", "rung_epochs",
 ]

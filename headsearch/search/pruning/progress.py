@@ -13,6 +13,7 @@ from optuna.trial import TrialState
 from headsearch.errors import ConfigError
 from headsearch.search.hypervolume import dominates, hypervolume
 from headsearch.search.pruning.rules import PruneDecision, RungRule, _check_call, _direction, _int
+from headsearch.search.ranks import spearman
 
 # The quantities a multi-objective trial's objectives are known by before it ends (`ParetoRule`'s kinds).
 PROGRESS_KINDS = ("quality", "time", "params", "epochs")
@@ -48,17 +49,6 @@ def best_so_far(curve: Mapping[int, float], epoch: int, direction: str) -> float
     if not vals:
         return math.nan
     return max(vals) if direction == "maximize" else min(vals)
-
-
-def rank_correlation(x: Sequence[float], y: Sequence[float]) -> float:
-    """Spearman's rho (ties averaged); NaN values rank last; -1 when either side is constant (no evidence)."""
-    from scipy import stats
-
-    x = [math.inf if math.isnan(v) else v for v in x]
-    y = [math.inf if math.isnan(v) else v for v in y]
-    if len(set(x)) < 2 or len(set(y)) < 2:
-        return -1.0
-    return float(stats.spearmanr(x, y)[0])
 
 
 # `ParetoRule(min_epochs="auto")`: the first rung is the earliest epoch whose ranks predict the final ones.
@@ -264,7 +254,7 @@ class ParetoRule:
         final = [sign * best_so_far(c, max(c), self.direction) for c in finished]
         for e in range(1, min(max(c) for c in finished)):
             early = [sign * best_so_far(c, e, self.direction) for c in finished]
-            if rank_correlation(early, final) >= AUTO_RHO:
+            if spearman(early, final, min_pairs=2, nan_last=True, undefined=-1.0) >= AUTO_RHO:
                 return e
         return None
 

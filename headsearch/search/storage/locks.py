@@ -15,11 +15,10 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
-# The timings (LOCK_SILENCE, LOCK_RENEW, ...) live on the package, headsearch.search.storage, where tests and
-# users set them; they are read from there at each use, never copied, so a change made there reaches this code.
-from headsearch.search import storage as tunables
+# The timings (LOCK_SILENCE, LOCK_RENEW, ...) are read at each use, never copied: a test or worker script sets them.
+import headsearch.search.storage.timings as timings
 from headsearch.errors import HeadsearchError
 
 _log = logging.getLogger(__name__)
@@ -97,17 +96,18 @@ def _identity(path: str) -> tuple | None:
     return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size, content
 
 
-class _Silence:
+class Silence:
     """How long a watched lock file has stayed the same, by this process's clock (the clocks of NFS clients
-    and server differ, so a file's modification time is compared only with itself)."""
+    and server differ, so a file's modification time is compared only with itself). Also the clock of each
+    running trial's sign of life that `liveness.SilenceWatch` judges (`now`: one reading for all its trials)."""
 
     def __init__(self) -> None:
-        self.seen: tuple | None = None
-        self.since = 0.0
+        self.seen: Any = None
+        self.since: float | None = None  # None: nothing seen yet (whatever is seen first, None too, starts it)
 
-    def silent_for(self, identity: tuple) -> float:
-        now = time.monotonic()
-        if identity != self.seen:
+    def silent_for(self, identity: Any, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        if self.since is None or identity != self.seen:
             self.seen, self.since = identity, now
         return now - self.since
 
@@ -192,7 +192,7 @@ class _LockFile:
                 self.fd = None
 
 
-def _break_stale(path: str, seen: tuple, guard_silence: _Silence) -> None:
+def _break_stale(path: str, seen: tuple, guard_silence: Silence) -> None:
     """Remove the lock file `path`, judged stale as `seen`, if it is still that file. Under a guard file
     `PATH.break` (O_EXCL), so that two waiters who judged the same file stale cannot both remove it: the
     second one to get the guard finds a new file there (the first one's, or a third waiter's) and leaves it.
@@ -200,27 +200,27 @@ def _break_stale(path: str, seen: tuple, guard_silence: _Silence) -> None:
     LOCK_SILENCE seconds."""
     guard = _LockFile(path + ".break")
     if not guard.try_create():
-        if (g := _identity(guard.path)) is not None and guard_silence.silent_for(g) > tunables.LOCK_SILENCE:
+        if (g := _identity(guard.path)) is not None and guard_silence.silent_for(g) > timings.LOCK_SILENCE:
             _remove_if(guard.path, lambda identity: identity == g)
         time.sleep(0.01)
         return
     try:
         if _identity(path) == seen and _remove_if(path, lambda identity: identity == seen):
             _log.warning("headsearch: removed the lock file %s: not renewed for %s s, its worker died or hangs",
-                         path, tunables.LOCK_SILENCE)
+                         path, timings.LOCK_SILENCE)
     finally:
         guard.release()
 
 
 def _acquire_lock_file(path: str) -> _LockFile:
     """Wait for the lock file `path` and take it; break it when it stays the same for LOCK_SILENCE seconds."""
-    lock, held, guard = _LockFile(path), _Silence(), _Silence()
+    lock, held, guard = _LockFile(path), Silence(), Silence()
     pause = 0.001
     while not lock.try_create():
         seen = _identity(path)
         if seen is None:
             continue  # released between the two calls
-        if held.silent_for(seen) > tunables.LOCK_SILENCE:
+        if held.silent_for(seen) > timings.LOCK_SILENCE:
             _break_stale(path, seen, guard)
             continue
         time.sleep(pause)
@@ -245,20 +245,17 @@ def _journal_file_lock(journal: Path) -> Iterator[LockHold]:
     lock = _acquire_lock_file(path)
     hold = LockHold(path)
 
-    def renew() -> bool:
-        if lock.renew():
-            return True
-        hold.lose("another worker broke it as stale (this one had not renewed it for"
-                  f" {tunables.LOCK_SILENCE} s: paused or hung); its lock file was left in place")
+    def broken() -> bool:
+        hold.lose(f"another worker broke it as stale (this one had not renewed it for {timings.LOCK_SILENCE} s:"
+                  " paused or hung); its lock file was left in place")
         return False
 
     try:
-        with _renewing(renew):
+        with _renewing(lambda: lock.renew() or broken()):
             yield hold
     finally:
         if not lock.release():
-            hold.lose(f"another worker broke it as stale (this one had not renewed it for {tunables.LOCK_SILENCE} s:"
-                      " paused or hung); its lock file was left in place")
+            broken()
 
 
 class _JournalAppendLock:
@@ -290,7 +287,7 @@ class _JournalAppendLock:
         if not lock.release():
             _log.warning("headsearch: the journal lock %s was broken during a write (this worker did not renew it"
                          " for %s s): another worker may have written at the same time", self.path,
-                         tunables.LOCK_SILENCE)
+                         timings.LOCK_SILENCE)
 
     def __getstate__(self) -> dict:  # JournalStorage is picklable; a holding is not
         return {"path": self.path, "_held": None}
@@ -302,7 +299,7 @@ def _renewing(renew) -> Iterator[None]:
     stop = threading.Event()
 
     def loop() -> None:
-        while not stop.wait(tunables.LOCK_RENEW):
+        while not stop.wait(timings.LOCK_RENEW):
             try:
                 if renew() is False:
                     return
@@ -315,4 +312,4 @@ def _renewing(renew) -> Iterator[None]:
         yield
     finally:
         stop.set()
-        thread.join(timeout=tunables.LOCK_RENEW + 1)
+        thread.join(timeout=timings.LOCK_RENEW + 1)

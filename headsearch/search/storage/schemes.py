@@ -217,6 +217,11 @@ def _base_scheme(url: str) -> str:
     return url.split(":", 1)[0].split("+", 1)[0] if ":" in url else ""
 
 
+def is_mysql(url: str) -> bool:
+    """Whether `url` is a MySQL (or MariaDB) database's, whatever its driver: the one test of it (row, locks)."""
+    return _base_scheme(url) == "mysql"
+
+
 def open_rdb_storage(url: str, heartbeat: int | None, max_retry: int):
     """Optuna's RDBStorage on `url`. With `heartbeat` seconds: a worker records one every `heartbeat` seconds
     while a trial runs, and a trial silent for 3 x `heartbeat` is failed by the next worker that starts a trial,
@@ -252,7 +257,11 @@ def _budget_lock_key(study_name: str) -> int:
 
 
 def _db_budget_lock(url: str, study_name: str) -> ContextManager[LockHold]:
-    return _db_lock(url, _budget_lock_key(study_name))
+    return _db_lock(url, _budget_lock_key(study_name), is_mysql(url))
+
+
+def _db_open_lock(url: str) -> ContextManager[None]:
+    return _db_schema_lock(url, is_mysql(url))
 
 
 def _sqlite_file(url: str) -> Path | None:
@@ -419,11 +428,11 @@ register_storage(StorageScheme(
 register_storage(StorageScheme(
     name="postgresql", example="postgresql://USER@HOST/DB",
     claims=lambda url: _base_scheme(url) in ("postgresql", "postgres"),
-    open=open_rdb_storage, budget_lock=_db_budget_lock, schema_lock=_db_schema_lock, normalize=_postgresql_url,
+    open=open_rdb_storage, budget_lock=_db_budget_lock, schema_lock=_db_open_lock, normalize=_postgresql_url,
     driver="pip install 'headsearch[postgres]' (psycopg2)", rdb=True))
 register_storage(StorageScheme(
-    name="mysql", example="mysql://USER@HOST/DB", claims=lambda url: _base_scheme(url) == "mysql",
-    open=open_rdb_storage, budget_lock=_db_budget_lock, schema_lock=_db_schema_lock, normalize=_mysql_url,
+    name="mysql", example="mysql://USER@HOST/DB", claims=is_mysql,
+    open=open_rdb_storage, budget_lock=_db_budget_lock, schema_lock=_db_open_lock, normalize=_mysql_url,
     driver="pip install pymysql", rdb=True))
 register_storage(StorageScheme(
     name="journal", example="journal:FILE.log", claims=lambda url: _journal_file(url) is not None,

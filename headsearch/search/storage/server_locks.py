@@ -10,9 +10,8 @@ import time
 import zlib
 from typing import Iterator
 
-# The timings (LOCK_SILENCE, REDIS_TIMEOUT, ...) live on the package, headsearch.search.storage, where tests
-# and users set them; they are read from there at each use, never copied.
-from headsearch.search import storage as tunables
+# The timings (LOCK_SILENCE, REDIS_TIMEOUT, ...) are read at each use, never copied: a test or worker script sets them.
+import headsearch.search.storage.timings as timings
 from headsearch.errors import HeadsearchError
 from headsearch.search.storage.locks import LockHold, _renewing
 
@@ -30,8 +29,8 @@ def redis_url_with_timeouts(url: str) -> str:
 
     parts = urlsplit(url)
     query = dict(parse_qsl(parts.query, keep_blank_values=True))
-    for name, value in (("socket_timeout", tunables.REDIS_TIMEOUT),
-                        ("socket_connect_timeout", tunables.REDIS_CONNECT_TIMEOUT),
+    for name, value in (("socket_timeout", timings.REDIS_TIMEOUT),
+                        ("socket_connect_timeout", timings.REDIS_CONNECT_TIMEOUT),
                         ("socket_keepalive", "true"), ("health_check_interval", 30)):
         query.setdefault(name, str(value))
     return urlunsplit(parts._replace(query=urlencode(query)))
@@ -46,19 +45,19 @@ def _redis_lock(url: str, name: str) -> Iterator[LockHold]:
     client = redis.Redis.from_url(redis_url_with_timeouts(url))
     hold = LockHold(f"{name} in {url}")
     # thread_local=False: the renewing thread must see the token the acquiring thread got.
-    lock = client.lock(name, timeout=tunables.LOCK_SILENCE, sleep=0.01, thread_local=False)
+    lock = client.lock(name, timeout=timings.LOCK_SILENCE, sleep=0.01, thread_local=False)
     try:
         try:
             lock.acquire(blocking=True)
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
             raise HeadsearchError(f"budget lock in Redis {url}: {e or type(e).__name__}: check that the server runs"
-                                  f" and answers (each command waits {tunables.REDIS_TIMEOUT} s at most)") from None
+                                  f" and answers (each command waits {timings.REDIS_TIMEOUT} s at most)") from None
 
         def renew() -> bool:
             try:
                 lock.reacquire()
             except redis.exceptions.LockNotOwnedError:
-                hold.lose(f"it expired (not renewed for {tunables.LOCK_SILENCE} s: this worker was paused or Redis"
+                hold.lose(f"it expired (not renewed for {timings.LOCK_SILENCE} s: this worker was paused or Redis"
                           " unreachable) and another worker may hold it")
                 return False
             return True
@@ -70,10 +69,10 @@ def _redis_lock(url: str, name: str) -> Iterator[LockHold]:
             try:
                 lock.release()
             except redis.exceptions.LockError:  # expired while held (a pause beyond LOCK_SILENCE)
-                hold.lose(f"it expired (not renewed for {tunables.LOCK_SILENCE} s) and another worker may hold it")
+                hold.lose(f"it expired (not renewed for {timings.LOCK_SILENCE} s) and another worker may hold it")
             except redis.exceptions.RedisError as e:
                 _log.warning("headsearch: could not release the budget lock %s in %s (%s): it expires by itself"
-                             " after %s s", name, url, e, tunables.LOCK_SILENCE)
+                             " after %s s", name, url, e, timings.LOCK_SILENCE)
     finally:
         with contextlib.suppress(Exception):
             client.close()
@@ -96,7 +95,7 @@ def _lock_engine(url: str):
     driver = u.get_dialect().driver
     args: dict = {}
     if driver in ("psycopg2", "psycopg"):
-        args = {k: v for k, v in {**tunables.LOCK_KEEPALIVES, "connect_timeout": 10}.items() if k not in u.query}
+        args = {k: v for k, v in {**timings.LOCK_KEEPALIVES, "connect_timeout": 10}.items() if k not in u.query}
     # Autocommit: a session-level lock needs no transaction, and one left open would make the holder's
     # session "idle in transaction" (which idle_in_transaction_session_timeout ends).
     engine = sa.create_engine(u, poolclass=sa.pool.NullPool, isolation_level="AUTOCOMMIT", connect_args=args)
@@ -115,7 +114,7 @@ def _pymysql_keepalives(dbapi_connection, _record) -> None:
         for option, value in (("TCP_KEEPIDLE", "keepalives_idle"), ("TCP_KEEPINTVL", "keepalives_interval"),
                               ("TCP_KEEPCNT", "keepalives_count")):
             if hasattr(socket, option):
-                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), tunables.LOCK_KEEPALIVES[value])
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), timings.LOCK_KEEPALIVES[value])
 
 
 def _lock_session(conn, mysql: bool) -> None:
@@ -149,9 +148,9 @@ def _db_acquire(engine, mysql: bool, key: int, shown: str):
             conn = engine.connect()
         except sa.exc.DBAPIError as e:
             outage = outage or time.monotonic()
-            if time.monotonic() - outage > tunables.LOCK_RECONNECT:
+            if time.monotonic() - outage > timings.LOCK_RECONNECT:
                 raise HeadsearchError(f"budget lock on {shown}: cannot reach the database (tried for"
-                                      f" {tunables.LOCK_RECONNECT} s): {_db_error_line(e)}") from None
+                                      f" {timings.LOCK_RECONNECT} s): {_db_error_line(e)}") from None
             time.sleep(pause)
             pause = min(2 * pause, 5)
             continue
@@ -171,7 +170,7 @@ def _db_acquire(engine, mysql: bool, key: int, shown: str):
             if not (e.connection_invalidated or isinstance(e, sa.exc.OperationalError)):
                 raise HeadsearchError(f"budget lock on {shown}: {_db_error_line(e)}") from None
             losses += 1
-            if losses >= tunables.LOCK_LOSSES:
+            if losses >= timings.LOCK_LOSSES:
                 raise HeadsearchError(
                     f"budget lock on {shown}: the database ended this worker's session {losses} times while it"
                     f" waited for the lock (last: {_db_error_line(e)}): check the server (restarts, killed sessions)") from None
@@ -184,14 +183,13 @@ def _db_acquire(engine, mysql: bool, key: int, shown: str):
 
 
 @contextlib.contextmanager
-def _db_lock(url: str, key: int) -> Iterator[LockHold]:
-    """PostgreSQL's advisory lock or MySQL's GET_LOCK on a connection of its own, made to last while held: in
-    autocommit (never "idle in transaction"), with no session timeouts (`_lock_session`), TCP keepalives
-    (`_lock_engine`). A session the server ends anyway released the lock with it: the holder learns it at
-    unlock (`LockHold.lost`, a warning), not as a traceback."""
+def _db_lock(url: str, key: int, mysql: bool) -> Iterator[LockHold]:
+    """PostgreSQL's advisory lock or MySQL's GET_LOCK (`mysql`: `schemes.is_mysql(url)`) on a connection of its
+    own, made to last while held: in autocommit (never "idle in transaction"), with no session timeouts
+    (`_lock_session`), TCP keepalives (`_lock_engine`). A session the server ends anyway released the lock with
+    it: the holder learns it at unlock (`LockHold.lost`, a warning), not as a traceback."""
     import sqlalchemy as sa
 
-    mysql = url.split(":", 1)[0].split("+", 1)[0] == "mysql"
     shown = sa.engine.make_url(url).render_as_string(hide_password=True)
     hold = LockHold(f"on {shown}")
     engine = _lock_engine(url)
@@ -217,14 +215,13 @@ def _db_lock(url: str, key: int) -> Iterator[LockHold]:
 
 
 @contextlib.contextmanager
-def _db_schema_lock(url: str) -> Iterator[None]:
+def _db_schema_lock(url: str, mysql: bool) -> Iterator[None]:
     """Serialise opening a PostgreSQL or MySQL storage across processes. Workers starting together on an empty
     database (a Slurm array's nodes, `--workers N`, a new CI machine) would race to create Optuna's tables and its
-    version row: on MySQL/MariaDB the losers fail with "Table ... already exists". PostgreSQL: an advisory lock;
-    MySQL: GET_LOCK (both session locks: a killed opener's lock goes with its connection)."""
+    version row: on MySQL/MariaDB the losers fail with "Table ... already exists". PostgreSQL: an advisory lock; MySQL
+    (`mysql`, `schemes.is_mysql`): GET_LOCK (both session locks: a killed opener's lock goes with its connection)."""
     import sqlalchemy as sa
 
-    mysql = url.split(":", 1)[0].split("+", 1)[0] == "mysql"
     key = zlib.crc32(b"headsearch:schema")
     engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
     try:
