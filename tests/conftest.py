@@ -10,6 +10,7 @@ import copy
 import os
 import signal
 import subprocess
+import sys
 import uuid
 import warnings
 from pathlib import Path
@@ -64,16 +65,31 @@ def _watch_for_processes() -> None:
     execute_child, spawnv_passfds = subprocess.Popen._execute_child, multiprocessing.util.spawnv_passfds
 
     def noted_execute_child(self, args, *rest, **kwargs):
-        _started.append(str(args if isinstance(args, str) else args[0]))
+        _note(str(args if isinstance(args, str) else args[0]))
         return execute_child(self, args, *rest, **kwargs)
 
     def noted_spawnv_passfds(path, args, passfds):
-        _started.append(f"{path} (multiprocessing)")
+        _note(f"{path} (multiprocessing)")
         return spawnv_passfds(path, args, passfds)
 
     subprocess.Popen._execute_child = noted_execute_child
     multiprocessing.util.spawnv_passfds = noted_spawnv_passfds
-    os.register_at_fork(before=lambda: _started.append("a fork"))
+    os.register_at_fork(before=lambda: _note("a fork"))
+
+
+# Code whose processes are the test's: a library's own (ctypes looking for a shared object with ldconfig, a
+# compiler's g++ on a cold cache) depends on what ran before in the same test process, so it is not counted.
+_OURS = tuple(str(REPO / d) + os.sep for d in ("tests", "headsearch", "benchmarks", "examples"))
+_PLUMBING = ("subprocess", "multiprocessing", "os", "concurrent", __name__)
+
+
+def _note(what: str) -> None:
+    """Note `what` when the code that asked for it (past the process plumbing) is the project's or a test's."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in _PLUMBING:
+        frame = frame.f_back
+    if frame is not None and frame.f_code.co_filename.startswith(_OURS):
+        _started.append(what)
 
 
 def pytest_collection_modifyitems(items):

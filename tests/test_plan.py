@@ -141,7 +141,7 @@ def test_translation_counts_an_average_step_on_its_data_not_max_len(tmp_path, sp
     search = Search(SearchSettings(task="translation-en-es", space=str(space), data_file=str(spa_file), device="auto"))
     task, cfg = get_task("translation-en-es"), search.base
     average = search.step_footprint()
-    lengths = search.data.cpu_data().batcher.padded_lengths(cfg.data.bucket_lengths("cuda"))
+    lengths = search.data.cpu_data(search.base).batcher.padded_lengths(cfg.data.bucket_lengths("cuda"))
     by_hand = np.mean([seq2seq_step_flops(cfg.arch, cfg.train.batch_size, int(n), int(n), cfg.data.vocab_size) for n in lengths])
     assert average.step_flops == round(by_hand)
     bound = task.footprint(cfg)
@@ -168,7 +168,7 @@ def test_translation_counts_the_graph_pool_of_each_captured_shape(tmp_path, spa_
                                      "fusion": ["none"], "fixed": tiny_translation}))
     search = Search(SearchSettings(task="translation-en-es", space=str(space), data_file=str(spa_file), device="auto"))
     cfg, fp = search.base, search.step_footprint()
-    lengths = np.unique(search.data.cpu_data().batcher.padded_lengths(cfg.data.bucket_lengths("cuda")))
+    lengths = np.unique(search.data.cpu_data(search.base).batcher.padded_lengths(cfg.data.bucket_lengths("cuda")))
     act = [seq2seq_footprint(cfg.arch, cfg.train.batch_size, cfg.data.vocab_size, cfg.data.vocab_size, int(n)).activation_bytes
            for n in lengths]
     assert len(lengths) >= 2 and fp.captured_activation_bytes == sum(act) + act[-1]

@@ -373,14 +373,14 @@ def test_pareto_pruning_is_refused_for_one_objective(tmp_path, spa_file, tiny_tr
     space = write_space(tmp_path / "s.yaml", tiny_translation, schedule={"heads": [1, 2]})
     with pytest.raises(ConfigError, match="pareto judges several objectives"):
         Search(settings(tmp_path, spa_file, space, objectives=("bleu",), pruner="pareto"))
-    assert Search(settings(tmp_path, spa_file, space)).pruner_name() == "pareto"
+    assert Search(settings(tmp_path, spa_file, space)).definition.pruner_name() == "pareto"
     # hyperband is Optuna's multi-bracket pruner, for one objective; with several: one line that names asha
     with pytest.raises(ConfigError, match="hyperband is Optuna's multi-bracket HyperbandPruner, for one objective: with"
                                           " several use asha"):
         Search(settings(tmp_path, spa_file, space, pruner="hyperband"))
     assert Search(settings(tmp_path, spa_file, space, pruner="asha")).make_pruner()[1].rule == "asha"
     assert Search(settings(tmp_path, spa_file, space, objectives=("bleu",), pruner="asha")).make_pruner()[0].rule.rule == "asha"
-    assert Search(settings(tmp_path, spa_file, space, objectives=("bleu",))).pruner_name() == "median"
+    assert Search(settings(tmp_path, spa_file, space, objectives=("bleu",))).definition.pruner_name() == "median"
 
 
 # ------------------------------------------------------------------------ tables and the simulator

@@ -1,7 +1,7 @@
 """The architectures of a search's space on its base config: sampling one, listing them all, finding one.
 
-`SpaceArchitectures` reads the search's base config when it is asked (a plan's step mode may change it
-after the search is defined), so a sampled config is always what the trial trains.
+`SpaceArchitectures` is built on the search's frozen definition, the plan's step mode applied (a plan that
+changes it builds the units again), so a sampled config is always what the trial trains.
 """
 from __future__ import annotations
 
@@ -14,25 +14,24 @@ from headsearch.errors import ConfigError
 from headsearch.search.record import arch_summary, config_key, holds_architecture
 from headsearch.tasks import apply_overrides
 from headsearch.training import check_fits
-from headsearch.training.runtime import resolve_device
 
 if TYPE_CHECKING:
-    from headsearch.search.runner import Search
+    from headsearch.search.definition import SearchDefinition
 
 FEASIBILITY_SAMPLES = 200  # random architectures tried before a space is declared to have no valid one
 
 
 class SpaceArchitectures:
-    """What `search`'s space holds on its base config."""
+    """What the space of a search (its `definition`) holds on its base config."""
 
-    def __init__(self, search: "Search"):
-        self.search = search
+    def __init__(self, definition: "SearchDefinition"):
+        self.definition = definition
         self._listed, self._architectures = False, None  # listed once, on first use
 
     def sample_config(self, trial, device) -> RunConfig:
         """The trial's config: the space's sample on the base config, checked as `headsearch train` checks
         one (the task's own checks and the size guard). Raises ConfigError for an invalid one."""
-        s = self.search
+        s = self.definition
         cfg = apply_overrides(s.task, s.base, s.space.sample(trial, s.base))
         s.task.check_config(cfg)
         check_fits(s.task, cfg, device)
@@ -44,7 +43,7 @@ class SpaceArchitectures:
         commonest reason."""
         import optuna
 
-        s = self.search
+        s = self.definition
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         scratch = optuna.create_study(directions=s.directions, sampler=optuna.samplers.RandomSampler(seed=s.settings.seed))
         reasons: dict[str, int] = {}
@@ -69,11 +68,11 @@ class SpaceArchitectures:
         if self._listed:
             return self._architectures
         self._listed = True
-        s = self.search
+        s = self.definition
         if getattr(s.space, "next_point", None) is None:
             params = enumerate_params(lambda t: s.space.sample(t, s.base))
             if params is not None:
-                device = resolve_device(s.settings.device)
+                device = s.device
                 found: dict[str, dict[str, Any]] = {}
                 for p in params:
                     try:
@@ -90,7 +89,7 @@ class SpaceArchitectures:
         the config, when the space cannot be listed or does not hold that architecture."""
         from headsearch.config import is_run_config, load_yaml
 
-        s = self.search
+        s = self.definition
         name = str(config) if isinstance(config, (str, Path)) else "the config"
         d = load_yaml(Path(config)) if isinstance(config, (str, Path)) else config
         if not isinstance(d, dict):
@@ -110,15 +109,15 @@ class SpaceArchitectures:
 
     def trial_target(self) -> int:
         """The trials the search will train: --trials, or fewer when the space holds fewer architectures."""
-        archs, trials = self.listing(), self.search.settings.trials
+        archs, trials = self.listing(), self.definition.settings.trials
         return min(trials, len(archs)) if archs else trials
 
     def space_line(self) -> str | None:
         """Said with the plan when the space is smaller than --trials; None otherwise."""
-        archs, trials = self.listing(), self.search.settings.trials
+        archs, trials = self.listing(), self.definition.settings.trials
         if archs is None or len(archs) >= trials:
             return None
-        return (f"space {self.search.space.name} holds {len(archs)} distinct architectures, fewer than --trials"
+        return (f"space {self.definition.space.name} holds {len(archs)} distinct architectures, fewer than --trials"
                 f" {trials}: each is trained once and the search ends")
 
     def held(self, trials: Sequence) -> set[str]:
@@ -148,4 +147,4 @@ class SpaceArchitectures:
         free = [p for k, p in archs.items() if k not in held]
         if not free:
             return None
-        return random.Random(self.search.settings.seed * 100_003 + seed_index).choice(free)
+        return random.Random(self.definition.settings.seed * 100_003 + seed_index).choice(free)

@@ -19,7 +19,8 @@ from headsearch.training.cohort import SlotEnd
 from headsearch.training.trainer import TrainResult
 
 if TYPE_CHECKING:
-    from headsearch.search.runner import Search
+    from headsearch.search.definition import SearchDefinition, WorkerContext
+    from headsearch.tasks import DataSource, Task
 
 
 @dataclass
@@ -87,8 +88,8 @@ class SoloBackend:
 class DataCache:
     """The task's data bound to a trial's config: loaded once per worker, rebound for later trials."""
 
-    def __init__(self, search: "Search"):
-        self.search = search
+    def __init__(self, task: "Task", source: "DataSource"):
+        self.task, self.source = task, source
         self._key: str | None = None
         self._bound = None
         self._cpu_bound = None
@@ -96,52 +97,52 @@ class DataCache:
     def bound_for(self, cfg: RunConfig, device):
         key = cfg.key("data", "seed")
         if key != self._key:
-            self._bound = self.search.task.setup(cfg, self.search.source, device)
+            self._bound = self.task.setup(cfg, self.source, device)
             self._key = key
             return self._bound
         return self._bound.rebind(cfg)
 
-    def cpu_data(self):
-        """The data loaded on the CPU: the plan's `step_footprint` loads it, and the data check that follows
-        (`check`, `prepare`) reuses it and lets it go."""
+    def cpu_data(self, base: RunConfig):
+        """The data of `base` (the search's base config) loaded on the CPU: the plan's `step_footprint` loads
+        it, and the data check that follows (`check`, `prepare`) reuses it and lets it go."""
         import torch
 
         if self._cpu_bound is None:
-            self._cpu_bound = self.search.task.setup(self.search.base, self.search.source, torch.device("cpu"))
+            self._cpu_bound = self.task.setup(base, self.source, torch.device("cpu"))
         return self._cpu_bound
 
-    def check(self) -> None:
+    def check(self, base: RunConfig) -> None:
         """Load the data once on the CPU and let it go: missing or malformed data fails here (worker processes
         load their own)."""
-        self.cpu_data()
+        self.cpu_data(base)
         self._cpu_bound = None
 
-    def prepare(self, device) -> None:
+    def prepare(self, base: RunConfig, device) -> None:
         """Load the data now, so that missing or malformed data fails before a study is created."""
-        self.bound_for(self.search.base, device)
+        self.bound_for(base, device)
         self._cpu_bound = None  # a copy the plan loaded on the CPU is not needed any more
 
 
-def soft_columns(search: "Search") -> int | None:
+def soft_columns(definition: "SearchDefinition") -> int | None:
     """The soft-branch width a cohort keeps (None: the space never fuses): enough for the fewest heads it may sample."""
-    from headsearch.models.cohort import soft_width
+    from headdefinition.models.cohort import soft_width
 
-    space = search.space
-    if all(f == "none" for f in space.fusions) and search.base.arch.fusion == "none":
+    space = definition.space
+    if all(f == "none" for f in space.fusions) and definition.base.arch.fusion == "none":
         return None
     fewest = min(space.heads)
     if {"halving", "doubling"} & set(space.families):
         fewest = min(fewest, space.min_heads)
-    return soft_width(search.base.arch, max(1, fewest))
+    return soft_width(definition.base.arch, max(1, fewest))
 
 
-def machine_backend(search: "Search", device, cohort_size: int) -> Any:
+def machine_backend(definition: "SearchDefinition", context: "WorkerContext", device, cohort_size: int) -> Any:
     """The backend a worker's plan asks for: one slot, or a cohort of `cohort_size` (held shared under this
     worker's hold on the device's lock)."""
     if cohort_size <= 1:
         return SoloBackend(device)
-    from headsearch.training.cohort import Cohort
+    from headdefinition.training.cohort import Cohort
 
-    return Cohort(search.task, cohort_size, device, soft_columns=soft_columns(search),
-                  share=search.life.device_share(device))
+    return Cohort(definition.task, cohort_size, device, soft_columns=soft_columns(definition),
+                  share=context.device_share(device))
 

@@ -25,7 +25,9 @@ from headsearch.search.cost_sampler import COST_AWARE
 from headsearch.search.record import arch_summary
 
 if TYPE_CHECKING:
-    from headsearch.search.runner import Search
+    from headsearch.search.architectures import SpaceArchitectures
+    from headsearch.search.backends import DataCache
+    from headsearch.search.trial_life import TrialLife
 
 COST_ATTR = "cost:"  # a study's user attribute per architecture: cost:<alone_key> -> ArchCost.stored()
 # A space of at most this many architectures is measured whole before the first trial (a few seconds each
@@ -67,15 +69,16 @@ class CostSummary:
         return f"costs: {self.architectures} architectures' epoch seconds alone measured before training ({took} s{now})"
 
 
-def check_cost_search(search: "Search") -> None:
+def check_cost_search(archs: "SpaceArchitectures") -> None:
     """Refuse, in one line and before any study exists, a search the cost-aware sampler cannot run: it searches
     the task's quality x time over a space it can list whole (at most MAX_ARCHITECTURES architectures)."""
+    search = archs.definition
     names = [o.name for o in search.objectives]
     primary = search.task.primary.name
     if sorted(names) != sorted([primary, "time"]):
         raise ConfigError(f"--sampler {COST_AWARE} searches {primary} x time (objectives: {', '.join(names)}):"
                           f" use --objectives {primary},time, or another --sampler")
-    listing = search.archs.listing()
+    listing = archs.listing()
     if listing is None:
         raise ConfigError(f"--sampler {COST_AWARE} measures every architecture before training, and space"
                           f" {search.space.name} cannot be listed (a continuous range): use another --sampler")
@@ -98,19 +101,20 @@ def study_cost_summary(study) -> CostSummary | None:
     return CostSummary(len(costs), None, sum(float(c.get("seconds") or 0.0) for c in costs.values()))
 
 
-def _architectures(search: "Search", device):
+def _architectures(archs: "SpaceArchitectures", life: "TrialLife", device):
     """(config key, config, fair-clock key in the step mode its trial intends) of each architecture of the
     space, as its trial would train it."""
     from optuna.trial import FixedTrial
 
     from headsearch.training.fastpath import resolve_mode
 
-    for key, params in (search.archs.listing() or {}).items():
-        cfg = search.archs.sample_config(FixedTrial(params), device)
-        yield key, cfg, search.life.alone_key(cfg, device, resolve_mode(cfg.train, search.task, device).describe())
+    task = archs.definition.task
+    for key, params in (archs.listing() or {}).items():
+        cfg = archs.sample_config(FixedTrial(params), device)
+        yield key, cfg, life.alone_key(cfg, device, resolve_mode(cfg.train, task, device).describe())
 
 
-def measure_costs(search: "Search", study, device,
+def measure_costs(archs: "SpaceArchitectures", life: "TrialLife", data: "DataCache", study, device,
                   on_cost: Callable[[int, int, ArchCost], None] | None = None) -> CostSummary:
     """Every architecture's epoch seconds alone on `device`, stored in `study` one by one: those it holds
     already are skipped, those a trial timed alone are copied, the rest measured (`measure_alone`).
@@ -118,32 +122,32 @@ def measure_costs(search: "Search", study, device,
     from headsearch.training.clock import measure_alone
 
     stored = stored_costs(study)
-    archs = list(_architectures(search, device))
+    listed = list(_architectures(archs, life, device))
     measured = 0
-    for done, (key, cfg, alone) in enumerate(archs, 1):
+    for done, (key, cfg, alone) in enumerate(listed, 1):
         if alone in stored:
             continue
         start = time.perf_counter()
-        clock = search.life.clock_for(study, cfg, device)
+        clock = life.clock_for(study, cfg, device)
         if clock.known is not None:  # a trial timed this architecture alone already
             cost = ArchCost(key, arch_summary(cfg), alone, clock.known, 0.0, source="trial")
         else:
-            seconds = measure_alone(search.task, search.data.bound_for(cfg, device), device, clock)
+            seconds = measure_alone(archs.definition.task, data.bound_for(cfg, device), device, clock)
             cost = ArchCost(key, arch_summary(cfg), alone, seconds, time.perf_counter() - start)
             measured += 1
         study.set_user_attr(COST_ATTR + alone, cost.stored())
         stored[alone] = cost.stored()
         if on_cost is not None:
-            on_cost(done, len(archs), cost)
-    return CostSummary(len(archs), measured, sum(float(stored[alone]["seconds"]) for _, _, alone in archs))
+            on_cost(done, len(listed), cost)
+    return CostSummary(len(listed), measured, sum(float(stored[alone]["seconds"]) for _, _, alone in listed))
 
 
-def cost_seconds(search: "Search", study, device) -> dict[str, float]:
+def cost_seconds(archs: "SpaceArchitectures", life: "TrialLife", study, device) -> dict[str, float]:
     """Each architecture's stored epoch seconds alone, by config key (what `cost_sampler.candidates` takes);
     a RuntimeError names the first one missing."""
     stored = stored_costs(study)
     out = {}
-    for key, cfg, alone in _architectures(search, device):
+    for key, cfg, alone in _architectures(archs, life, device):
         if alone not in stored:
             raise RuntimeError(f"the cost of {arch_summary(cfg)} is not in study {study.study_name}: measure_costs first")
         out[key] = float(stored[alone]["epoch_seconds_alone"])

@@ -16,37 +16,48 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from headsearch.search.backends import SoloBackend
 from headsearch.search.liveness import Heartbeat
-from headsearch.search.scheduler import WAIT
-from headsearch.search.trial_life import worker_name
+from headsearch.search.scheduler import WAIT, Scheduler
+from headsearch.search.trial_life import TrialLife, worker_name
 
 if TYPE_CHECKING:
-    from headsearch.search.runner import Search
+    from headsearch.search.definition import WorkerContext
+    from headsearch.search.settings import SearchSettings
+    from headsearch.search.study import StudyHandle
+
+
+def wait_seconds(heartbeat: int | None) -> float:
+    """How long a worker waits before counting again while running trials hold the rest of the budget:
+    a tenth of the silence after which a dead worker's trial is failed, between 1 and 10 seconds."""
+    return min(10.0, max(1.0, 0.3 * (heartbeat or 10)))
 
 
 class TrialLoop:
-    """Runs `search`'s trials in `study` on `backend` until the budget is spent, the space exhausted or
-    --timeout passed. A trial the backend refuses (a cohort: another stack signature) trains alone at once."""
+    """Runs a search's trials in `study` on `backend` until the budget is spent, the space exhausted or
+    --timeout passed: the scheduler's next trial, begun and ended by `life`, on this worker's `context`.
+    A trial the backend refuses (a cohort: another stack signature) trains alone at once."""
 
-    def __init__(self, search: "Search", study, backend: Any, device, callbacks: Sequence = (),
+    def __init__(self, settings: "SearchSettings", scheduler: Scheduler, life: TrialLife, context: "WorkerContext",
+                 handle: "StudyHandle", study, backend: Any, device, callbacks: Sequence = (),
                  argv: list[str] | None = None):
-        self.search, self.study, self.backend, self.device = search, study, backend, device
+        self.settings, self.scheduler, self.life, self.context, self.handle = settings, scheduler, life, context, handle
+        self.study, self.backend, self.device = study, backend, device
         self.callbacks, self.argv = callbacks, argv
         self.beats: dict[int, Heartbeat] = {}  # the running trials' heartbeats, by slot
 
     def run(self) -> None:
-        s, backend = self.search, self.backend
+        settings, backend = self.settings, self.backend
         start, exhausted = time.monotonic(), False
         try:
             while True:
-                timed_out = s.settings.timeout is not None and time.monotonic() - start >= s.settings.timeout
+                timed_out = settings.timeout is not None and time.monotonic() - start >= settings.timeout
                 while backend.free and not exhausted and not timed_out:
-                    trial = s.scheduler.next_trial(self.study)
+                    trial = self.scheduler.next_trial(self.study)
                     if trial is None:
                         exhausted = True
                     elif trial is WAIT:
                         if backend.occupied:
                             break  # train the trials at hand; ask again after their epoch
-                        time.sleep(s.wait_seconds())
+                        time.sleep(wait_seconds(settings.heartbeat))
                     else:
                         self._join(trial)
                 if not backend.occupied:
@@ -62,11 +73,11 @@ class TrialLoop:
         for end in backend.train_epoch():
             beats.pop(end.slot).__exit__(None, None, None)
             try:
-                self.search.life.end(self.study, end.tag, end.result if end.error is None else None, end.error,
-                                     self.callbacks)
+                self.life.end(self.study, end.tag, end.result if end.error is None else None, end.error,
+                              self.callbacks)
             finally:
                 end = None  # a pruned trial's traceback holds its model: let it go before the next trial begins
-            self.search.current_trial = None  # kept while an error propagates: the worker's failure line names it
+            self.context.current_trial = None  # kept while an error propagates: the worker's failure line names it
 
     def _interrupt(self, e: BaseException) -> None:
         """Tell every trial still in a slot how it ended: as it ended if it had, else interrupted."""
@@ -75,13 +86,12 @@ class TrialLoop:
         for end in self.backend.interrupt():
             self.beats.pop(end.slot).__exit__(None, None, None)
             error = stopped if end.result.status == "interrupted" else end.error
-            self.search.life.end(self.study, end.tag, end.result if error is None else None, error, self.callbacks,
-                                 reraise=False)
+            self.life.end(self.study, end.tag, end.result if error is None else None, error, self.callbacks,
+                          reraise=False)
 
     def _join(self, trial) -> None:
         """Begin `trial` and put it in a free slot of the backend, or train it alone now if it cannot join."""
-        s = self.search
-        run = s.life.begin(self.study, trial, self.device, self.callbacks)
+        run = self.life.begin(self.study, trial, self.device, self.callbacks)
         if isinstance(run, str):
             return
         backend = self.backend
@@ -90,16 +100,17 @@ class TrialLoop:
             backend = SoloBackend(self.device)
         solo = isinstance(backend, SoloBackend)
         if solo:
-            s.current_trial = trial.number
-        beat = Heartbeat(lambda: s.store_of(self.study).beat(trial.number), s.settings.heartbeat).__enter__()
+            self.context.current_trial = trial.number
+        store = self.handle.store_of(self.study)
+        beat = Heartbeat(lambda: store.beat(trial.number), self.settings.heartbeat).__enter__()
         try:
-            bound = s.data.bound_for(run.cfg, self.device) if backend.needs_data else None
+            bound = self.context.data.bound_for(run.cfg, self.device) if backend.needs_data else None
             slot = backend.add(run.cfg, bound, run.run_dir, argv=self.argv, clock=run.clock, tag=run,
                                callbacks=run.trainer_callbacks(self.callbacks))
         except BaseException as e:
             beat.__exit__(None, None, None)
-            s.current_trial = None
-            s.life.end(self.study, run, None, e, self.callbacks)
+            self.context.current_trial = None
+            self.life.end(self.study, run, None, e, self.callbacks)
             return
         if backend is not self.backend:  # refused by the cohort: trained alone now, beside it
             self._train_epoch(backend, {slot: beat})

@@ -14,6 +14,7 @@ processes on any number of machines sharing one storage run exactly `trials` tri
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -24,15 +25,15 @@ from headsearch.search.architectures import SpaceArchitectures
 from headsearch.search.backends import DataCache, machine_backend
 from headsearch.search.cost_sampler import COST_AWARE, candidates, cost_aware_sampler
 from headsearch.search.costs import CostSummary, check_cost_search, cost_seconds, measure_costs
+from headsearch.search.definition import SearchDefinition, WorkerContext
 from headsearch.search.loop import TrialLoop
 from headsearch.search.objectives import Objective, resolve_objectives
 from headsearch.search.plan import Plan, plan_search
-from headsearch.search.pruning import make_curve_pruner, make_optuna_pruner
 from headsearch.search.record import arch_summary, config_key, holds_architecture, record_result
 from headsearch.search.scheduler import DUPLICATE_ASKS, WAIT, Scheduler, enqueue_first
 from headsearch.search.settings import SearchSettings, check_settings, load_callback
 from headsearch.search.space import SearchSpace, load_space
-from headsearch.search.study import StudyStorage, check_sampler, default_sampler, make_sampler, open_study
+from headsearch.search.study import StudyHandle, StudyStorage, check_sampler, default_sampler, make_sampler, open_study
 from headsearch.search.trial_life import SearchCallback, TrialLife, TrialRun, with_storage_retries
 from headsearch.search.trial_pruning import TrialPruning
 from headsearch.tasks import DataSource, Task, apply_overrides, flag_overrides, get_task, resolve_config, task_reference
@@ -45,75 +46,84 @@ __all__ = ["DUPLICATE_ASKS", "WAIT", "Search", "SearchCallback", "SearchSettings
 
 @dataclass
 class Search:
-    """A search: validated settings with everything derived from them (task, space, objectives, base config,
-    sampler and pruner), and its parts: the space's architectures (`archs`), the scheduler, a trial's life
-    (`life`) and the data (`data`). No study exists until `open`; `run_worker` runs the one loop."""
+    """A search: its frozen definition (`definition`: settings, task, space, objectives, base config, device,
+    pruning) and its parts, each built with what it uses: the space's architectures (`archs`), the scheduler,
+    a trial's life (`life`), this worker's context (`context`: data, device seat, current trial) and the
+    study handle (`handle`). No study exists until `open`; `run_worker` runs the one loop."""
 
     settings: SearchSettings
     # The base config a parent process resolved and checked (a worker gets it instead of resolving again).
     resolved_base: RunConfig | None = None
-    task: Task = field(init=False)
-    space: SearchSpace = field(init=False)
-    objectives: list[Objective] = field(init=False)
-    base: RunConfig = field(init=False)
-    study_name: str = field(init=False)
-    source: DataSource = field(init=False)
+    # A worker's: the threads a process alone on this machine uses (its parent's count; the fair time's measure).
+    alone_threads: int | None = None
+    definition: SearchDefinition = field(init=False)
 
     def __post_init__(self) -> None:
         s = self.settings
-        self.task = get_task(s.task)
+        task = get_task(s.task)
         # A space's name or path, or a space object (a comparison's `ConfigGrid`: fixed configs x seeds).
-        self.space = load_space(s.space) if isinstance(s.space, str) else s.space
-        if self.space.tasks and self.task.name not in self.space.tasks:
-            raise ConfigError(f"space {self.space.name} is for {', '.join(self.space.tasks)}, not {self.task.name}")
-        self.objectives = resolve_objectives(self.task, s.objectives)
+        space = load_space(s.space) if isinstance(s.space, str) else s.space
+        if space.tasks and task.name not in space.tasks:
+            raise ConfigError(f"space {space.name} is for {', '.join(space.tasks)}, not {task.name}")
+        objectives = resolve_objectives(task, s.objectives)
         self.optuna_callbacks = [load_callback(spec) for spec in s.callbacks]  # a bad one fails before any study
         # Every architecture's epoch seconds, known before training (`cost_sampler.Candidate`s): the cost-aware
         # sampler proposes from them. Measured before the first trial (`use_costs`); the simulator's table gives them.
         self.cost_candidates: list | None = None
         check_settings(s)
-        check_sampler(self.sampler_name(), len(self.objectives))
-        self.study_name = s.study or "-".join([self.task.name, self.space.name] + ([s.preset] if s.preset else []))
-        self.source = DataSource(Path(s.data_dir) if s.data_dir else None, Path(s.data_file) if s.data_file else None)
-        self.base = self.resolved_base if self.resolved_base is not None else self._resolve_base()
+        check_sampler(default_sampler(s.sampler, len(objectives)), len(objectives))
+        study_name = s.study or "-".join([task.name, space.name] + ([s.preset] if s.preset else []))
+        source = DataSource(Path(s.data_dir) if s.data_dir else None, Path(s.data_file) if s.data_file else None)
+        base = self.resolved_base if self.resolved_base is not None else self._resolve_base(task, space, source)
+        self.definition = SearchDefinition(s, task, space, tuple(objectives), study_name, source, base,
+                                           resolve_device(s.device))
         self.make_pruner()  # bad pruner options fail here, before any storage is touched
-        self.archs = SpaceArchitectures(self)
+        self.handle = StudyHandle()  # the study `open` (or `adopt`) gives this process, passed down to the units
+        self.context = WorkerContext(DataCache(task, source), self.alone_threads)
+        self._build_units()
         if self.resolved_base is None:
-            self.archs.check_feasible(resolve_device(s.device))
+            self.archs.check_feasible(self.device)
         if self.sampler_name() == COST_AWARE:
-            check_cost_search(self)
-        # The parts: the space's architectures, the scheduler, a trial's life, the data (one of each per worker).
-        self.scheduler, self.life, self.data = Scheduler(self), TrialLife(self), DataCache(self)
+            check_cost_search(self.archs)
         self._plan: Plan | None = None
-        self.current_trial: int | None = None  # the number of the trial this worker trains alone, if any
-        self.store: StudyStorage | None = None  # the storage of the study `open` (or `adopt`) gave this search
-        self.adopted = False  # the study was made in this process (`adopt`): no storage URL, no budget lock to share
 
-    def _resolve_base(self) -> RunConfig:
+    def _build_units(self) -> None:
+        """The parts, each given only what it uses (one of each per worker)."""
+        d = self.definition
+        self.archs = SpaceArchitectures(d)
+        self.scheduler = Scheduler(d, self.archs, self.handle, self.make_sampler)
+        self.life = TrialLife(d, self.scheduler, self.handle, self.context, self.optuna_callbacks)
+
+    def _resolve_base(self, task: Task, space: SearchSpace, source: DataSource) -> RunConfig:
         """The base config, resolved once per search and checked before any study exists: the preset's search
         budget < --set < the flags < the space's fixed values."""
         s = self.settings
         flags = flag_overrides(seed=s.seed, epochs=s.epochs, compile=s.compile, diversity_samples=s.diversity_samples or None,
                                sets=s.sets)
-        cfg = resolve_config(self.task, preset=s.preset, search=True, overrides=flags)
-        base = self.space.base_config(cfg, lambda c, o: apply_overrides(self.task, c, o))
-        preflight(self.task, base, self.source)  # e.g. CUDA graphs for a task whose shapes vary
-        check_fits(self.task, base, resolve_device(s.device))  # a device that is not there; the size guard
+        cfg = resolve_config(task, preset=s.preset, search=True, overrides=flags)
+        base = space.base_config(cfg, lambda c, o: apply_overrides(task, c, o))
+        preflight(task, base, source)  # e.g. CUDA graphs for a task whose shapes vary
+        check_fits(task, base, resolve_device(s.device))  # a device that is not there; the size guard
         return base
 
-    # -- the study --------------------------------------------------------------------------
-    @property
-    def directions(self) -> list[str]:
-        return [o.direction for o in self.objectives]
-
-    @property
-    def multi_objective(self) -> bool:
-        return len(self.objectives) > 1
+    # -- the definition's parts, as callers know them -----------------------------------------------
+    task = property(lambda self: self.definition.task)
+    space = property(lambda self: self.definition.space)
+    objectives = property(lambda self: list(self.definition.objectives))
+    base = property(lambda self: self.definition.base)
+    study_name = property(lambda self: self.definition.study_name)
+    source = property(lambda self: self.definition.source)
+    device = property(lambda self: self.definition.device)
+    directions = property(lambda self: self.definition.directions)
+    multi_objective = property(lambda self: self.definition.multi_objective)
+    data = property(lambda self: self.context.data)
+    store = property(lambda self: self.handle.store)  # the storage of the study `open` (or `adopt`) gave this search
+    current_trial = property(lambda self: self.context.current_trial)  # the trial this worker trains alone, if any
 
     def stacks(self) -> bool:
-        """Whether the task trains cohorts and the base config can join one (headsearch.training.cohort)."""
-        return self.task.stack_refusal is not None and self.task.stack_refusal(self.base) is None
+        return self.definition.stacks()
 
+    # -- the study --------------------------------------------------------------------------
     def sampler_name(self) -> str:
         if self.cost_candidates is not None:
             return COST_AWARE
@@ -128,46 +138,11 @@ class Search:
         return make_sampler(self.sampler_name(), seed=self.settings.seed, trials=self.settings.trials, trial_index=trial_index,
                             curve_direction=self.task.primary.direction if self.multi_objective else None)
 
-    def pruner_name(self) -> str:
-        """The pruning rule: the one asked for, else pareto for several objectives (the simulator's choice:
-        benchmarks/search_quality.py) and Optuna's median for one."""
-        return self.settings.pruner or ("pareto" if self.multi_objective else "median")
-
-    def progress_kinds(self) -> list[str | None]:
-        """What each objective is known by while a trial runs (`ParetoRule`): the primary metric's curve, time,
-        params, epochs; None for another task metric (known only at the end)."""
-        kinds = {"time": "time", "params": "params", "epochs": "epochs", self.task.primary.name: "quality"}
-        return [kinds.get(o.name) for o in self.objectives]
-
-    def _pruner_opts(self) -> dict[str, Any]:
-        s = self.settings
-        # Pruning starts once a quarter of the budget has finished (2 to 5 trials) unless told otherwise.
-        startup = s.pruner_startup_trials if s.pruner_startup_trials is not None else max(2, min(5, s.trials // 4))
-        return dict(n_startup_trials=startup, n_warmup_epochs=s.pruner_warmup_epochs, min_epochs=s.pruner_min_epochs,
-                    reduction_factor=s.pruner_reduction_factor, percentile=s.pruner_percentile)
-
     def make_pruner(self):
-        """(Optuna's pruner, None) for one objective; (None, the curve pruner or None) for several."""
-        s, opts = self.settings, self._pruner_opts()
-        if self.multi_objective:
-            return None, make_curve_pruner(self.pruner_name(), self.task.primary.direction, kinds=self.progress_kinds(),
-                                           noise_margin=s.pruner_noise_margin, noise=s.pruner_noise, **opts)
-        return make_optuna_pruner(self.pruner_name(), epochs=self.base.train.epochs, **opts), None
+        return self.definition.make_pruner()
 
     def pruner_options(self) -> dict[str, Any]:
-        """The pruning rule's settings as it runs (its defaults filled in): rungs, startup, noise margin."""
-        optuna_pruner, curve_pruner = self.make_pruner()
-        rule = curve_pruner if curve_pruner is not None else getattr(optuna_pruner, "rule", None)
-        if rule is None and optuna_pruner is not None:
-            # Optuna's own pruner (median, percentile), built to decide as our curve rule: record that rule's
-            # settings; a rule with no curve counterpart (hyperband) records none.
-            try:
-                rule = make_curve_pruner(self.pruner_name(), "maximize", **self._pruner_opts())
-            except ConfigError:
-                rule = None
-        names = ("min_epochs", "reduction_factor", "n_startup_trials", "n_warmup_epochs", "noise_margin", "noise",
-                 "percentile")
-        return {n: getattr(rule, n) for n in names if rule is not None and hasattr(rule, n)}
+        return self.definition.pruner_options()
 
     def study_attrs(self) -> dict[str, Any]:
         described = self.source.describe()
@@ -175,7 +150,7 @@ class Search:
             "headsearch": {"task": task_reference(self.task), "space": self.space.summary(),
                            "objectives": [o.stored() for o in self.objectives],
                            "primary_metric": self.task.primary.name, "base_config": self.base.to_dict(),
-                           "sampler": self.sampler_name(), "pruner": self.pruner_name(),
+                           "sampler": self.sampler_name(), "pruner": self.definition.pruner_name(),
                            "pruner_options": self.pruner_options(), "seed": self.settings.seed,
                            "trials": self.settings.trials, "epochs": self.base.train.epochs,
                            "run_root": str(Path(self.settings.run_root).resolve() / self.study_name),
@@ -186,10 +161,11 @@ class Search:
         """Create the study, or load it and check it is the same search. The storage it was opened on is
         kept (`store`) for what Optuna's `Trial` has no public method for (`StudyStorage`)."""
         optuna_pruner, _ = self.make_pruner()
-        study, self.store = open_study(
+        study, store = open_study(
             self.settings.storage, self.settings.heartbeat, self.study_name,
             metric_names=[o.name for o in self.objectives], directions=self.directions,
             attrs=self.study_attrs()["headsearch"], sampler=self._first_sampler(), pruner=optuna_pruner)
+        self.handle.bind(store)
         return study
 
     def _first_sampler(self):
@@ -202,41 +178,36 @@ class Search:
     def use_costs(self, study, device, on_cost=None) -> CostSummary:
         """Every architecture's epoch seconds alone (`headsearch.search.costs`), measuring those `study` lacks,
         for the cost-aware sampler to propose from."""
-        summary = measure_costs(self, study, device, on_cost)
-        self.cost_candidates = candidates(self, cost_seconds(self, study, device))
+        summary = measure_costs(self.archs, self.life, self.context.data, study, device, on_cost)
+        self.use_cost_candidates(candidates(self, cost_seconds(self.archs, self.life, study, device)))
         return summary
+
+    def use_cost_candidates(self, known: list) -> None:
+        """The cost-aware sampler proposes from `known` (`cost_sampler.Candidate`s) from now on."""
+        self.cost_candidates = known
 
     def adopt(self, study, storage) -> None:
         """Run this search's trials in `study`, which the caller created on `storage` (an Optuna storage
         object: the simulator's in-memory study), instead of the one `open` would open."""
-        self.store = StudyStorage(storage, study.study_name)
-        self.adopted = True
+        self.handle.bind(StudyStorage(storage, study.study_name))  # no storage URL: no budget lock to share
 
     def store_of(self, study) -> StudyStorage:
-        if self.store is None or self.store.study_name != study.study_name:
-            raise RuntimeError(f"study {study.study_name} was not opened by this search: use Search.open(),"
-                               " or Search.adopt(study, storage) for a study made elsewhere")
-        return self.store
+        return self.handle.store_of(study)
 
     # -- running ------------------------------------------------------------------------------
     def run_worker(self, worker_index: int = 0, callbacks: Sequence[SearchCallback] = (), argv: list[str] | None = None) -> None:
         """Run trials until the study holds `trials` finished ones or `timeout` passes, one at a time or in
         cohorts as the machine's plan says."""
-        study = self.open()
-        device = resolve_device(self.settings.device)
+        study, device = self.open(), self.device
         if self.sampler_name() == COST_AWARE and self.cost_candidates is None:
             self.use_costs(study, device)  # measured before this worker started, unless it is on another machine
-        backend = machine_backend(self, device, self.machine_plan().cohort)
-        self.run(study, backend, device, callbacks, argv)
+        cohort = self.machine_plan().cohort  # planned first: a plan may rebuild the definition
+        self.run(study, machine_backend(self.definition, self.context, device, cohort), device, callbacks, argv)
 
     def run(self, study, backend, device, callbacks: Sequence[SearchCallback] = (), argv: list[str] | None = None) -> None:
         """The one loop (`headsearch.search.loop`) over `backend`: a solo slot, a cohort, or the simulator's table."""
-        TrialLoop(self, study, backend, device, callbacks, argv).run()
-
-    def wait_seconds(self) -> float:
-        """How long a worker waits before counting again while running trials hold the rest of the budget:
-        a tenth of the silence after which a dead worker's trial is failed, between 1 and 10 seconds."""
-        return min(10.0, max(1.0, 0.3 * (self.settings.heartbeat or 10)))
+        TrialLoop(self.settings, self.scheduler, self.life, self.context, self.handle, study, backend, device,
+                  callbacks, argv).run()
 
     # -- the machine ----------------------------------------------------------------------------
     def machine_plan(self) -> Plan:
@@ -247,23 +218,27 @@ class Search:
 
     def use_plan(self, plan: Plan) -> None:
         """Run as `plan` says; a step mode it chose (a measurement's) becomes the trials' `train.compile`
-        unless --compile gave one."""
+        unless --compile gave one: the definition is made again with that base, and its units with it (before
+        any trial: every config they sample is on the planned base)."""
         self._plan = plan
         if plan.compile is not None and self.settings.compile is None:
-            self.base = apply_overrides(self.task, self.base, {"train": {"compile": plan.compile}})
+            base = apply_overrides(self.task, self.base, {"train": {"compile": plan.compile}})
+            if base != self.base:
+                self.definition = dataclasses.replace(self.definition, base=base)
+                self._build_units()
 
     def step_footprint(self):
         """The base config's training footprint (headsearch.models.size), with the FLOPs of an average step on
         the data for a task whose step cost depends on it (`Task.data_footprint`: translation's lengths)."""
         if self.task.data_footprint is not None:
-            return self.task.data_footprint(self.base, self.data.cpu_data())
+            return self.task.data_footprint(self.base, self.data.cpu_data(self.base))
         return self.task.footprint(self.base) if self.task.footprint else None
 
     def check_data(self) -> None:
-        self.data.check()
+        self.data.check(self.base)
 
     def prepare_data(self) -> None:
-        self.data.prepare(resolve_device(self.settings.device))
+        self.data.prepare(self.base, self.device)
 
     # -- the space (SpaceArchitectures) ---------------------------------------------------------
     def architectures(self):

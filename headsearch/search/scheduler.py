@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 from headsearch.config import RunConfig
 from headsearch.errors import ConfigError, HeadsearchError
 from headsearch.search.liveness import SilenceWatch, finished_trial_error, never_beaten, retry_callback
 from headsearch.search.record import arch_summary, config_key, counts_toward_budget, failed_for_good
 from headsearch.search.storage import LockHold, budget_lock
-from headsearch.training.runtime import resolve_device
 
 if TYPE_CHECKING:
-    from headsearch.search.runner import Search
+    from headsearch.search.architectures import SpaceArchitectures
+    from headsearch.search.definition import SearchDefinition
+    from headsearch.search.study import StudyHandle
 
 WAIT = object()  # next_trial: the budget is held by running trials; ask again later
 # Proposals of an architecture some trial holds that the sampler may make in a row before the search takes
@@ -33,20 +34,22 @@ class _OverBudget(Exception):
 
 
 class Scheduler:
-    """Chooses this worker's next trial of `search`'s study; keeps the configs it sampled for their trials."""
+    """Chooses this worker's next trial of a search's study (`handle`'s); keeps the configs it sampled for their
+    trials. `make_sampler(trial_index)`: the search's sampler for the trial about to be asked."""
 
-    def __init__(self, search: "Search"):
-        self.search = search
+    def __init__(self, definition: "SearchDefinition", archs: "SpaceArchitectures", handle: "StudyHandle",
+                 make_sampler: Callable[[int], Any]):
+        self.definition, self.archs, self.handle, self.make_sampler = definition, archs, handle, make_sampler
         self.sampled: dict[int, RunConfig] = {}  # configs sampled under the budget lock, by trial number
-        self.dead = DeadTrials(search)
+        self.dead = DeadTrials(handle)
 
     def next_trial(self, study):
         """The next trial to run under the budget lock, or None (the budget is spent, the space exhausted),
         or WAIT (running trials hold the rest)."""
-        s = self.search
         # A study adopted in this process (the simulator's, in memory) has no other worker to exclude: only a
         # storage URL's lock is taken, and a URL no storage scheme knows is refused there, never left unlocked.
-        lock = contextlib.nullcontext(LockHold("in memory")) if s.adopted else budget_lock(s.settings.storage, s.study_name)
+        store = self.handle.store_of(study)
+        lock = contextlib.nullcontext(LockHold("in memory")) if store.lock_url is None else budget_lock(store.lock_url, store.study_name)
         with lock:
             with warnings.catch_warnings():
                 # Optuna warns that heartbeats go with Study.optimize; ask/tell workers beat themselves (Heartbeat).
@@ -61,14 +64,14 @@ class Scheduler:
     def _next_trial_once(self, study):
         from optuna.trial import TrialState
 
-        s = self.search
+        s, trials_wanted = self.definition, self.definition.settings.trials
         while True:
             self.dead.fail(study)  # a dead worker's trial -> FAIL, re-enqueued as WAITING
             trials = study.get_trials(deepcopy=False)
             waiting = sum(1 for t in trials if t.state == TrialState.WAITING)
             # Failed trials do not count toward the budget; stop if they pile up (every config diverging).
             failed = sum(1 for t in trials if failed_for_good(t))
-            if failed >= max(5, 2 * s.settings.trials):
+            if failed >= max(5, 2 * trials_wanted):
                 raise HeadsearchError(
                     f"{failed} trials failed in study {s.study_name} (see their fail_reason with `headsearch report`):"
                     " fix the cause (e.g. a lower lr) before running more"
@@ -77,8 +80,8 @@ class Scheduler:
             counted = sum(1 for t in trials if counts_toward_budget(t))
             # Nothing left to ask: running trials hold the rest. With heartbeats (leases on a journal), wait for
             # them: one may belong to a dead worker and come back as a retry (or fail and free its place).
-            done = WAIT if running and s.store_of(study).tells_dead_workers else None
-            if waiting == 0 and counted >= s.settings.trials:
+            done = WAIT if running and self.handle.store_of(study).tells_dead_workers else None
+            if waiting == 0 and counted >= trials_wanted:
                 return done
             next_point = getattr(s.space, "next_point", None)  # a grid that says which point comes next
             if next_point is not None and waiting == 0:
@@ -87,7 +90,7 @@ class Scheduler:
                     return done
                 study.enqueue_trial(point)
             if next_point is not None or waiting:  # a grid's point, or an enqueued one (a retry, a warm start)
-                study.sampler = s.make_sampler(len(trials))
+                study.sampler = self.make_sampler(len(trials))
                 trial = self._ask(study)
                 if next_point is not None or self._unless_held(study, trial, trials) is not None:
                     return trial
@@ -100,27 +103,26 @@ class Scheduler:
         is told FAIL with user_attr duplicate_of (neither trained nor counted) and the sampler is asked again,
         reseeded; after DUPLICATE_ASKS such proposals in a row the search takes an architecture no trial holds.
         `done` (None, or WAIT while trials run) when every architecture of the space is held."""
-        s = self.search
         trials = list(trials)
-        if s.archs.exhausted(trials):
+        if self.archs.exhausted(trials):
             return done
         for attempt in range(DUPLICATE_ASKS + 1):
             if attempt == DUPLICATE_ASKS:
-                point = s.archs.untried_point(trials, len(trials))
+                point = self.archs.untried_point(trials, len(trials))
                 if point is None:  # a space too big to list kept giving held points: stop this worker
                     return done
                 study.enqueue_trial(point)
-            study.sampler = s.make_sampler(len(trials))
+            study.sampler = self.make_sampler(len(trials))
             trial = self._ask(study)
             if self._unless_held(study, trial, trials) is not None:
                 return trial
-            trials.append(s.store_of(study).frozen_trial(trial.number))
+            trials.append(self.handle.store_of(study).frozen_trial(trial.number))
         return done  # not reached: the last attempt takes an unheld point or returns
 
     def _ask(self, study):
         """`study.ask()`, its first heartbeat (or lease) recorded at once, under the budget lock, then fenced."""
         trial = study.ask()
-        self.search.store_of(study).beat(trial.number)
+        self.handle.store_of(study).beat(trial.number)
         self._fence(study, trial)
         return trial
 
@@ -136,11 +138,11 @@ class Scheduler:
         # record), where two trials created at once on a database without the lock could share a number.
         mine = trial._trial_id
         before = sum(1 for t in study.get_trials(deepcopy=False) if t._trial_id < mine and counts_toward_budget(t))
-        if before < self.search.settings.trials:
+        if before < self.definition.settings.trials:
             return
         trial.set_user_attr("over_budget", before)
         study.tell(trial, state=TrialState.FAIL)
-        self.search.store_of(study).ended(trial.number)
+        self.handle.store_of(study).ended(trial.number)
         raise _OverBudget
 
     def _unless_held(self, study, trial, trials: list):
@@ -149,14 +151,13 @@ class Scheduler:
         A config that cannot be built is returned as is (its beginning rejects it and says why)."""
         from optuna.trial import TrialState
 
-        s = self.search
         try:
-            cfg = s.archs.sample_config(trial, resolve_device(s.settings.device))
+            cfg = self.archs.sample_config(trial, self.definition.device)
         except ConfigError:
             return trial
         config = cfg.to_dict()
         trial.set_user_attr("config", config)
-        holder = s.archs.holder(trials, config_key(config), trial.number)
+        holder = self.archs.holder(trials, config_key(config), trial.number)
         if holder is None:
             self.sampled[trial.number] = cfg
             return trial
@@ -169,7 +170,7 @@ class Scheduler:
         """The config sampled for `trial` under the lock (recorded already: True), or sampled now (False;
         ConfigError if invalid)."""
         cfg = self.sampled.pop(trial.number, None)
-        return (cfg, True) if cfg is not None else (self.search.archs.sample_config(trial, device), False)
+        return (cfg, True) if cfg is not None else (self.archs.sample_config(trial, device), False)
 
 
 class DeadTrials:
@@ -178,14 +179,14 @@ class DeadTrials:
     between `ask` and its first heartbeat); on a journal file or a Redis journal, trials whose lease was
     not renewed. Silence is judged over 3 heartbeats of this worker's own clock."""
 
-    def __init__(self, search: "Search"):
-        self.search = search
+    def __init__(self, handle: "StudyHandle"):
+        self.handle = handle
         self._silence: SilenceWatch | None = None  # running trials without a sign of life, as this worker saw them
 
     def fail(self, study) -> None:
         from optuna.trial import TrialState
 
-        store = self.search.store_of(study)
+        store = self.handle.store_of(study)
         if not store.tells_dead_workers:
             return
         if self._silence is None:
@@ -212,7 +213,7 @@ class DeadTrials:
         """Tell a dead worker's trial FAIL with `reason` (not counted, holds no architecture) and retry it."""
         from optuna.trial import TrialState
 
-        store = self.search.store_of(study)
+        store = self.handle.store_of(study)
         try:
             store.storage.set_trial_user_attr(trial_id, "fail_reason", reason)
             if not store.storage.set_trial_state_values(trial_id, state=TrialState.FAIL):

@@ -188,7 +188,7 @@ def simulation_search(table: dict[str, Any], *, space: str, trials: int, sampler
                           " finished): a replayed search may sample any of them; build it without --sample, to the end")
     search = Search(settings)
     if search.sampler_name() == COST_AWARE:  # every architecture's epoch seconds known before training: the table's
-        search.cost_candidates = table_candidates(search, table)
+        search.use_cost_candidates(table_candidates(search, table))
     for o in search.objectives:
         if o.convergence is None and o.name != table["primary_metric"]:
             raise ConfigError(f"objective {o.name}: a table records the curve of {table['primary_metric']} only;"

@@ -157,8 +157,12 @@ class StudyStorage:
     frozen record right after it was told.
     """
 
-    def __init__(self, storage, study_name: str, leases=None, heartbeat: int | None = None) -> None:
+    def __init__(self, storage, study_name: str, leases=None, heartbeat: int | None = None,
+                 lock_url: str | None = None) -> None:
         self.storage, self.study_name = storage, study_name
+        # The storage URL whose budget lock guards the study; None for a study made in this process (the
+        # simulator's, in memory): no other worker to exclude.
+        self.lock_url = lock_url
         self.study_id = storage.get_study_id_from_name(study_name)
         self._ids: dict[int, int] = {}  # trial number -> trial id (fixed once the trial exists)
         self.leases = leases  # a journal's or Redis journal's TrialLeases (headsearch.search.liveness), or None
@@ -226,7 +230,24 @@ def open_study(storage_url: str, heartbeat: int | None, study_name: str, *, metr
     else:
         check_same_search(stored, attrs, study_name, storage_url)
     leases = TrialLeases(storage_url, study_name) if TrialLeases.supported(storage_url) else None
-    return study, StudyStorage(storage, study_name, leases=leases, heartbeat=heartbeat)
+    return study, StudyStorage(storage, study_name, leases=leases, heartbeat=heartbeat, lock_url=storage_url)
+
+
+class StudyHandle:
+    """This process's one study: the storage it was opened on (`bind`, by `Search.open` or `Search.adopt`),
+    handed to the units that read or write where Optuna's `Trial` has no method (`StudyStorage`)."""
+
+    def __init__(self) -> None:
+        self.store: StudyStorage | None = None
+
+    def bind(self, store: StudyStorage) -> None:
+        self.store = store
+
+    def store_of(self, study) -> StudyStorage:
+        if self.store is None or self.store.study_name != study.study_name:
+            raise RuntimeError(f"study {study.study_name} was not opened by this search: use Search.open(),"
+                               " or Search.adopt(study, storage) for a study made elsewhere")
+        return self.store
 
 
 def check_same_search(stored: Mapping[str, Any], mine: Mapping[str, Any], study_name: str, storage_url: str) -> None:

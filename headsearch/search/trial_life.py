@@ -17,7 +17,7 @@ from headsearch.analysis.tracking import diversity_callbacks
 from headsearch.config import RunConfig
 from headsearch.errors import ConfigError, Diverged
 from headsearch.search.artifacts import write_trial_link
-from headsearch.search.fairtime import alone_key, device_share, known_epoch_seconds
+from headsearch.search.fairtime import alone_key, known_epoch_seconds
 from headsearch.search.liveness import StorageUnavailable, finished_trial_error
 from headsearch.search.record import arch_summary, record_result
 from headsearch.search.trial_pruning import TrialPruning
@@ -25,7 +25,9 @@ from headsearch.training.clock import AloneClock
 from headsearch.training.trainer import Callback
 
 if TYPE_CHECKING:
-    from headsearch.search.runner import Search
+    from headsearch.search.definition import SearchDefinition, WorkerContext
+    from headsearch.search.scheduler import Scheduler
+    from headsearch.search.study import StudyHandle
 
 
 @dataclass
@@ -61,24 +63,23 @@ def worker_name() -> str:
 
 
 class TrialLife:
-    """Begins and ends the trials of `search` in this worker; holds its hold on the device's lock."""
+    """Begins and ends a search's trials in this worker: their configs from the scheduler, their fair clocks on
+    the worker's seat (`context`), their ends told through the study handle and to the user's Optuna callbacks."""
 
-    def __init__(self, search: "Search"):
-        self.search = search
-        self._share = None
-        # Threads a process alone on this machine uses: what the fair time measures with on a CPU
-        # (a worker among several runs with fewer; `headsearch.search.workers` sets it from the parent's).
-        self.alone_threads: int | None = None
+    def __init__(self, definition: "SearchDefinition", scheduler: "Scheduler", handle: "StudyHandle",
+                 context: "WorkerContext", optuna_callbacks: Sequence = ()):
+        self.definition, self.scheduler, self.handle, self.context = definition, scheduler, handle, context
+        self.optuna_callbacks = optuna_callbacks
 
     def begin(self, study, trial, device, callbacks: Sequence) -> "TrialRun | str":
         """A trial's config, run directory, pruning and fair clock, or the name of the state it ended in
         already ("REJECTED": an invalid config)."""
         from optuna.trial import TrialState
 
-        s = self.search
+        s = self.definition
         trial.set_user_attr("worker", worker_name())
         try:
-            cfg, recorded = s.scheduler.config_of(trial, device)
+            cfg, recorded = self.scheduler.config_of(trial, device)
         except ConfigError as e:
             # An invalid combination (e.g. a head count that does not divide a searched d_model, or a
             # model too big for the device): recorded as such, and never trained.
@@ -94,7 +95,7 @@ class TrialLife:
             cb.on_trial_start(trial.number, cfg)
         _, curve_pruner = s.make_pruner()
         pruning = TrialPruning(study, trial, s.task.primary.name, curve_pruner, s.pruner_name(), not s.multi_objective,
-                               epochs=cfg.train.epochs, store=s.store_of(study))
+                               epochs=cfg.train.epochs, store=self.handle.store_of(study))
         writer = None
         if s.settings.tensorboard is not None:
             from headsearch.training.tensorboard import TensorBoardWriter, trial_dir
@@ -112,13 +113,9 @@ class TrialLife:
     def clock_for(self, study, cfg: RunConfig, device, note_key=None) -> AloneClock:
         """A fair clock for `cfg` on `device` (a trial's, or the cost measurement's: `headsearch.search.costs`);
         `note_key(alone_key)` hears each step mode's key as it is looked up."""
-        import torch
-
         from headsearch.training.fastpath import resolve_mode
 
-        if self.alone_threads is None:
-            self.alone_threads = torch.get_num_threads()
-        share = self.device_share(device)
+        share = self.context.device_share(device)
 
         def recall(step_mode: str) -> float | None:
             key = self.alone_key(cfg, device, step_mode)
@@ -126,22 +123,12 @@ class TrialLife:
                 note_key(key)
             return known_epoch_seconds(study, key)
 
-        intended = resolve_mode(cfg.train, self.search.task, device).describe()
-        return AloneClock(share, known=recall(intended), alone_threads=self.alone_threads, recall=recall)
+        intended = resolve_mode(cfg.train, self.definition.task, device).describe()
+        return AloneClock(share, known=recall(intended), alone_threads=self.context.alone_threads, recall=recall)
 
     def alone_key(self, cfg: RunConfig, device, step_mode: str) -> str:
         """`fairtime.alone_key` as this worker's clocks compute it (a CPU's key names a lone process's threads)."""
-        import torch
-
-        if self.alone_threads is None:
-            self.alone_threads = torch.get_num_threads()
-        return alone_key(cfg, device, self.alone_threads if device.type == "cpu" else None, step_mode)
-
-    def device_share(self, device):
-        """This worker's hold on the device's lock (one per process)."""
-        if self._share is None:
-            self._share = device_share(device)
-        return self._share
+        return alone_key(cfg, device, self.context.alone_threads if device.type == "cpu" else None, step_mode)
 
     def end(self, study, run: TrialRun, result, error: BaseException | None, callbacks: Sequence,
             reraise: bool = True) -> str:
@@ -155,7 +142,7 @@ class TrialLife:
             run.tensorboard.close()
         if isinstance(error, StorageUnavailable):
             raise error
-        store = self.search.store_of(study)
+        store = self.handle.store_of(study)
         try:
             if not store.frozen_trial(run.trial.number).state.is_finished():
                 return self._tell(study, run, result, error, callbacks, reraise)
@@ -177,7 +164,7 @@ class TrialLife:
         import torch
         from optuna.trial import TrialState
 
-        s, trial, pruning = self.search, run.trial, run.pruning
+        s, trial, pruning = self.definition, run.trial, run.pruning
         state, values = TrialState.FAIL, None
         if error is None:
             values = [o.value(result) for o in s.objectives]
@@ -216,10 +203,10 @@ class TrialLife:
     def _call_optuna_callbacks(self, study, number: int) -> None:
         """The user's Optuna callbacks on the trial just told, as `study.optimize` calls them (an exception
         in one stops this worker, as it stops `optimize`)."""
-        if not self.search.optuna_callbacks:
+        if not self.optuna_callbacks:
             return
         frozen = next(t for t in study.get_trials(deepcopy=True) if t.number == number)
-        for callback in self.search.optuna_callbacks:
+        for callback in self.optuna_callbacks:
             callback(study, frozen)
 
 

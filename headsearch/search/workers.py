@@ -233,8 +233,7 @@ COSTS_WORKER = "costs"  # the log and failure files of the process that measures
 
 def _worker_main(settings: SearchSettings, index: int, gpu: str | None, n_processes: int, argv,
                  plan: Plan | None = None, base=None) -> None:
-    search, alone_threads = _worker_search(settings, gpu, n_processes, plan, base)
-    search.life.alone_threads = alone_threads
+    search = _worker_search(settings, gpu, n_processes, plan, base)
     _logged(search, index, lambda: search.run_worker(index, argv=argv))
 
 
@@ -242,14 +241,13 @@ def _costs_main(settings: SearchSettings, gpu: str | None, plan: Plan, base) -> 
     """The process that measures every architecture's cost before the workers start (`measure_costs_first`)."""
     from headsearch.training.runtime import resolve_device
 
-    search, alone_threads = _worker_search(settings, gpu, 1, plan, base)
-    search.life.alone_threads = alone_threads
+    search = _worker_search(settings, gpu, 1, plan, base)
     _logged(search, COSTS_WORKER, lambda: search.use_costs(search.open(), resolve_device(settings.device)))
 
 
 def _worker_search(settings: SearchSettings, gpu: str | None, n_processes: int, plan: Plan | None, base):
     """A worker process's search, pinned to `gpu` (before torch initialises CUDA) and given its share of
-    the CPU's threads; and the threads a process alone here uses (the fair time's measure)."""
+    the CPU's threads, knowing the threads a process alone here uses (the fair time's measure)."""
     if gpu is not None:
         # The parent's own name for the GPU (CUDA_VISIBLE_DEVICES "2,3" gives "2" and "3"), set before
         # torch initialises CUDA in this process, which then sees it as cuda:0.
@@ -261,10 +259,11 @@ def _worker_search(settings: SearchSettings, gpu: str | None, n_processes: int, 
     if gpu is None:
         torch.set_num_threads(plan.threads if plan is not None and plan.threads else share)
 
-    search = Search(settings, resolved_base=base)  # the parent resolved and checked the config: not again
+    # The parent resolved and checked the config: not again.
+    search = Search(settings, resolved_base=base, alone_threads=alone_threads)
     if plan is not None:
         search.use_plan(plan)  # the parent's: a worker sees one GPU and would plan otherwise
-    return search, alone_threads
+    return search
 
 
 def _logged(search, index, body: Callable[[], object]) -> None:

@@ -1,0 +1,117 @@
+"""The doors between a search's units: what they are built with instead of the `Search` that owns them.
+
+- `SearchDefinition`: what the search is, frozen once its base config is resolved (and the machine's plan
+  applied to it): settings, task, space, objectives, study name, data source, base config, device; and the
+  pruning rule those settle. A unit reads it and cannot change it.
+- `WorkerContext`: what one worker process holds across its trials: its seat on the device (the fair
+  clock's lock), the data it loaded, the threads a process alone here uses, the trial it trains alone.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from headsearch.config import RunConfig
+from headsearch.errors import ConfigError
+from headsearch.search.fairtime import device_share
+from headsearch.search.objectives import Objective
+from headsearch.search.pruning import make_curve_pruner, make_optuna_pruner
+from headsearch.search.settings import SearchSettings
+from headsearch.search.space import SearchSpace
+from headsearch.tasks import DataSource, Task
+
+
+@dataclass(frozen=True)
+class SearchDefinition:
+    """A search as its settings and the plan define it; `Search` builds it once per process (and again,
+    before any trial, when the machine's plan changes the base config's step mode)."""
+
+    settings: SearchSettings
+    task: Task
+    space: SearchSpace
+    objectives: tuple[Objective, ...]
+    study_name: str
+    source: DataSource
+    base: RunConfig
+    device: Any  # the torch.device `settings.device` resolves to in this process
+
+    @property
+    def directions(self) -> list[str]:
+        return [o.direction for o in self.objectives]
+
+    @property
+    def multi_objective(self) -> bool:
+        return len(self.objectives) > 1
+
+    def stacks(self) -> bool:
+        """Whether the task trains cohorts and the base config can join one (headsearch.training.cohort)."""
+        return self.task.stack_refusal is not None and self.task.stack_refusal(self.base) is None
+
+    # -- pruning ----------------------------------------------------------------------------------
+    def pruner_name(self) -> str:
+        """The pruning rule: the one asked for, else pareto for several objectives (the simulator's choice:
+        benchmarks/search_quality.py) and Optuna's median for one."""
+        return self.settings.pruner or ("pareto" if self.multi_objective else "median")
+
+    def progress_kinds(self) -> list[str | None]:
+        """What each objective is known by while a trial runs (`ParetoRule`): the primary metric's curve, time,
+        params, epochs; None for another task metric (known only at the end)."""
+        kinds = {"time": "time", "params": "params", "epochs": "epochs", self.task.primary.name: "quality"}
+        return [kinds.get(o.name) for o in self.objectives]
+
+    def _pruner_opts(self) -> dict[str, Any]:
+        s = self.settings
+        # Pruning starts once a quarter of the budget has finished (2 to 5 trials) unless told otherwise.
+        startup = s.pruner_startup_trials if s.pruner_startup_trials is not None else max(2, min(5, s.trials // 4))
+        return dict(n_startup_trials=startup, n_warmup_epochs=s.pruner_warmup_epochs, min_epochs=s.pruner_min_epochs,
+                    reduction_factor=s.pruner_reduction_factor, percentile=s.pruner_percentile)
+
+    def make_pruner(self):
+        """(Optuna's pruner, None) for one objective; (None, the curve pruner or None) for several."""
+        s, opts = self.settings, self._pruner_opts()
+        if self.multi_objective:
+            return None, make_curve_pruner(self.pruner_name(), self.task.primary.direction, kinds=self.progress_kinds(),
+                                           noise_margin=s.pruner_noise_margin, noise=s.pruner_noise, **opts)
+        return make_optuna_pruner(self.pruner_name(), epochs=self.base.train.epochs, **opts), None
+
+    def pruner_options(self) -> dict[str, Any]:
+        """The pruning rule's settings as it runs (its defaults filled in): rungs, startup, noise margin."""
+        optuna_pruner, curve_pruner = self.make_pruner()
+        rule = curve_pruner if curve_pruner is not None else getattr(optuna_pruner, "rule", None)
+        if rule is None and optuna_pruner is not None:
+            # Optuna's own pruner (median, percentile), built to decide as our curve rule: record that rule's
+            # settings; a rule with no curve counterpart (hyperband) records none.
+            try:
+                rule = make_curve_pruner(self.pruner_name(), "maximize", **self._pruner_opts())
+            except ConfigError:
+                rule = None
+        names = ("min_epochs", "reduction_factor", "n_startup_trials", "n_warmup_epochs", "noise_margin", "noise",
+                 "percentile")
+        return {n: getattr(rule, n) for n in names if rule is not None and hasattr(rule, n)}
+
+
+class WorkerContext:
+    """What one worker process holds across its trials (and across a rebuilt definition): its data cache, its
+    hold on the device's lock, the threads a process alone on this machine uses (what the fair time measures
+    with on a CPU; a worker among several runs with fewer: `headsearch.search.workers` gives the parent's),
+    and the number of the trial it trains alone, if any (its failure line names it)."""
+
+    def __init__(self, data, alone_threads: int | None = None):
+        self.data = data
+        self._alone_threads = alone_threads
+        self._share = None
+        self.current_trial: int | None = None
+
+    @property
+    def alone_threads(self) -> int:
+        if self._alone_threads is None:
+            import torch
+
+            self._alone_threads = torch.get_num_threads()
+        return self._alone_threads
+
+    def device_share(self, device):
+        """This worker's hold on the device's lock (one per process)."""
+        if self._share is None:
+            self._share = device_share(device)
+        return self._share
