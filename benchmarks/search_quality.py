@@ -21,7 +21,13 @@ from pathlib import Path
 from common import ROOT, markdown_table, parser, report
 
 DEFAULT_TABLE = ROOT / "benchmarks" / "tables" / "vit-cifar10-deep-head-tiny.json"
-PRUNERS = ("pareto", "multi-metric", "median", "percentile", "asha", "none")
+
+def several_objective_pruners() -> list[str]:
+    """The pruning rules of the registry that judge several objectives (hyperband judges one)."""
+    from headsearch.search.pruning.registry import RULES
+
+    return [name for name, rule in RULES.items() if callable(rule.several)]
+
 ORACLE = "oracle"  # --samplers oracle: the true front's architectures first (`_front_first`)
 
 
@@ -32,8 +38,8 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=100, help="replays per row (sampler seeds 0..N-1)")
     p.add_argument("--budgets", default=None, help="comma list of --trials (default: the space's size and 12)")
     p.add_argument("--workers", default="1,4", help="comma list of workers replayed")
-    p.add_argument("--pruners", default=",".join(PRUNERS),
-                   help="comma list of pruners; NAME@MxR (pareto, asha) sets the rungs: first at epoch M, then x R, the top"
+    p.add_argument("--pruners", default=None,
+                   help="comma list of pruners (default: every rule of the registry that judges several objectives); NAME@MxR (pareto, asha) sets the rungs: first at epoch M, then x R, the top"
                         " 1/R going on; NAME~Z (pareto) the noise margin in sigmas (pareto@2x2~1); #S the startup trials (pareto#8)")
     p.add_argument("--samplers", default=None,
                    help="comma list of samplers (nsga2, tpe, random, gp; cost: the cost-aware sampler with the table's epoch"
@@ -55,7 +61,7 @@ def main() -> None:
     if size < table.get("architectures_in_space", size):
         return _list_sample(table, args)
     budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else [size, 12]
-    pruners = args.pruners.split(",")
+    pruners = args.pruners.split(",") if args.pruners else several_objective_pruners()
     samplers = _samplers(args.samplers, args.seeds, default_sampler(None, 2))
     rows, notes = [], []
     t0 = time.perf_counter()

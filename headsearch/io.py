@@ -13,17 +13,6 @@ import tempfile
 from pathlib import Path
 
 
-def env_flag(name: str) -> bool:
-    """Whether the environment variable `name` turns something on (1, true, yes or on, any case)."""
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def cache_root() -> Path:
-    """headsearch's cache folder (compiled kernels, tokenizers, `headsearch bench` measurements):
-    $HEADSEARCH_CACHE, else ~/.cache/headsearch."""
-    return Path(os.environ.get("HEADSEARCH_CACHE", Path.home() / ".cache" / "headsearch"))
-
-
 def folder_problem(root: Path, purpose: str) -> str | None:
     """What stops `root` being (or becoming, with its missing parents) a writable folder for `purpose`, as
     the rest of a sentence that starts with the option and `root`, advice included; None if nothing."""

@@ -28,6 +28,7 @@ from test_custom_task import NAME, SPACE, TASK
 from headsearch.search.storage import timings
 from headsearch.search.liveness import TrialLeases
 from headsearch.search.runner import WAIT, Search, SearchSettings
+from headsearch.search.scheduler import enqueue_first
 from headsearch.search.snapshot import trial_state
 from test_search import load, shared_storage
 
@@ -69,6 +70,7 @@ registry._REGISTRY[NAME] = TASK
 from headsearch.search.storage import timings
 timings.LOCK_SILENCE, timings.LOCK_RENEW = 1.0, 0.2
 from headsearch.search.runner import WAIT, Search, SearchSettings
+from headsearch.search.scheduler import enqueue_first
 search = Search(SearchSettings(**{settings!r}))
 study = search.open()
 if {pause!r}:
@@ -189,8 +191,8 @@ def test_enqueued_trials_beyond_the_budget_are_fenced_not_trained(tmp_path, plan
     url = f"sqlite:///{tmp_path / 'h.db'}"
     search = Search(settings(tmp_path, url, "s", trials=2))
     study = search.open()
-    archs = list(search.architectures().values())[:3]
-    assert search.enqueue(study, archs) == [0, 1, 2]
+    archs = list(search.archs.listing().values())[:3]
+    assert enqueue_first(study, archs) == [0, 1, 2]
     search.run_worker()
     trials = load(url, "s").get_trials(deepcopy=False)
     assert [trial_state(t) for t in trials] == ["complete", "complete", "over_budget"]

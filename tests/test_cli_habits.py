@@ -127,7 +127,7 @@ def test_enqueued_architectures_are_trained_first_and_never_twice(cli, tmp_path,
                                "--data-dir", cifar_dir, "--enqueue", examples / "ham-b.yaml"]), "ham-b.yaml")
     assert "is not an architecture of space deep-head" in line and not (tmp_path / "other.db").exists()
     s = Search(SearchSettings(task="vit-cifar10", space="ham", preset="tiny", device="cpu"))
-    assert s.params_of(examples / "vit-classic.yaml") == {"schedule": "uniform", "heads": 4, "skip": "none", "fusion": "none"}
+    assert s.archs.params_of(examples / "vit-classic.yaml") == {"schedule": "uniform", "heads": 4, "skip": "none", "fusion": "none"}
 
 
 TRACKER = '''

@@ -74,7 +74,7 @@ def test_every_architecture_is_measured_before_the_first_trial_and_stored_under_
     study = cost_search["study"]
     stored = stored_costs(study)
     assert len(stored) == 6 == len(heard) and [h[:2] for h in heard] == [(i, 6) for i in range(1, 7)]
-    assert {c["config_key"] for c in stored.values()} == set(search.architectures())
+    assert {c["config_key"] for c in stored.values()} == set(search.archs.listing())
     assert all(c["epoch_seconds_alone"] > 0 and c["seconds"] > 0 and c["source"] == "measured" for c in stored.values())
     # Measured before any trial: each trial starts after the last cost was stored (the study's first trial is the
     # first one asked, after the plan line).

@@ -486,10 +486,10 @@ BAD_RUN_INPUTS = {
     "storage folder missing": (lambda tmp, _: ["--storage", f"sqlite:///{tmp}/nowhere/h.db"], "does not exist"),
     "zero trials": (lambda tmp, _: ["--trials", "0"], "at least 1"),
     "missing data file": (lambda tmp, _: ["--data-file", str(tmp / "nope.txt")], "does not exist"),
-    "negative pruner startup": (lambda tmp, _: ["--pruner-startup", "-1"], "n_startup_trials must be an integer >= 0"),
-    "negative pruner warm-up": (lambda tmp, _: ["--pruner-warmup", "-1"], "n_warmup_epochs must be an integer >= 0"),
+    "negative pruner startup": (lambda tmp, _: ["--pruner-startup", "-1"], "--pruner-startup -1: give a number of trials >= 0"),
+    "negative pruner warm-up": (lambda tmp, _: ["--pruner-warmup", "-1"], "--pruner-warmup -1: give a number of epochs >= 0"),
     "pruner percentile over 100": (lambda tmp, _: ["--pruner", "percentile", "--pruner-percentile", "150"],
-                                   "percentile must be a number in [0, 100], got 150.0"),
+                                   "--pruner-percentile 150.0: give a percentile in [0, 100]"),
     "workers and trials per GPU": (lambda tmp, _: ["--workers", "2", "--trials-per-gpu", "2"],
                                    "--workers and --trials-per-gpu both set the number of worker processes: pass one of them"),
     "workers 1 and trials per GPU": (lambda tmp, _: ["--workers", "1", "--trials-per-gpu", "1"], "pass one of them"),
@@ -522,8 +522,8 @@ def _file(path: Path, text: str) -> Path:
 def _folder(path: Path) -> Path:
     path.mkdir()
     return path
-# Checked only when the study is opened, after the storage (the SQLite file) was created: see
-# test_pruner_options_are_checked_before_the_storage_is_created.
+# Once checked only when the study was opened, after the storage (the SQLite file) was created; now with the
+# settings (search/settings.py's PRUNING_VALUES): test_pruner_options_are_checked_before_the_storage_is_created.
 LATE_CHECKS = ("negative pruner startup", "negative pruner warm-up", "pruner percentile over 100")
 
 

@@ -76,22 +76,22 @@ def test_a_space_lists_its_distinct_architectures(tmp_path, spa_file, tiny_trans
     space = write_space(tmp_path / "s.yaml", tiny_translation,
                         schedule={"families": ["uniform", "halving", "doubling"], "heads": [1, 2]}, skip=("none", "output"))
     search = Search(settings(tmp_path, spa_file, space, trials=50))
-    archs = search.architectures()
+    archs = search.archs.listing()
     layers = search.base.arch.enc_layers
     schedules = {tuple(json.loads(k)["arch"]["enc_heads"]) for k in archs}
     assert schedules == {(1,) * layers, (2,) * layers, (2,) + (1,) * (layers - 1), (1,) * (layers - 1) + (2,)}
     assert len(archs) == 4 * 2  # x two skips
-    assert search.trial_target() == 8
-    assert search.space_line() == ("space s holds 8 distinct architectures, fewer than --trials 50: each is trained once"
+    assert search.archs.trial_target() == 8
+    assert search.archs.space_line() == ("space s holds 8 distinct architectures, fewer than --trials 50: each is trained once"
                                    " and the search ends")
-    assert Search(settings(tmp_path, spa_file, space, trials=8)).space_line() is None
+    assert Search(settings(tmp_path, spa_file, space, trials=8)).archs.space_line() is None
     ranged = write_space(tmp_path / "r.yaml", tiny_translation, schedule={"heads": [1, 2]}, ranges={"lr": {"low": 1e-4, "high": 1e-2}})
-    assert Search(settings(tmp_path, spa_file, ranged)).architectures() is None
+    assert Search(settings(tmp_path, spa_file, ranged)).archs.listing() is None
 
 
 def test_the_deep_head_space_on_the_tiny_vit_holds_39_architectures():
     search = Search(SearchSettings(task="vit-cifar10", space="deep-head", preset="tiny", device="cpu"))
-    assert len(search.architectures()) == 39  # issue 23: 3 families x 5 head counts dividing 48 x 3 skips, less 6 repeats
+    assert len(search.archs.listing()) == 39  # issue 23: 3 families x 5 head counts dividing 48 x 3 skips, less 6 repeats
 
 
 # ----------------------------------------------------------------- duplicates and an exhausted space
@@ -105,7 +105,7 @@ def test_duplicates_are_neither_trained_nor_counted_and_an_exhausted_space_ends_
                         epochs=1)
     s = settings(tmp_path, spa_file, space, trials=5, sampler="random", pruner="none")
     search = Search(s)
-    assert len(search.architectures()) == 3
+    assert len(search.archs.listing()) == 3
     search.run_worker()
     study = load(s.storage)
     trials = study.get_trials(deepcopy=False)
@@ -416,7 +416,7 @@ def fixed_speeds(monkeypatch) -> None:
     def alone_clock(self, study, trial, cfg, device):
         a = cfg.arch
         heads = [*a.enc_heads, *a.dec_heads]
-        return AloneClock(self.device_share(device), known=1.0 + 0.05 * sum(heads) + 0.25 * (a.skip != "none"))
+        return AloneClock(self.context.device_share(device), known=1.0 + 0.05 * sum(heads) + 0.25 * (a.skip != "none"))
 
     monkeypatch.setattr(TrialLife, "alone_clock", alone_clock)
 
@@ -567,7 +567,7 @@ def test_a_table_that_lacks_an_architecture_says_so(tmp_path):
 def test_the_ham_space_lists_nine_architectures():
     space = load_space("ham")
     assert len(space.skips) * len(space.fusions) == 9
-    assert len(Search(SearchSettings(task="vit-cifar10", space="ham", preset="tiny", device="cpu")).architectures()) == 9
+    assert len(Search(SearchSettings(task="vit-cifar10", space="ham", preset="tiny", device="cpu")).archs.listing()) == 9
 
 
 def test_the_default_pareto_rule_judges_at_epochs_3_9_27_and_a_search_can_set_its_rungs(tmp_path):
@@ -598,7 +598,7 @@ def equal_speeds(monkeypatch, seconds: float = 1.0) -> None:
     from headsearch.training.clock import AloneClock
 
     def alone_clock(self, study, trial, cfg, device):
-        return AloneClock(self.device_share(device), known=seconds)
+        return AloneClock(self.context.device_share(device), known=seconds)
 
     monkeypatch.setattr(TrialLife, "alone_clock", alone_clock)
 

@@ -94,9 +94,9 @@ def test_a_search_rejects_a_sampled_architecture_too_big_for_the_device(tmp_path
                                    device="cpu", run_root=str(tmp_path / "runs")))
     trial = optuna.trial.FixedTrial({"d_model": 4_000_000, "schedule": "uniform", "heads": 4, "skip": "none", "fusion": "none"})
     with pytest.raises(ConfigError, match="this architecture needs about"):
-        search.sample_config(trial, resolve_device("cpu"))
+        search.archs.sample_config(trial, resolve_device("cpu"))
     small = optuna.trial.FixedTrial({"d_model": 48, "schedule": "uniform", "heads": 4, "skip": "none", "fusion": "none"})
-    assert search.sample_config(small, resolve_device("cpu")).arch.d_model == 48
+    assert search.archs.sample_config(small, resolve_device("cpu")).arch.d_model == 48
 
 
 # -- FLOPs of a training step ---------------------------------------------------------------------------

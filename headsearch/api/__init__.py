@@ -63,9 +63,11 @@ def train(task: str, config: str | Path | Mapping[str, Any] | None = None, *, pr
     trainer callbacks, called before the diversity tracker; `tensorboard` a folder for per-epoch TensorBoard
     scalars (`--tensorboard`, the `tensorboard` extra); `argv` the command recorded in command.txt."""
     from headsearch.analysis.tracking import diversity_callbacks
+    from headsearch.environment import check_environment
     from headsearch.tasks import flag_overrides, resolve_config
     from headsearch.training import train_run
 
+    check_environment()  # a bad HEADSEARCH_* value: one line before the run directory exists
     flags = flag_overrides(epochs=epochs, seed=seed, compile=compile, diversity_samples=track_diversity,
                            sets=dict(sets) if sets else sets)
     cfg = resolve_config(task, preset=preset, config=Path(config) if isinstance(config, str) else config, overrides=flags)
@@ -87,8 +89,8 @@ def search_study(task: str, *, space: str = "deep-head", trials: int = 50, stora
                               data_dir=str(data_dir) if data_dir else None,
                               data_file=str(data_file) if data_file else None, run_root=str(run_root),
                               tensorboard=str(tensorboard) if tensorboard is not None else None, **settings))
-    first = [s.params_of(c) for c in enqueue]  # a config the space does not hold: before any study exists
-    return _train_trials(s, s.trial_target(), watch, argv, first=first)
+    first = [s.archs.params_of(c) for c in enqueue]  # a config the space does not hold: before any study exists
+    return _train_trials(s, s.archs.trial_target(), watch, argv, first=first)
 
 
 def search(task: str, *, space: str = "deep-head", trials: int = 50, storage: str = DEFAULT_STORAGE,
@@ -194,11 +196,12 @@ def _train_trials(s, trials: int, watch: Callable | None, argv: Sequence[str] | 
                   grid=None):
     """Open (or resume) the study of Search `s`, enqueue `first`, run its trials under `watch` (module
     docstring); the study. Failed worker processes raise `SearchFailed` once the watch has stopped."""
+    from headsearch.search.scheduler import enqueue_first
     from headsearch.search.workers import failure_line, open_search, run_search
 
     study = open_search(s)  # malformed data fails here, before a study exists
     if first is not None:
-        s.enqueue(study, first)
+        enqueue_first(study, first)
     with (watch(study, trials, grid) if watch is not None else nullcontext()) as display:
         hooks = dict(poll=display.refresh, announce=display.announce, on_cost=display.on_cost) if display is not None else {}
         failures = run_search(s, [display] if display is not None else [], argv=list(argv) if argv else None, **hooks)

@@ -7,7 +7,6 @@ print through `output_console`, whose lines are never wrapped there."""
 from __future__ import annotations
 
 import math
-import os
 import socket
 import time
 from contextlib import contextmanager
@@ -47,18 +46,10 @@ def log_title(title: str, console: Console):
 
 def status_every() -> float:
     """`STATUS_EVERY`, or the seconds HEADSEARCH_STATUS_EVERY gives."""
-    from headsearch.errors import HeadsearchError
+    from headsearch.environment import env_value
 
-    raw = os.environ.get("HEADSEARCH_STATUS_EVERY", "").strip()
-    if not raw:
-        return STATUS_EVERY
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = math.nan
-    if not (seconds > 0 and math.isfinite(seconds)):
-        raise HeadsearchError(f"HEADSEARCH_STATUS_EVERY={raw!r}: give the seconds between status lines, a number above 0")
-    return seconds
+    seconds = env_value("HEADSEARCH_STATUS_EVERY")
+    return STATUS_EVERY if seconds is None else seconds
 
 
 def duration(seconds: float) -> str:

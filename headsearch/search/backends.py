@@ -125,7 +125,7 @@ class DataCache:
 
 def soft_columns(definition: "SearchDefinition") -> int | None:
     """The soft-branch width a cohort keeps (None: the space never fuses): enough for the fewest heads it may sample."""
-    from headdefinition.models.cohort import soft_width
+    from headsearch.models.cohort import soft_width
 
     space = definition.space
     if all(f == "none" for f in space.fusions) and definition.base.arch.fusion == "none":
@@ -141,7 +141,7 @@ def machine_backend(definition: "SearchDefinition", context: "WorkerContext", de
     worker's hold on the device's lock)."""
     if cohort_size <= 1:
         return SoloBackend(device)
-    from headdefinition.training.cohort import Cohort
+    from headsearch.training.cohort import Cohort
 
     return Cohort(definition.task, cohort_size, device, soft_columns=soft_columns(definition),
                   share=context.device_share(device))

@@ -23,17 +23,9 @@ def front_indices(points: Sequence[Sequence[float]]) -> list[int]:
 
 def hypervolume(points: Sequence[Sequence[float]], reference: Sequence[float]) -> float:
     """Optuna's hypervolume of `points` (minimised) up to `reference`; 0 for no points."""
-    import numpy as np
+    from headsearch.search.optuna_private import compute_hypervolume
 
-    if not points:
-        return 0.0
-    try:
-        from optuna._hypervolume import compute_hypervolume
-    except ImportError:  # Optuna before 4.1: the WFG class
-        from optuna._hypervolume import WFG
-
-        return float(WFG().compute(np.asarray(points, dtype=float), np.asarray(reference, dtype=float)))
-    return float(compute_hypervolume(np.asarray(points, dtype=float), np.asarray(reference, dtype=float)))
+    return compute_hypervolume(points, reference) if points else 0.0
 
 
 def scale_minimised(values: Sequence[Sequence[float]], directions: Sequence[str]) -> list[list[float]]:

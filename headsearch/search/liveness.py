@@ -24,10 +24,10 @@ import zlib
 from pathlib import Path
 from typing import Any, Callable
 
+from headsearch.environment import env_value
 from headsearch.errors import HeadsearchError, cause_chain
+from headsearch.search.optuna_private import PRIVATE_STORAGE_CALLS, inner_backend
 from headsearch.search.storage.locks import Silence
-
-STORAGE_PATIENCE = 120.0  # seconds a storage may be unreachable before the search stops (HEADSEARCH_STORAGE_PATIENCE)
 
 
 class StorageUnavailable(HeadsearchError):
@@ -35,11 +35,7 @@ class StorageUnavailable(HeadsearchError):
 
 
 def storage_patience() -> float:
-    raw = os.environ.get("HEADSEARCH_STORAGE_PATIENCE")
-    try:
-        return float(raw) if raw else STORAGE_PATIENCE
-    except ValueError:
-        raise HeadsearchError(f"HEADSEARCH_STORAGE_PATIENCE={raw!r} is not a number of seconds: unset it or give e.g. 120") from None
+    return env_value("HEADSEARCH_STORAGE_PATIENCE")
 
 
 # The driver errors that mean the server is not there, or not now (not a bad query, not a constraint).
@@ -67,9 +63,7 @@ RETRIED = ("create_new_study", "delete_study", "set_study_user_attr", "set_study
            "get_trial_number_from_id", "get_trial_param", "set_trial_state_values", "set_trial_intermediate_value",
            "set_trial_user_attr", "set_trial_system_attr", "get_trial", "get_all_trials", "get_n_trials",
            "get_best_trial", "get_trial_params", "get_trial_user_attrs", "get_trial_system_attrs",
-           "record_heartbeat", "_get_stale_trial_ids", "read_logs", "append_logs",
-           # what Optuna's cache in front of a database storage calls (private, Optuna 4.0 to 5.0)
-           "_create_new_trial", "_get_best_trial_id", "_get_trials", "_set_trial_param")
+           "record_heartbeat", "read_logs", "append_logs", *PRIVATE_STORAGE_CALLS)
 
 
 class _Notice:
@@ -95,7 +89,7 @@ def patient(storage, url: str, patience: float | None = None, say: Callable[[str
     say = say or _Notice()
     # A journal's calls are retried at its backend's reads and appends (retrying a whole storage call would
     # append its records twice); a database's at each storage call (each is one transaction).
-    backend = getattr(storage, "_backend", None)
+    backend = inner_backend(storage)
     _make_patient(backend if backend is not None else storage, url, patience, say)
     return storage
 
@@ -226,20 +220,6 @@ class SilenceWatch:
 
     def forget(self, key: Any) -> None:
         self._seen.pop(key, None)
-
-
-def never_beaten(storage, study_id: int) -> list[int]:
-    """Ids of the study's RUNNING trials that have no heartbeat record (an RDB storage): a worker killed
-    between `ask` and its first heartbeat leaves one, which Optuna's `fail_stale_trials` never fails."""
-    import sqlalchemy as sa
-
-    engine = getattr(storage, "engine", None) or getattr(getattr(storage, "_backend", None), "engine", None)
-    if engine is None:
-        return []
-    query = sa.text("SELECT t.trial_id FROM trials t LEFT JOIN trial_heartbeats h ON h.trial_id = t.trial_id"
-                    " WHERE t.study_id = :s AND t.state = 'RUNNING' AND h.trial_id IS NULL")
-    with engine.connect() as conn:
-        return [row[0] for row in conn.execute(query, {"s": study_id})]
 
 
 def finished_trial_error() -> type[Exception]:

@@ -19,7 +19,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from headsearch.io import cache_root, write_atomic
+from headsearch.environment import cache_root
+from headsearch.io import write_atomic
 
 PROCESSES, COHORT = "processes", "cohort"
 # Training fields that change what one step costs (the learning rate and the like do not).

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from headsearch.search.optuna_private import TrialNoteTarget, note_body, study_storage
 from headsearch.search.pruning import rule_rungs, rung_epochs
 
 NOTES_KEY = "headsearch:notes"  # {"study" | "trial:<number>": digest of the note headsearch wrote there}
@@ -175,16 +176,6 @@ def _pruned_by_headsearch(t) -> bool:
 
 # -- writing them ------------------------------------------------------------------------------------
 
-@dataclass
-class _TrialNoteTarget:
-    """What `optuna_dashboard.save_note` reads of an `optuna.Trial` (its storage, study and trial id), for a
-    finished trial: making it an `optuna.Trial` again would run the sampler's `before_trial` on it."""
-
-    storage: Any
-    study: Any
-    _trial_id: int
-
-
 def _digest(body: str) -> str:
     return hashlib.sha256(body.encode()).hexdigest()[:16]
 
@@ -192,7 +183,6 @@ def _digest(body: str) -> str:
 def write_dashboard_notes(study) -> NotesWritten:
     """Write the notes (see the module docstring) into `study`'s storage. ImportError without optuna-dashboard."""
     from optuna_dashboard import save_note
-    from optuna_dashboard._note import get_note_from_system_attrs
 
     from headsearch.errors import HeadsearchError
     from headsearch.search.audit import primary_direction
@@ -202,13 +192,13 @@ def write_dashboard_notes(study) -> NotesWritten:
         direction = primary_direction(study, meta)
     except HeadsearchError:
         direction = None
-    storage, study_id = study._storage, study._study_id  # what save_note itself reads of a Study
+    storage, study_id = study_storage(study)
     attrs = storage.get_study_system_attrs(study_id)
     ours = dict(attrs.get(NOTES_KEY) or {})
     done = NotesWritten()
 
     def write(key: str, name: str, target, trial_id: int | None, body: str) -> None:
-        current = get_note_from_system_attrs(attrs, trial_id)["body"]
+        current = note_body(attrs, trial_id)
         if current == body:
             done.unchanged.append(name)
         elif current and ours.get(key) != _digest(current):
@@ -221,7 +211,7 @@ def write_dashboard_notes(study) -> NotesWritten:
     for t in study.get_trials(deepcopy=False):
         if _pruned_by_headsearch(t):
             trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, t.number)
-            write(f"trial:{t.number}", f"trial {t.number}", _TrialNoteTarget(storage, study, trial_id), trial_id,
+            write(f"trial:{t.number}", f"trial {t.number}", TrialNoteTarget(storage, study, trial_id), trial_id,
                   pruned_note(t, meta, direction))
     if meta:
         write("study", "study", study, None, study_note(study, meta))

@@ -27,7 +27,7 @@ from headsearch.search.objectives import Objective, directions_of, objectives_of
 from headsearch.search.ranks import metric_direction as _metric_direction  # the name audit.py imports from here
 from headsearch.search.ranks import spearman
 from headsearch.search.record import was_trained
-from headsearch.search.snapshot import TRIAL_STATES, count_states, trial_state
+from headsearch.search.snapshot import count_states, trial_state
 from headsearch.search.storage import check_sqlite_file, journal_path, open_storage, sqlite_path
 
 if TYPE_CHECKING:

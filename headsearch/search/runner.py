@@ -27,10 +27,10 @@ from headsearch.search.cost_sampler import COST_AWARE, candidates, cost_aware_sa
 from headsearch.search.costs import CostSummary, check_cost_search, cost_seconds, measure_costs
 from headsearch.search.definition import SearchDefinition, WorkerContext
 from headsearch.search.loop import TrialLoop
-from headsearch.search.objectives import Objective, resolve_objectives
+from headsearch.search.objectives import resolve_objectives
 from headsearch.search.plan import Plan, plan_search
 from headsearch.search.record import arch_summary, config_key, holds_architecture, record_result
-from headsearch.search.scheduler import DUPLICATE_ASKS, WAIT, Scheduler, enqueue_first
+from headsearch.search.scheduler import DUPLICATE_ASKS, WAIT, Scheduler
 from headsearch.search.settings import SearchSettings, check_settings, load_callback
 from headsearch.search.space import SearchSpace, load_space
 from headsearch.search.study import StudyHandle, StudyStorage, check_sampler, default_sampler, make_sampler, open_study
@@ -239,22 +239,3 @@ class Search:
 
     def prepare_data(self) -> None:
         self.data.prepare(self.base, self.device)
-
-    # -- the space (SpaceArchitectures) ---------------------------------------------------------
-    def architectures(self):
-        return self.archs.listing()
-
-    def params_of(self, config) -> dict[str, Any]:
-        return self.archs.params_of(config)
-
-    def sample_config(self, trial, device) -> RunConfig:
-        return self.archs.sample_config(trial, device)
-
-    def trial_target(self) -> int:
-        return self.archs.trial_target()
-
-    def space_line(self) -> str | None:
-        return self.archs.space_line()
-
-    def enqueue(self, study, params: Sequence[dict[str, Any]]) -> list[int]:
-        return enqueue_first(study, params)

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from headsearch.config import RunConfig
 from headsearch.errors import ConfigError, HeadsearchError
-from headsearch.search.liveness import SilenceWatch, finished_trial_error, never_beaten, retry_callback
+from headsearch.search.liveness import SilenceWatch, finished_trial_error, retry_callback
+from headsearch.search.optuna_private import running_without_heartbeat, stale_trial_ids, trial_id
 from headsearch.search.record import arch_summary, config_key, counts_toward_budget, failed_for_good
 from headsearch.search.storage import LockHold, budget_lock
 
@@ -136,8 +137,8 @@ class Scheduler:
 
         # Trial ids, not numbers: an id is the storage's order of creation (a database's key, a journal's
         # record), where two trials created at once on a database without the lock could share a number.
-        mine = trial._trial_id
-        before = sum(1 for t in study.get_trials(deepcopy=False) if t._trial_id < mine and counts_toward_budget(t))
+        mine = trial_id(trial)
+        before = sum(1 for t in study.get_trials(deepcopy=False) if trial_id(t) < mine and counts_toward_budget(t))
         if before < self.definition.settings.trials:
             return
         trial.set_user_attr("over_budget", before)
@@ -194,9 +195,9 @@ class DeadTrials:
         if store.heartbeats:
             # Optuna's own test (`fail_stale_trials`), with a reason recorded: a heartbeat older than the grace
             # period by the database's clock.
-            for trial_id in store.storage._get_stale_trial_ids(store.study_id):
-                self._give_up(study, trial_id, "interrupted (its heartbeat stopped: its worker died or lost the storage)")
-            ids = never_beaten(store.storage, store.study_id)
+            for stale in stale_trial_ids(store.storage, store.study_id):
+                self._give_up(study, stale, "interrupted (its heartbeat stopped: its worker died or lost the storage)")
+            ids = running_without_heartbeat(store.storage, store.study_id)
             reason = "interrupted (its worker stopped before its first heartbeat)"
             silent = self._silence.silent({("id", i): None for i in ids})
             dead = [i for _, i in silent]
@@ -205,22 +206,22 @@ class DeadTrials:
             reason = "interrupted (its worker stopped renewing its lease)"
             silent = self._silence.silent({("lease", t.number): store.leases.read(t.number) for t in running})
             dead = [store.trial_id(n) for _, n in silent]
-        for key, trial_id in zip(silent, dead):
+        for key, dead_id in zip(silent, dead):
             self._silence.forget(key)
-            self._give_up(study, trial_id, reason)
+            self._give_up(study, dead_id, reason)
 
-    def _give_up(self, study, trial_id: int, reason: str) -> None:
+    def _give_up(self, study, dead_id: int, reason: str) -> None:
         """Tell a dead worker's trial FAIL with `reason` (not counted, holds no architecture) and retry it."""
         from optuna.trial import TrialState
 
         store = self.handle.store_of(study)
         try:
-            store.storage.set_trial_user_attr(trial_id, "fail_reason", reason)
-            if not store.storage.set_trial_state_values(trial_id, state=TrialState.FAIL):
+            store.storage.set_trial_user_attr(dead_id, "fail_reason", reason)
+            if not store.storage.set_trial_state_values(dead_id, state=TrialState.FAIL):
                 return
         except finished_trial_error():  # it ended meanwhile (its worker was alive after all)
             return
-        frozen = store.storage.get_trial(trial_id)
+        frozen = store.storage.get_trial(dead_id)
         store.ended(frozen.number)
         retry_callback()(study, frozen)
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+from headsearch.environment import check_environment
 from headsearch.errors import ConfigError
 from headsearch.search.pruning import pruning_rule
 from headsearch.search.storage import DEFAULT_STORAGE
@@ -50,12 +51,37 @@ class SearchSettings:
     tensorboard: str | None = None  # a folder for per-epoch TensorBoard records, one run per trial (DIR/trial-NNNNN)
 
 
+def _integer(minimum: int) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= minimum
+
+
+def _number(low: float, high: float = math.inf) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and low <= v <= high
+
+
+# The pruning settings (the fields named pruner_*, every one of which the simulator replays), each with its
+# check: the rules' own bounds, applied once here whichever rule the search uses.
+PRUNING_VALUES: dict[str, tuple[str, Callable[[Any], bool], str]] = {  # field: (its option, its check, what to give)
+    "pruner_startup_trials": ("--pruner-startup", _integer(0), "a number of trials >= 0"),
+    "pruner_warmup_epochs": ("--pruner-warmup", _integer(0), "a number of epochs >= 0"),
+    "pruner_min_epochs": ("--pruner-min-epochs", lambda v: v == "auto" or _integer(1)(v), "an epoch >= 1, or auto"),
+    "pruner_reduction_factor": ("--pruner-reduction-factor", _integer(2), "an integer >= 2"),
+    "pruner_noise_margin": ("--pruner-noise-margin", _number(0), "a number of sigmas >= 0"),
+    "pruner_noise": ("--pruner-noise", _number(0), "the metric's noise sigma, a number >= 0"),
+    "pruner_percentile": ("--pruner-percentile", _number(0, 100), "a percentile in [0, 100]"),
+}
+
+
 def check_settings(s: SearchSettings) -> None:
-    """The sampler and pruner names, and the process counts."""
+    """The sampler and pruner names, the pruning values, the process counts, the environment's settings."""
+    check_environment()
     if s.sampler is not None and s.sampler not in SAMPLERS:
         raise ConfigError(f"unknown sampler {s.sampler!r}: use one of {', '.join(SAMPLERS)}")
     if s.pruner is not None:
         pruning_rule(s.pruner)
+    for name, (option, ok, give) in PRUNING_VALUES.items():  # whatever rule reads it, or none: a bad value is refused
+        if (value := getattr(s, name)) is not None and not ok(value):
+            raise ConfigError(f"{option} {value}: give {give}")
     check_process_counts(s)
     if s.timeout is not None and not (s.timeout > 0 and math.isfinite(s.timeout)):
         raise ConfigError(f"--timeout {s.timeout:g}: give a positive number of seconds (or leave it out for no limit)")

@@ -166,22 +166,19 @@ class Replay:
 
 def simulation_search(table: dict[str, Any], *, space: str, trials: int, sampler: str | None = None,
                       pruner: str | None = None, seed: int = 0, objectives: Sequence[str] | None = None,
-                      pruner_startup_trials: int | None = None, pruner_warmup_epochs: int | None = None,
-                      pruner_min_epochs: int | None = None, pruner_reduction_factor: int | None = None,
-                      pruner_noise_margin: float | None = None, pruner_noise: float | None = None,
-                      sets: dict[str, dict[str, Any]] | None = None):
+                      sets: dict[str, dict[str, Any]] | None = None, **pruning: Any):
     """The `Search` that `headsearch run` would build for the table's task, preset and epochs, on the CPU
-    (with the `--set` overrides the table's runs were trained with, `sets` or the table's own)."""
+    (with the `--set` overrides the table's runs were trained with, `sets` or the table's own). `pruning`:
+    any of the settings' pruning fields (`PRUNING_VALUES`: pruner_min_epochs=2, pruner_percentile=10, ...)."""
     from headsearch.search.runner import Search, SearchSettings
+    from headsearch.search.settings import PRUNING_VALUES
 
-    settings = SearchSettings(task=table["task"], space=space, trials=trials, sampler=sampler,
-                              pruner=pruner, seed=seed,
+    if unknown := sorted(set(pruning) - set(PRUNING_VALUES)):
+        raise TypeError(f"simulation_search: {', '.join(unknown)} is not a pruning setting ({', '.join(PRUNING_VALUES)})")
+    settings = SearchSettings(task=table["task"], space=space, trials=trials, sampler=sampler, pruner=pruner, seed=seed,
                               objectives=tuple(objectives) if objectives else None, preset=table.get("preset"),
                               epochs=table["epochs"], storage=SIMULATED_STORAGE, device="cpu", heartbeat=0,
-                              pruner_startup_trials=pruner_startup_trials, pruner_warmup_epochs=pruner_warmup_epochs,
-                              pruner_min_epochs=pruner_min_epochs, pruner_reduction_factor=pruner_reduction_factor,
-                              pruner_noise_margin=pruner_noise_margin, pruner_noise=pruner_noise,
-                              sets=sets if sets is not None else (table.get("sets") or None))
+                              sets=sets if sets is not None else (table.get("sets") or None), **pruning)
     held, in_space = len(table["architectures"]), table.get("architectures_in_space")
     if in_space is not None and held < in_space:
         raise ConfigError(f"the table holds {held} of the space's {in_space} architectures (a sample, or a build not"

@@ -59,7 +59,7 @@ def table_search(task: str, space: str, *, seeds: int, preset: str | None = None
     common = dict(preset=preset, epochs=epochs, data_dir=data_dir, data_file=data_file, storage=storage,
                   run_root=run_root, device=device, sets=sets or None)
     space_search = Search(SearchSettings(task=task, space=space, **common))
-    archs = space_search.architectures()
+    archs = space_search.archs.listing()
     if archs is None:
         raise ConfigError(f"space {space_search.space.name} has a continuous range (or too many points): a table lists"
                           " every architecture, so give a space of choices only")
@@ -114,7 +114,7 @@ def read_table(study, grid, space_search, *, command: str, device: str) -> dict[
         "epochs": space_search.base.train.epochs,
         "sets": space_search.settings.sets or {},  # --set: a replayed search is built with them too
         "seeds": grid.seeds,
-        "architectures_in_space": len(space_search.architectures() or {}),
+        "architectures_in_space": len(space_search.archs.listing() or {}),
         "base_config": base,
         "command": command,
         "device": device,

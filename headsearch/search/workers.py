@@ -56,7 +56,7 @@ def open_search(search):
 
 def with_space_line(line: str, search) -> str:
     """The plan's line, and what it does when the space holds fewer architectures than --trials."""
-    note = search.space_line()
+    note = search.archs.space_line()
     return f"{line}; {note}" if note else line
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from headsearch.config import ArchConfig, DataOptions, RunConfig, TrainConfig, coerce_fields, whole_number, path_problem
 from headsearch.errors import ConfigError, DataError
-from headsearch.io import cache_root, write_atomic
+from headsearch.environment import cache_root
+from headsearch.io import write_atomic
 from headsearch.tasks.base import DataSource, Metric, Task, TokenAttention, limited, rebound, seeded_subset
 
 SPECIAL_TOKENS = 4  # [UNK] [PAD] [SOS] [EOS]

@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import torch
 
-from headsearch.io import env_flag
+from headsearch.environment import env_flag
 
 
 class CaptureBrokeCuda(RuntimeError):

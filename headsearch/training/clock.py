@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from headsearch.io import env_flag
+from headsearch.environment import env_flag
 from headsearch.tasks import BoundTask, Task
 from headsearch.training.devicelock import Share
 from headsearch.training.prepare import prepare_steps

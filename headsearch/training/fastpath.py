@@ -32,7 +32,7 @@ from typing import Any
 
 from headsearch.config import TrainConfig
 from headsearch.errors import ConfigError
-from headsearch.io import cache_root
+from headsearch.environment import cache_root
 
 COMPILED = ("default", "reduce-overhead", "max-autotune")  # modes that torch.compile the blocks
 CAPTURED = ("graphs", "reduce-overhead", "max-autotune")  # modes that capture the step in a CUDA graph

@@ -1,0 +1,88 @@
+"""headsearch's environment variables, each declared once: its meaning, its default and its check.
+
+They are settings like the command's options: `check_environment` reads every one before a command creates a
+file or a study, so a bad value is one line (what was wrong, what to give) and exit 2, never a half-made
+study; the code that uses one reads it through `env_value`, which applies the same check.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from headsearch.errors import HeadsearchError
+
+ON, OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def _flag(raw: str) -> bool | None:
+    word = raw.strip().lower()
+    return True if word in ON else False if word in OFF else None
+
+
+def _seconds(minimum: float, above: bool) -> Callable[[str], float | None]:
+    def parse(raw: str) -> float | None:
+        try:
+            seconds = float(raw)
+        except ValueError:
+            return None
+        ok = math.isfinite(seconds) and (seconds > minimum if above else seconds >= minimum)
+        return seconds if ok else None
+    return parse
+
+
+@dataclass(frozen=True)
+class EnvSetting:
+    name: str
+    parse: Callable[[str], Any]  # the raw text -> the value, or None when the text is not a valid value
+    default: Callable[[], Any]
+    give: str  # what to give instead of a bad value, for the one line
+
+    def value(self) -> Any:
+        raw = os.environ.get(self.name, "").strip()
+        if not raw:
+            return self.default()
+        value = self.parse(raw)
+        if value is None:
+            raise HeadsearchError(f"{self.name}={raw!r}: give {self.give}, or unset it")
+        return value
+
+
+ENVIRONMENT = {s.name: s for s in (
+    EnvSetting("HEADSEARCH_CACHE", Path, lambda: Path.home() / ".cache" / "headsearch",
+               "a folder for compiled kernels, tokenizers and bench measurements"),
+    EnvSetting("HEADSEARCH_STORAGE_PATIENCE", _seconds(0, above=False), lambda: 120.0,
+               "the seconds a storage may be unreachable before the search stops, a number >= 0 (e.g. 120)"),
+    EnvSetting("HEADSEARCH_STATUS_EVERY", _seconds(0, above=True), lambda: None,
+               "the seconds between status lines, a number above 0"),
+    EnvSetting("HEADSEARCH_UNHELD_WARM_UP", _flag, lambda: False, "1 to warm a GPU up outside the device hold, or 0"),
+    EnvSetting("HEADSEARCH_SHARED_GRAPH_POOL", _flag, lambda: False, "1 for one CUDA-graph memory pool a run, or 0"),
+)}
+
+
+def env_value(name: str) -> Any:
+    """The value of headsearch's environment variable `name` (its default when unset), checked."""
+    return ENVIRONMENT[name].value()
+
+
+def check_environment() -> None:
+    """Every headsearch environment variable, checked: before a command creates a file or a study."""
+    from headsearch.io import folder_problem
+
+    for setting in ENVIRONMENT.values():
+        setting.value()
+    if os.environ.get("HEADSEARCH_CACHE", "").strip() and (problem := folder_problem(cache_root(), "headsearch's cache")):
+        raise HeadsearchError(f"HEADSEARCH_CACHE={os.environ.get('HEADSEARCH_CACHE', '')!r}{problem}, or unset it")
+
+
+def env_flag(name: str) -> bool:
+    """Whether the flag `name` is on (1, true, yes or on, any case)."""
+    return env_value(name)
+
+
+def cache_root() -> Path:
+    """headsearch's cache folder (compiled kernels, tokenizers, `headsearch bench` measurements):
+    $HEADSEARCH_CACHE, else ~/.cache/headsearch."""
+    return env_value("HEADSEARCH_CACHE")

@@ -1,0 +1,58 @@
+"""Each setting is checked once, where it is declared, whatever rule or command reads it (issue 49): a bad
+pruning value under any pruning rule, and a bad HEADSEARCH_* environment variable for `run` and `train`, are
+one line and exit 2 before any file or study exists."""
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from headsearch.environment import ENVIRONMENT
+from headsearch.errors import ConfigError
+from headsearch.search.pruning.registry import RULES
+from headsearch.search.settings import PRUNING_VALUES, SearchSettings, check_settings
+
+BAD_PRUNING = {"pruner_startup_trials": -1, "pruner_warmup_epochs": -2, "pruner_min_epochs": 0,
+               "pruner_reduction_factor": 1, "pruner_noise_margin": -0.5, "pruner_noise": float("nan"),
+               "pruner_percentile": 150.0}
+GOOD_PRUNING = {"pruner_startup_trials": 2, "pruner_warmup_epochs": 0, "pruner_min_epochs": 1,
+                "pruner_reduction_factor": 2, "pruner_noise_margin": 0.5, "pruner_noise": 0.01, "pruner_percentile": 25.0}
+BAD_ENVIRONMENT = {"HEADSEARCH_CACHE": "{file}", "HEADSEARCH_STORAGE_PATIENCE": "-1", "HEADSEARCH_STATUS_EVERY": "abc",
+                   "HEADSEARCH_UNHELD_WARM_UP": "maybe", "HEADSEARCH_SHARED_GRAPH_POOL": "2"}
+
+
+def test_every_pruning_field_has_one_check_and_the_tests_a_bad_value():
+    fields = {f.name for f in dataclasses.fields(SearchSettings) if f.name.startswith("pruner_") or f.name == "pruner"}
+    assert set(PRUNING_VALUES) == fields - {"pruner"} == set(BAD_PRUNING) == set(GOOD_PRUNING)
+    assert set(BAD_ENVIRONMENT) == set(ENVIRONMENT)
+
+
+@pytest.mark.parametrize("rule", [None, *RULES])
+@pytest.mark.parametrize("field", sorted(BAD_PRUNING))
+def test_a_bad_pruning_value_is_refused_whatever_the_rule(rule, field):
+    """`--pruner asha --pruner-noise -1` and `--pruner-percentile 150` under the default rule trained as if not
+    given: every rule (and none) now refuses each bad value, naming the option."""
+    with pytest.raises(ConfigError, match=f"^{PRUNING_VALUES[field][0]} "):
+        check_settings(SearchSettings(task="vit-cifar10", pruner=rule, **{field: BAD_PRUNING[field]}))
+
+
+def test_the_simulator_replays_every_pruning_field():
+    from headsearch.search.simulate import simulation_search
+    from headsearch.search.table import load_table
+    table = load_table(Path(__file__).resolve().parents[1] / "benchmarks" / "tables" / "vit-cifar10-deep-head-tiny.json")
+    search = simulation_search(table, space="deep-head", trials=4, pruner="percentile", **GOOD_PRUNING)
+    assert all(getattr(search.settings, name) == value for name, value in GOOD_PRUNING.items())
+    assert search.definition.pruner_options()["percentile"] == 25.0
+    with pytest.raises(TypeError, match="pruner_percent is not a pruning setting"):
+        simulation_search(table, space="deep-head", trials=4, pruner_percent=10)
+
+
+@pytest.mark.parametrize("name", sorted(BAD_ENVIRONMENT))
+def test_a_bad_environment_value_stops_run_and_train_in_one_line_before_anything_exists(name, cli, cifar_dir, tmp_path,
+                                                                                      monkeypatch):
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv(name, BAD_ENVIRONMENT[name].format(file=tmp_path / "a-file"))
+    monkeypatch.chdir(tmp_path)
+    common = ["--task", "vit-cifar10", "--preset", "tiny", "--data-dir", cifar_dir, "--device", "cpu"]
+    cli.error_line(cli(["run", *common, "--trials", "1", "--storage", "sqlite:///h.db", "--run-root", "runs"]), name)
+    cli.error_line(cli(["train", *common, "--out", "run"]), name)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # no study, no run directory
