@@ -586,7 +586,7 @@ def test_the_default_pareto_rule_judges_at_epochs_3_9_27_and_a_search_can_set_it
     assert told.study_attrs()["headsearch"]["pruner_options"] == {
         "min_epochs": 2, "reduction_factor": 2, "n_startup_trials": 2, "n_warmup_epochs": 0, "noise_margin": 2.0,
         "noise": 0.01}
-    with pytest.raises(ConfigError, match="reduction_factor must be an integer >= 2"):
+    with pytest.raises(ConfigError, match="--pruner-reduction-factor 1: give an integer >= 2"):
         Search(SearchSettings(**{**s.__dict__, "pruner_reduction_factor": 1}))
     assert not (tmp_path / "r.db").exists()
 

@@ -4,8 +4,10 @@ Each trial samples an architecture from a search space, trains it with the task'
 directory, and reports the objectives (`headsearch.search.objectives`): the task's quality metric on the
 validation split and convergence figures (seconds or epochs to the best validation metric, parameter count).
 
-`Search` is the definition (settings, task, space, objectives, base config, sampler, pruner, study); its
-parts live beside it, in the shape of Optuna's `_optimize -> _run_trial` and Syne Tune's scheduler/backend:
+`Search` resolves the definition once (`headsearch.search.definition.SearchDefinition`, frozen: settings,
+task, space, objectives, base config, device, pruner), opens the study, and builds the parts, each with only
+what it uses (none reaches back into `Search`), in the shape of Optuna's `_optimize -> _run_trial` and Syne
+Tune's scheduler/backend:
 `architectures` (what the space holds), `scheduler` (the next trial under the budget lock: dedup, budget,
 dead workers), `trial_life` (begin and tell a trial), `trial_pruning` (each epoch judged), `backends` (what
 trains: one slot, a cohort, the simulator's table) and `loop` (the one loop over a backend). Any number of
