@@ -4,7 +4,7 @@ For each K (`--ks`) the same K mixed architectures of the seed-size ViT (d_model
 head schedules, skips and fusions cycled from `ARCHS`) train three ways, side by side in one run:
 
 - cohort: one process holds a `headsearch.training.cohort.Cohort` of K slots, every slot filled. Only
-  the stacked training steps are timed: `Cohort._train(steps)` directly (it returns the loss sums, the
+  the stacked training steps are timed: `Cohort.train_steps(steps)` directly (it returns the loss sums, the
   seconds and the samples per slot; the data order, augmentation, forward, backward and StackedAdam of
   every step, synchronised at both ends), after one warm-up call. `train_epoch` would add each slot's
   evaluation and bookkeeping, which is not what this compares. The cohort runs eager (it has no
@@ -151,7 +151,7 @@ def main() -> None:
              f"a round: {steps} training steps of each; {rounds} rounds, cohort / processes / K=1 alternating (the first"
              f" rotates), after {warm_steps} warm-up step(s) each; medians, ratios = medians of the ratios within rounds;"
              " ± = half the range of the rounds",
-             "cohort: one process, a Cohort of K slots (all filled), eager, timed with Cohort._train (the stacked steps:"
+             "cohort: one process, a Cohort of K slots (all filled), eager, timed with Cohort.train_steps (the stacked steps:"
              " data, augmentation, forward, backward, StackedAdam; no evaluation)",
              f"K processes: K spawned workers, each one architecture alone (the trainer's prepare_steps + train_epoch,"
              f" step mode {solo_mode}), started behind a barrier; aggregate = all their samples / (last end - first start)",
@@ -298,11 +298,11 @@ class Worker:
         for o in overs:
             cfg, bound = self._bind(o)
             self.cohort_obj.add(cfg, bound)
-        return self.cohort_obj._train(warm_steps)[1]
+        return self.cohort_obj.train_steps(warm_steps)[1]
 
     def cohort_round(self, n_steps: int) -> tuple[int, float]:
         """One timed round of the cohort: (samples of every slot, seconds)."""
-        _, seconds, per_slot = self.cohort_obj._train(n_steps)
+        _, seconds, per_slot = self.cohort_obj.train_steps(n_steps)
         return per_slot * len(self.cohort_obj.occupied), seconds
 
     def profile(self, n_steps: int) -> tuple[str, str]:
@@ -312,7 +312,7 @@ class Worker:
         cuda = self.device.type == "cuda"
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=activities) as prof:
-            self.cohort_obj._train(n_steps)
+            self.cohort_obj.train_steps(n_steps)
         events = prof.key_averages()
         attr = "self_device_time_total" if cuda else "self_cpu_time_total"
         if cuda and not hasattr(events[0], attr):

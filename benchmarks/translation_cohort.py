@@ -25,7 +25,7 @@ every slot computes B_i * (max_k S_ik + max_k T_ik). Reported per K, summed over
   positions, solo and stacked.
 
 No model and no training, seconds on a CPU. The walks read each batch's pairs and padded lengths from
-the batcher's own batching (`_batch_indices`, `_widths`: what `batches()` runs before it builds the
+the batcher's own batching (`BucketBatcher.walk`: what `batches()` runs before it builds the
 tensors), which spares building 112,000 batches of tensors. The first `CHECK` batches of every slot are
 built as the trainer gets them (`train_batches`) and must match: shapes, and real tokens counted from
 their pad masks. The batcher lives on the CPU: only the CPU pads each side to its own length, and
@@ -119,12 +119,8 @@ def main() -> None:
 def walk(slot) -> Walk:
     """Pairs, padded lengths and real tokens of each batch of one slot's epoch, in step order: the batches
     `slot.train_batches(EPOCH)` yields, read from the batcher's own batching without building tensors."""
-    b = slot.batcher
-    groups = b._batch_indices(True, slot._epoch_seed(EPOCH))  # what train_batches shuffles with
-    widths = np.array([b._widths(idx) for idx in groups], dtype=np.int64)  # (steps, 2): padded S, T
-    # A pair's source + EOS and SOS + target are its real (not PAD) tokens.
-    real = np.array([(b._src_len[idx].sum(), b._tgt_len[idx].sum()) for idx in groups], dtype=np.int64)
-    return Walk(np.array([len(idx) for idx in groups]), widths[:, 0], widths[:, 1], real[:, 0], real[:, 1])
+    rows = slot.batcher.walk(slot.epoch_seed(EPOCH))  # (steps, 5), what train_batches shuffles with
+    return Walk(rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3], rows[:, 4])
 
 
 def checked(w: Walk, slot) -> Walk:

@@ -299,7 +299,7 @@ def steps_per_epoch_of(cohort: Any) -> int:
 
 def solo_losses(task: Any, cfg: Any, bound: Any, device: Any, n: int) -> list[float]:
     """The first `n` step losses of `cfg` trained alone (eager), from the initial weights, data order and
-    learning-rate schedule a cohort slot gets in `Cohort._train(n)` (epochs of n steps)."""
+    learning-rate schedule a cohort slot gets in `Cohort.train_steps(n)` (epochs of n steps)."""
     from headsearch.training.prepare import prepare_steps
     from headsearch.training.runtime import seed_everything
 

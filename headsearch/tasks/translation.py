@@ -279,7 +279,7 @@ class BoundTranslation:
 
     def train_batches(self, epoch: int):
         """Epoch `epoch`'s `TranslationBatch`es, shuffled with (seed, epoch); the partial batch last."""
-        return self.batcher.batches(shuffle=True, seed=self._epoch_seed(epoch))
+        return self.batcher.batches(shuffle=True, seed=self.epoch_seed(epoch))
 
     def warmup_batches(self, steps_per_epoch: int) -> list:
         """One batch of each shape an epoch can show: (batch_size, L) for each bucket length L the data
@@ -288,9 +288,10 @@ class BoundTranslation:
 
         Without buckets (the CPU) shapes vary with every batch: three batches of different shapes, for a
         compiler to see that (`BucketBatcher.shape_samples`)."""
-        return self.batcher.shape_samples(self._epoch_seed(0), partial=steps_per_epoch >= len(self.batcher))
+        return self.batcher.shape_samples(self.epoch_seed(0), partial=steps_per_epoch >= len(self.batcher))
 
-    def _epoch_seed(self, epoch: int) -> int:
+    def epoch_seed(self, epoch: int) -> int:
+        """The seed the training batches of `epoch` are shuffled with (`train_batches`)."""
         return self.cfg.seed * 100003 + epoch
 
     def loss(self, model, batch, label_smoothing: float):

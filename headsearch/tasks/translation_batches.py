@@ -148,6 +148,14 @@ class BucketBatcher:
             yield self._make_batch(idx, rows[start:end], self._widths(idx))
             start = end
 
+    def walk(self, seed: int) -> np.ndarray:
+        """The shuffled epoch `batches(shuffle=True, seed=seed)` yields, read without building its tensors:
+        one row per batch, (pairs, padded source length, padded target length, real source tokens, real target
+        tokens), a pair's real tokens being its source + EOS and SOS + target."""
+        groups = self._batch_indices(True, seed)
+        return np.array([(len(idx), *self._widths(idx), self._src_len[idx].sum(), self._tgt_len[idx].sum())
+                         for idx in groups], dtype=np.int64).reshape(-1, 5)  # (steps, 5)
+
     def shape_samples(self, seed: int, partial: bool = True) -> list[TranslationBatch]:
         """One batch of each shape an epoch can show, from real pairs drawn with their own generator:
         (batch_size, L) for each bucket length L the data uses (when there is a full batch), and the

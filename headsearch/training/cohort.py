@@ -176,7 +176,7 @@ class Cohort:
         ends: list[SlotEnd] = []
         try:
             with hold:
-                losses, seconds, seen = self._train(spe)
+                losses, seconds, seen = self.train_steps(spe)
                 for k in occupied:
                     end = self._close_epoch(k, losses, seconds, seen)
                     if end is not None:
@@ -187,8 +187,9 @@ class Cohort:
             raise
         return ends
 
-    def _train(self, spe: int) -> tuple[torch.Tensor, float, int]:
-        """The stacked steps of one epoch: (each slot's loss sum (K,) on the device, seconds, samples per slot)."""
+    def train_steps(self, spe: int) -> tuple[torch.Tensor, float, int]:
+        """The stacked steps of one epoch: (each slot's loss sum (K,) on the device, seconds, samples per slot).
+        `train_epoch` runs them between its slots' bookkeeping; benchmarks/cohort.py times them alone."""
         occupied = self.occupied
         t = self.slots[occupied[0]].cfg.train
         total = spe * t.epochs
