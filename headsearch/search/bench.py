@@ -271,7 +271,7 @@ def measure_cohort(job: Job, barrier) -> dict:
     for i in range(k):
         slot_cfg = cfg.replace(seed=cfg.seed + i)  # each slot its own trial: own weights, data order, draws
         cohort.add(slot_cfg, bound.rebind(slot_cfg))
-    cohort._train(VERIFY_STEPS)
+    cohort.train_steps(VERIFY_STEPS)
     stacked = [float(step[0]) for step in cohort.step_losses]
     solo = solo_losses(task, cfg, bound, device, VERIFY_STEPS)
     rtol = COHORT_RTOL_AMP if cfg.train.amp and device.type == "cuda" else COHORT_RTOL
@@ -283,7 +283,7 @@ def measure_cohort(job: Job, barrier) -> dict:
     spe = min(steps_per_epoch_of(cohort), 8)
 
     def chunk() -> int:
-        _, _, n = cohort._train(spe)
+        _, _, n = cohort.train_steps(spe)
         return n * k
 
     samples, start, end = _timed(chunk, device, job.seconds, barrier)
@@ -307,7 +307,7 @@ def solo_losses(task: Any, cfg: Any, bound: Any, device: Any, n: int) -> list[fl
     scratch = bound.rebind(solo_cfg)
     seed_everything(cfg.seed)
     model = bound.build_model().to(device)
-    # The schedule of an n-step epoch, as the cohort's `_train(n)` used for its slots.
+    # The schedule of an n-step epoch, as the cohort's `train_steps(n)` used for its slots.
     steps, _, _ = prepare_steps(task, solo_cfg.train, scratch, model, device, n)
     losses = []
     for batch in itertools.islice(scratch.train_batches(1), n):
