@@ -290,7 +290,7 @@ class Worker:
         return n, start, time.monotonic()
 
     def cohort(self, overs: list[dict], threads: int, warm_steps: int) -> float:
-        """A Cohort of len(overs) slots, every slot filled, warmed up with one `_train` call: its seconds."""
+        """A Cohort of len(overs) slots, every slot filled, warmed up with one `train_steps` call: its seconds."""
         from headsearch.training.cohort import Cohort
 
         self.torch.set_num_threads(threads)
