@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -53,6 +54,8 @@ class EnvSetting:
 ENVIRONMENT = {s.name: s for s in (
     EnvSetting("HEADSEARCH_CACHE", Path, lambda: Path.home() / ".cache" / "headsearch",
                "a folder for compiled kernels, tokenizers and bench measurements"),
+    EnvSetting("HEADSEARCH_DEVICE_LOCKS", Path, lambda: Path(tempfile.gettempdir()) / f"headsearch-devices-{os.getuid()}",
+               "a folder on a local disk for the workers' device locks"),
     EnvSetting("HEADSEARCH_STORAGE_PATIENCE", _seconds(0, above=False), lambda: 120.0,
                "the seconds a storage may be unreachable before the search stops, a number >= 0 (e.g. 120)"),
     EnvSetting("HEADSEARCH_STATUS_EVERY", _seconds(0, above=True), lambda: None,
@@ -73,8 +76,9 @@ def check_environment() -> None:
 
     for setting in ENVIRONMENT.values():
         setting.value()
-    if os.environ.get("HEADSEARCH_CACHE", "").strip() and (problem := folder_problem(cache_root(), "headsearch's cache")):
-        raise HeadsearchError(f"HEADSEARCH_CACHE={os.environ.get('HEADSEARCH_CACHE', '')!r}{problem}, or unset it")
+    for name, purpose in (("HEADSEARCH_CACHE", "headsearch's cache"), ("HEADSEARCH_DEVICE_LOCKS", "the device locks")):
+        if (raw := os.environ.get(name, "").strip()) and (problem := folder_problem(Path(raw), purpose)):
+            raise HeadsearchError(f"{name}={raw!r}{problem}, or unset it")
 
 
 def env_flag(name: str) -> bool:

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import uuid
 import warnings
 from pathlib import Path
@@ -45,6 +46,10 @@ def pytest_configure(config):
 
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
+        # Two test processes are not one search's workers: each gets its own device locks, so that a long
+        # training in one does not hold the other's fair clock waiting (the processes a test starts share its).
+        os.environ.setdefault("HEADSEARCH_DEVICE_LOCKS", str(Path(tempfile.gettempdir()) /
+                                                             f"headsearch-devices-{os.getuid()}-{os.environ['PYTEST_XDIST_WORKER']}"))
 
     _watch_for_processes()
 

@@ -16,7 +16,7 @@ BAD_PRUNING = {"pruner_startup_trials": -1, "pruner_warmup_epochs": -2, "pruner_
                "pruner_percentile": 150.0}
 GOOD_PRUNING = {"pruner_startup_trials": 2, "pruner_warmup_epochs": 0, "pruner_min_epochs": 1,
                 "pruner_reduction_factor": 2, "pruner_noise_margin": 0.5, "pruner_noise": 0.01, "pruner_percentile": 25.0}
-BAD_ENVIRONMENT = {"HEADSEARCH_CACHE": "{file}", "HEADSEARCH_STORAGE_PATIENCE": "-1", "HEADSEARCH_STATUS_EVERY": "abc",
+BAD_ENVIRONMENT = {"HEADSEARCH_CACHE": "{file}", "HEADSEARCH_DEVICE_LOCKS": "{file}/locks", "HEADSEARCH_STORAGE_PATIENCE": "-1", "HEADSEARCH_STATUS_EVERY": "abc",
                    "HEADSEARCH_UNHELD_WARM_UP": "maybe", "HEADSEARCH_SHARED_GRAPH_POOL": "2"}
 
 

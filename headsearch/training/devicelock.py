@@ -41,9 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import os
 import re
-import tempfile
 import threading
 import time
 import zlib
@@ -85,8 +83,11 @@ def device_key(gpu: str | None) -> str:
 
 
 def default_lock_dir() -> Path:
-    """A per-user folder in the system's temporary directory (a local disk on every usual setup)."""
-    return Path(tempfile.gettempdir()) / f"headsearch-devices-{os.getuid()}"
+    """$HEADSEARCH_DEVICE_LOCKS, else a per-user folder in the system's temporary directory (a local disk on
+    every usual setup)."""
+    from headsearch.environment import env_value
+
+    return env_value("HEADSEARCH_DEVICE_LOCKS")
 
 
 def lock_file_stem(key: str) -> str:
