@@ -40,6 +40,7 @@ class EnvSetting:
     parse: Callable[[str], Any]  # the raw text -> the value, or None when the text is not a valid value
     default: Callable[[], Any]
     give: str  # what to give instead of a bad value, for the one line
+    folder: str | None = None  # a folder's: what it holds (set, it must be, or become, a writable folder)
 
     def value(self) -> Any:
         raw = os.environ.get(self.name, "").strip()
@@ -50,12 +51,21 @@ class EnvSetting:
             raise HeadsearchError(f"{self.name}={raw!r}: give {self.give}, or unset it")
         return value
 
+    def check(self) -> None:
+        """The value, and for a folder that is set, that it can be one."""
+        from headsearch.io import folder_problem
+
+        value = self.value()
+        raw = os.environ.get(self.name, "").strip()
+        if self.folder and raw and (problem := folder_problem(value, self.folder)):
+            raise HeadsearchError(f"{self.name}={raw!r}{problem}, or unset it")
+
 
 ENVIRONMENT = {s.name: s for s in (
     EnvSetting("HEADSEARCH_CACHE", Path, lambda: Path.home() / ".cache" / "headsearch",
-               "a folder for compiled kernels, tokenizers and bench measurements"),
+               "a folder for compiled kernels, tokenizers and bench measurements", folder="headsearch's cache"),
     EnvSetting("HEADSEARCH_DEVICE_LOCKS", Path, lambda: Path(tempfile.gettempdir()) / f"headsearch-devices-{os.getuid()}",
-               "a folder on a local disk for the workers' device locks"),
+               "a folder on a local disk for the workers' device locks", folder="the device locks"),
     EnvSetting("HEADSEARCH_STORAGE_PATIENCE", _seconds(0, above=False), lambda: 120.0,
                "the seconds a storage may be unreachable before the search stops, a number >= 0 (e.g. 120)"),
     EnvSetting("HEADSEARCH_STATUS_EVERY", _seconds(0, above=True), lambda: None,
@@ -72,13 +82,8 @@ def env_value(name: str) -> Any:
 
 def check_environment() -> None:
     """Every headsearch environment variable, checked: before a command creates a file or a study."""
-    from headsearch.io import folder_problem
-
     for setting in ENVIRONMENT.values():
-        setting.value()
-    for name, purpose in (("HEADSEARCH_CACHE", "headsearch's cache"), ("HEADSEARCH_DEVICE_LOCKS", "the device locks")):
-        if (raw := os.environ.get(name, "").strip()) and (problem := folder_problem(Path(raw), purpose)):
-            raise HeadsearchError(f"{name}={raw!r}{problem}, or unset it")
+        setting.check()
 
 
 def env_flag(name: str) -> bool:
