@@ -264,7 +264,8 @@ def test_shell_completion_completes_commands_and_options():
         return proc.stdout.split()
 
     assert complete("headsearch ta") == ["tasks", "table"]
-    assert complete("headsearch run --pru") == ["--pruner", "--pruner-startup", "--pruner-warmup", "--pruner-min-epochs",
+    assert complete("headsearch run --pru") == ["--pruner", "--pruner-startup-trials", "--pruner-startup",
+                                                "--pruner-warmup-epochs", "--pruner-warmup", "--pruner-min-epochs",
                                                 "--pruner-reduction-factor", "--pruner-noise-margin", "--pruner-noise",
                                                 "--pruner-percentile"]
 

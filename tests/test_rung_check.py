@@ -222,6 +222,7 @@ def test_the_report_table_shows_the_rungs_line_and_the_warning(tmp_path, cli):
 
 
 @pytest.mark.parametrize("with_rungs", [True, False])
+@pytest.mark.slow  # matplotlib and plotly draw two figures
 def test_the_plots_draw_the_rung_check_when_there_are_rows(tmp_path, with_rungs):
     pytest.importorskip("matplotlib")
     pytest.importorskip("plotly")
@@ -257,7 +258,7 @@ def _add(study, curves):
 
 
 def test_the_progress_warning_comes_once_and_is_checked_cheaply():
-    from headsearch.cli.progress import RungWatch
+    from headsearch.search.rungcheck import RungWatch
 
     now = [0.0]
     study = _memory_study()
@@ -293,3 +294,17 @@ def test_the_plain_progress_log_prints_the_warning_once():
         display.refresh()
     warnings_printed = [x for x in buf.getvalue().splitlines() if x.startswith("warning: ")]
     assert len(warnings_printed) == 1 and "the first rung (epoch 3)" in warnings_printed[0]
+
+
+def test_a_search_without_the_display_warns_of_a_low_first_rung_once():
+    """The API's searches get the check as an Optuna callback (`FIRST_RUNG_CHECK`, loaded like --callback)."""
+    from headsearch.search.rungcheck import FIRST_RUNG_CHECK, RungWarning
+    from headsearch.search.settings import load_callback
+
+    check, study = load_callback(FIRST_RUNG_CHECK), _memory_study()
+    _add(study, slow_starters())
+    with pytest.warns(RungWarning, match="the first rung"):
+        check(study, study.trials[-1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check(study, study.trials[-1])  # said once per study

@@ -308,7 +308,7 @@ def test_single_objective_uses_optunas_pruner_and_tpe(tmp_path, spa_file, cache_
 
 
 def test_track_diversity_records_each_trials_scalars(cache_env, one_thread, make_settings):
-    settings = make_settings(trials=2, pruner="none", diversity_samples=8)
+    settings = make_settings(trials=2, pruner="none", track_diversity=8)
     Search(settings).run_worker()
     study = load(settings.storage, "s")
     assert study.user_attrs["headsearch"]["base_config"]["train"]["diversity_samples"] == 8
@@ -484,19 +484,19 @@ BAD_RUN_INPUTS = {
     "space for another task": (_bad_space(tasks=["vit-cifar10"]), "not translation-en-es"),
     "storage scheme": (lambda tmp, _: ["--storage", "foo://x"], "is not a storage URL"),
     "storage folder missing": (lambda tmp, _: ["--storage", f"sqlite:///{tmp}/nowhere/h.db"], "does not exist"),
-    "zero trials": (lambda tmp, _: ["--trials", "0"], "at least 1"),
+    "zero trials": (lambda tmp, _: ["--trials", "0"], "--trials 0: give a number of trials >= 1"),
     "missing data file": (lambda tmp, _: ["--data-file", str(tmp / "nope.txt")], "does not exist"),
-    "negative pruner startup": (lambda tmp, _: ["--pruner-startup", "-1"], "--pruner-startup -1: give a number of trials >= 0"),
-    "negative pruner warm-up": (lambda tmp, _: ["--pruner-warmup", "-1"], "--pruner-warmup -1: give a number of epochs >= 0"),
+    "negative pruner startup": (lambda tmp, _: ["--pruner-startup", "-1"], "--pruner-startup-trials -1: give a number of trials >= 0"),
+    "negative pruner warm-up": (lambda tmp, _: ["--pruner-warmup", "-1"], "--pruner-warmup-epochs -1: give a number of epochs >= 0"),
     "pruner percentile over 100": (lambda tmp, _: ["--pruner", "percentile", "--pruner-percentile", "150"],
-                                   "--pruner-percentile 150.0: give a percentile in [0, 100]"),
+                                   "--pruner-percentile 150: give a percentile in [0, 100]"),
     "workers and trials per GPU": (lambda tmp, _: ["--workers", "2", "--trials-per-gpu", "2"],
                                    "--workers and --trials-per-gpu both set the number of worker processes: pass one of them"),
     "workers 1 and trials per GPU": (lambda tmp, _: ["--workers", "1", "--trials-per-gpu", "1"], "pass one of them"),
     "zero trials per GPU": (lambda tmp, _: ["--trials-per-gpu", "0"], "--trials-per-gpu 0: run at least 1 trial per GPU"),
     "unknown compile mode": (lambda tmp, _: ["--compile", "fast"], "compile = 'fast' is not known"),
     "negative timeout": (lambda tmp, _: ["--timeout", "-5"], "--timeout -5: give a positive number of seconds"),
-    "negative diversity samples": (lambda tmp, _: ["--track-diversity", "-1"], "--track-diversity -1 must be 0 (off)"),
+    "negative diversity samples": (lambda tmp, _: ["--track-diversity", "-1"], "--track-diversity -1: give 0 (off) or a number of samples"),
     "negative heartbeat": (lambda tmp, _: ["--heartbeat", "-1"], "--heartbeat -1"),
     "run root is a file": (lambda tmp, _: _file(tmp / "taken", "x") and ["--run-root", str(tmp / "taken")],
                            "is a file: give a folder for the trials' run directories"),
@@ -523,7 +523,7 @@ def _folder(path: Path) -> Path:
     path.mkdir()
     return path
 # Once checked only when the study was opened, after the storage (the SQLite file) was created; now with the
-# settings (search/settings.py's PRUNING_VALUES): test_pruner_options_are_checked_before_the_storage_is_created.
+# settings (search/settings.py's SearchSettings fields): test_pruner_options_are_checked_before_the_storage_is_created.
 LATE_CHECKS = ("negative pruner startup", "negative pruner warm-up", "pruner percentile over 100")
 
 

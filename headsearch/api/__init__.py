@@ -19,6 +19,7 @@ measured before the first trial, with `--sampler cost`).
 """
 from __future__ import annotations
 
+import inspect
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,33 +78,43 @@ def train(task: str, config: str | Path | Mapping[str, Any] | None = None, *, pr
     return TrainedRun(Path(run_dir), cfg, result)
 
 
-def search_study(task: str, *, space: str = "deep-head", trials: int = 50, storage: str = DEFAULT_STORAGE,
-                 data_dir: str | Path | None = None, data_file: str | Path | None = None,
-                 run_root: str | Path = "runs", enqueue: Sequence = (), tensorboard: str | Path | None = None,
-                 watch: Callable | None = None, argv: Sequence[str] | None = None, **settings: Any):
+def search_study(task: str, *, enqueue: Sequence = (), watch: Callable | None = None,
+                 argv: Sequence[str] | None = None, **settings: Any):
     """`search` without the report: trains the trials and returns the Optuna study (what `headsearch run`
-    prints its summary from). Worker processes that failed raise `SearchFailed`."""
+    prints its summary from). Worker processes that failed raise `SearchFailed`. Without a `watch` (which shows
+    it), a first rung that ranks the finished trials poorly is a `rungcheck.RungWarning`."""
+    from headsearch.search.rungcheck import FIRST_RUNG_CHECK
     from headsearch.search.runner import Search, SearchSettings
 
-    s = Search(SearchSettings(task=task, space=space, trials=trials, storage=storage,
-                              data_dir=str(data_dir) if data_dir else None,
-                              data_file=str(data_file) if data_file else None, run_root=str(run_root),
-                              tensorboard=str(tensorboard) if tensorboard is not None else None, **settings))
+    if watch is None:
+        settings["callbacks"] = (*settings.get("callbacks", ()), FIRST_RUNG_CHECK)
+    s = Search(SearchSettings(task=task, **settings))
     first = [s.archs.params_of(c) for c in enqueue]  # a config the space does not hold: before any study exists
     return _train_trials(s, s.archs.trial_target(), watch, argv, first=first)
 
 
-def search(task: str, *, space: str = "deep-head", trials: int = 50, storage: str = DEFAULT_STORAGE,
-           data_dir: str | Path | None = None, data_file: str | Path | None = None, enqueue: Sequence = (),
-           tensorboard: str | Path | None = None, **settings: Any):
+def search(task: str, *, enqueue: Sequence = (), watch: Callable | None = None, argv: Sequence[str] | None = None,
+           **settings: Any):
     """`headsearch run`: search `space` on `task` up to `trials` finished trials (resuming a study of the
-    same name in `storage`), with the plan's workers; `settings` are `SearchSettings` fields (objectives,
-    sampler, pruner, preset, epochs, seed, workers, cohort, device, sets, callbacks, ...) and `search_study`'s
-    hooks (watch, argv). `enqueue`: configs to train first; `tensorboard`: a folder for each trial's per-epoch
-    TensorBoard scalars (DIR/trial-NNNNN, as `--tensorboard`). Returns the study's `StudyReport` (`report`)."""
-    study = search_study(task, space=space, trials=trials, storage=storage, data_dir=data_dir, data_file=data_file,
-                         enqueue=enqueue, tensorboard=tensorboard, **settings)
-    return report(storage, study.study_name)
+    same name in `storage`), with the plan's workers. The keyword parameters are the settings of
+    `headsearch.search.settings.SearchSettings`, one per option of `headsearch run`, of the same name
+    (objectives, sampler, pruner, preset, epochs, seed, workers, cohort, device, sets, callbacks, tensorboard...);
+    `enqueue`: configs to train first; `watch` and `argv` as `search_study`. Returns the study's `StudyReport`."""
+    study = search_study(task, enqueue=enqueue, watch=watch, argv=argv, **settings)
+    return report(settings.get("storage", DEFAULT_STORAGE), study.study_name)
+
+
+def _settings_signature(function: Callable) -> inspect.Signature:
+    """`function`'s signature with the settings' keyword parameters in place of `**settings` (what `help()` and
+    editors show): the settings tree declares them, once."""
+    from headsearch.search.settings import settings_parameters
+
+    own = [p for p in inspect.signature(function).parameters.values() if p.kind is not p.VAR_KEYWORD]
+    return inspect.Signature(own + [p for p in settings_parameters() if p.name != "task"])
+
+
+search_study.__signature__ = _settings_signature(search_study)
+search.__signature__ = _settings_signature(search)
 
 
 def report(storage: str = DEFAULT_STORAGE, study: str | None = None, *, loaded=None):

@@ -7,18 +7,17 @@ from typing import Optional
 
 import typer
 
-from headsearch.cli.common import (Command, data_dir_option, data_file_option, device_option, exits, fail, format_option,
-                                   preset_option, space_option, task_option)
+from headsearch.cli.common import Command, exits, fail, format_option, setting_option
 
 
 @exits(kept="the ways measured so far are saved", interrupted="the ways measured so far are saved")
 def bench(
-    task: str = task_option(),
-    space: str = space_option("The search space whose base architecture is measured (as in `run`)."),
-    preset: Optional[str] = preset_option("Task preset, as the searches you will run use it (e.g. tiny)."),
-    data_dir: Optional[Path] = data_dir_option(),
-    data_file: Optional[Path] = data_file_option(),
-    device: str = device_option("auto (the GPUs, else the CPU) or cpu."),
+    task: str = setting_option("task"),
+    space: str = setting_option("space", "The search space whose base architecture is measured (as in `run`)."),
+    preset: Optional[str] = setting_option("preset", "Task preset, as the searches you will run use it (e.g. tiny)."),
+    data_dir: Optional[Path] = setting_option("data_dir"),
+    data_file: Optional[Path] = setting_option("data_file"),
+    device: str = setting_option("device", "auto (the GPUs, else the CPU) or cpu."),
     seconds: Optional[float] = typer.Option(None, "--seconds", help="Timed seconds per way (default 10 on a GPU, 6 on a CPU)."),
     ks: Optional[str] = typer.Option(None, "--ks", help="The K (processes, cohort sizes) to try, comma-separated, e.g. 8 (default: 2,4,8 within the GPU's memory; 2,4 for CPU cohorts)."),
     modes: Optional[str] = typer.Option(None, "--modes", help="Step modes one process tries on a GPU, comma-separated (default off,graphs,reduce-overhead); K processes run the fastest."),

@@ -5,30 +5,18 @@ Commands import from here, never from `cli/main.py` (which imports the commands 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-from pathlib import Path
-from typing import Any, Callable, Optional
+import inspect
+import typing
+from typing import Any, Callable, Optional, Sequence
 
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-DEFAULT_STORAGE = "sqlite:///headsearch.db"
-# Optuna's own CLI reads the storage URL from this variable; headsearch's commands do too.
-STORAGE_ENV = "OPTUNA_STORAGE"
-
-
-SET_HELP = ("SECTION.KEY=VALUE (SECTION arch, train or data; VALUE as YAML), e.g. train.lr=3e-4 data.train_limit=5000;"
-            " repeatable; over the preset and --config, under --epochs/--seed/--compile.")
-TASK_HELP = "Task name (see `headsearch tasks`), or a plugin as package.module:attr (docs/plugins.md)."
-DATA_DIR_HELP = "Local dataset folder (vit-cifar10)."
-DATA_FILE_HELP = "Local data file (translation-en-es: tab-separated parallel text; plugins that read one file)."
-DEVICE_HELP = "auto, cpu, cuda, cuda:1 ..."
-FORMAT_HELP = "table (Rich) | json (for scripts)."
-COMPILE_HELP = ("How training steps run: auto (default: on CUDA compiled blocks + the whole step in a CUDA graph,"
-                " on the CPU eager) | off | graphs | default | reduce-overhead | max-autotune; overrides train.compile."
-                " The warm-up is timed apart (compile_seconds in final.json).")
-TENSORBOARD_HELP = ("Write each epoch's train loss, learning rate, epoch seconds and validation metrics as TensorBoard"
-                    " scalars into DIR (`run`: one run per trial, DIR/trial-NNNNN). Needs the tensorboard package (headsearch's extra of that name).")
+# What the commands that train say of the plan's workers and cohorts (compare, table).
+PLAN_WORKERS_HELP = "Worker processes (default: the plan's, as `run`)."
+PLAN_COHORT_HELP = "Runs a worker trains as one stacked model (ViT; 1: off)."
 
 
 # ------------------------------------------------------------------------------------ failures and exits
@@ -111,11 +99,27 @@ def _bare_flags(params: list) -> list:
     return params
 
 
+def _registry_names(params: list) -> list:
+    """`run`'s --sampler and --pruner list the registries' rows (read when `run` parses or shows its help)."""
+    for p in params:
+        if p.help and "{samplers}" in p.help:
+            from headsearch.search.study import SAMPLERS
+
+            p.help = p.help.replace("{samplers}", " | ".join(SAMPLERS))
+        if p.help and "{pruners}" in p.help:
+            from headsearch.search.pruning import RULES
+
+            objectives = {rule.name: " (one objective)" if isinstance(rule.several, str) else
+                          " (several objectives)" if isinstance(rule.one, str) else "" for rule in RULES.values()}
+            p.help = p.help.replace("{pruners}", " | ".join(name + only for name, only in objectives.items()))
+    return params
+
+
 class Command(TyperCommand):
     """Every command's class: Typer's, with flags shown without a metavar."""
 
     def get_params(self, ctx):
-        return _bare_flags(super().get_params(ctx))
+        return _registry_names(_bare_flags(super().get_params(ctx)))
 
 
 class Group(TyperGroup):
@@ -126,72 +130,64 @@ class Group(TyperGroup):
 
 
 # ------------------------------------------------------------------------------ options several commands take
-# Each returns the typer.Option a command takes as a parameter's default; `help` says what differs in a
-# command, `panel` names its help panel (None: Typer's "Options").
 
 
-def storage_option(help: str = "Optuna storage URL (sqlite, postgresql, journal:FILE, redis).", panel: Optional[str] = None) -> str:
-    """`--storage URL`, read from $OPTUNA_STORAGE when the flag is not given."""
-    return typer.Option(DEFAULT_STORAGE, "--storage", envvar=STORAGE_ENV, show_envvar=True, rich_help_panel=panel,
-                        help=f"{help} Default: ${STORAGE_ENV}, else {DEFAULT_STORAGE}.")
-
-
-def task_option(panel: Optional[str] = None) -> Any:
-    return typer.Option(..., "--task", "-t", help=TASK_HELP, rich_help_panel=panel)
-
-
-def space_option(help: str, panel: Optional[str] = None) -> Any:
-    return typer.Option("deep-head", "--space", "-s", help=help, rich_help_panel=panel)
-
-
-def preset_option(help: str = "Task preset, e.g. tiny for a CPU smoke run.", panel: Optional[str] = None) -> Any:
-    return typer.Option(None, "--preset", "-p", help=help, rich_help_panel=panel)
-
-
-def epochs_option(help: str, panel: Optional[str] = None) -> Any:
-    return typer.Option(None, "--epochs", help=help, rich_help_panel=panel)
-
-
-def data_dir_option(panel: Optional[str] = None) -> Any:
-    return typer.Option(None, "--data-dir", help=DATA_DIR_HELP, rich_help_panel=panel)
-
-
-def data_file_option(panel: Optional[str] = None) -> Any:
-    return typer.Option(None, "--data-file", help=DATA_FILE_HELP, rich_help_panel=panel)
-
-
-def device_option(help: str = DEVICE_HELP, panel: Optional[str] = None) -> Any:
-    return typer.Option("auto", "--device", help=help, rich_help_panel=panel)
-
-
-def format_option(help: str = FORMAT_HELP, short: bool = True) -> Any:
+def format_option(help: str = "table (Rich) | json (for scripts).", short: bool = True) -> Any:
     return typer.Option("table", "--format", *(["-f"] if short else []), help=help)
 
 
-def study_option(help: str, panel: Optional[str] = None) -> Any:
-    return typer.Option(None, "--study", help=help, rich_help_panel=panel)
+def setting_option(name: str, help: Optional[str] = None, panel: Optional[str] = None) -> Any:
+    """The typer.Option of the setting `name` as `run` takes it (headsearch.search.settings: its flags, default
+    and help), which a command takes as a parameter's default: `help` says what differs in this command, `panel`
+    names its help panel (None: Typer's "Options")."""
+    from headsearch.search.settings import SETTINGS, flag_of, option_of
+
+    o = option_of(name)
+    default = ... if SETTINGS[name].default is dataclasses.MISSING else [] if o.repeat else SETTINGS[name].default
+    flags = [flag_of(name), *([o.alias] if o.alias else []), *([o.short] if o.short else [])]
+    return typer.Option(default, *flags, help=help or o.help, rich_help_panel=panel, metavar=o.metavar,
+                        envvar=o.envvar, show_envvar=o.envvar is not None)
 
 
-def run_root_option(help: str = "Run directories go in RUN_ROOT/<study>/.", panel: Optional[str] = None) -> Any:
-    return typer.Option(Path("runs"), "--run-root", help=help, rich_help_panel=panel)
+# ------------------------------------------------------------------------- the options of the settings tree
 
 
-def workers_option(panel: Optional[str] = None) -> Any:
-    return typer.Option(None, "--workers", help="Worker processes (default: the plan's, as `run`).", rich_help_panel=panel)
+def settings_command(extra: Sequence[inspect.Parameter] = ()) -> Callable:
+    """A decorator: the command takes one option per `SearchSettings` field (headsearch.search.settings: its flag,
+    help, part as the help panel) and the `extra` parameters, and its body gets the settings read from the
+    command line as a dict first, then the `extra` values by name."""
+    from headsearch.search.settings import SETTINGS, SearchSettings
+
+    hints = typing.get_type_hints(SearchSettings)
+    params = [_option_parameter(name, f, hints[name]) for name, f in SETTINGS.items()] + list(extra)
+
+    def decorate(body: Callable) -> Callable:
+        @functools.wraps(body)
+        def command(**given: Any) -> Any:
+            return body({name: _read_option(name, given.pop(name)) for name in SETTINGS}, **given)
+
+        command.__signature__ = inspect.Signature(params)  # what Typer reads the options from
+        command.__annotations__ = {p.name: p.annotation for p in params}
+        return command
+
+    return decorate
 
 
-def cohort_option(panel: Optional[str] = None) -> Any:
-    return typer.Option(None, "--cohort", help="Runs a worker trains as one stacked model (ViT; 1: off).",
-                        rich_help_panel=panel)
+def _option_parameter(name: str, f: dataclasses.Field, hint: Any) -> inspect.Parameter:
+    from headsearch.search.settings import option_of
+
+    o = option_of(name)
+    kind = o.cli_type or hint
+    annotation = list[kind] if o.repeat else Optional[kind] if f.default is None else kind
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
+                             default=setting_option(name, panel=o.part))
 
 
-def sets_option(help: str = SET_HELP, panel: Optional[str] = None) -> Any:
-    return typer.Option([], "--set", help=help, metavar="<section.key=value>", rich_help_panel=panel)
+def _read_option(name: str, given: Any) -> Any:
+    """The setting from what the command line gave: an empty repeatable option is the field's default."""
+    from headsearch.search.settings import SETTINGS, option_of
 
-
-def compile_option(panel: Optional[str] = None) -> Any:
-    return typer.Option(None, "--compile", help=COMPILE_HELP, rich_help_panel=panel)
-
-
-def tensorboard_option(panel: Optional[str] = None) -> Any:
-    return typer.Option(None, "--tensorboard", help=TENSORBOARD_HELP, rich_help_panel=panel)
+    o = option_of(name)
+    if o.repeat and not given:
+        return SETTINGS[name].default
+    return o.read(given) if o.read is not None and given is not None else given

@@ -11,9 +11,7 @@ from typing import Optional
 
 import typer
 
-from headsearch.cli.common import (Command, cohort_option, data_dir_option, data_file_option, device_option, epochs_option,
-                                   exits, fail, preset_option, run_root_option, sets_option, storage_option,
-                                   study_option, task_option, workers_option)
+from headsearch.cli.common import PLAN_COHORT_HELP, PLAN_WORKERS_HELP, Command, exits, fail, setting_option
 
 FORMATS = ("table", "json", "csv")
 # The metrics the table shows, when the runs have them; the JSON holds every one.
@@ -27,21 +25,21 @@ INTERRUPTED = "finished runs are kept in the study; run the same command to trai
 @exits(kept=KEPT, interrupted=INTERRUPTED)
 def compare(
     configs: list[str] = typer.Argument(..., metavar="CONFIG...", help="YAML files (architecture or run config), study:NAME:TRIAL or study:NAME:pareto."),
-    task: str = task_option(panel=RUNS),
+    task: str = setting_option("task", panel=RUNS),
     seeds: int = typer.Option(3, "--seeds", help="Seeds per config: 0..N-1 (at least 2).", rich_help_panel=RUNS),
-    data_dir: Optional[Path] = data_dir_option(panel=RUNS),
-    data_file: Optional[Path] = data_file_option(panel=RUNS),
-    preset: Optional[str] = preset_option("Task preset for YAML configs, e.g. tiny.", panel=RUNS),
-    epochs: Optional[int] = epochs_option("Epochs per run (default: each config's).", panel=RUNS),
-    sets: list[str] = sets_option("SECTION.KEY=VALUE for every config, e.g. data.val_size=0 (repeatable).", panel=RUNS),
+    data_dir: Optional[Path] = setting_option("data_dir", panel=RUNS),
+    data_file: Optional[Path] = setting_option("data_file", panel=RUNS),
+    preset: Optional[str] = setting_option("preset", "Task preset for YAML configs, e.g. tiny.", panel=RUNS),
+    epochs: Optional[int] = setting_option("epochs", "Epochs per run (default: each config's).", panel=RUNS),
+    sets: list[str] = setting_option("sets", "SECTION.KEY=VALUE for every config, e.g. data.val_size=0 (repeatable).", panel=RUNS),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Folder for comparison.json and curves.png (default RUN_ROOT/<study>/compare)."),
     fmt: str = typer.Option("table", "--format", "-f", help="table | json | csv (on stdout)."),
-    storage: str = storage_option("Optuna storage URL: the runs' study, and where study:NAME configs are read.", panel=WORKERS),
-    study: Optional[str] = study_option("The comparison's study name (default compare-<task>-<hash of the configs>).", panel=WORKERS),
-    run_root: Path = run_root_option(panel=WORKERS),
-    workers: Optional[int] = workers_option(panel=WORKERS),
-    cohort: Optional[int] = cohort_option(panel=WORKERS),
-    device: str = device_option(panel=WORKERS),
+    storage: str = setting_option("storage", "Optuna storage URL: the runs' study, and where study:NAME configs are read.", panel=WORKERS),
+    study: Optional[str] = setting_option("study", "The comparison's study name (default compare-<task>-<hash of the configs>).", panel=WORKERS),
+    run_root: Path = setting_option("run_root", panel=WORKERS),
+    workers: Optional[int] = setting_option("workers", PLAN_WORKERS_HELP, panel=WORKERS),
+    cohort: Optional[int] = setting_option("cohort", PLAN_COHORT_HELP, panel=WORKERS),
+    device: str = setting_option("device", panel=WORKERS),
 ) -> None:
     """Train every CONFIG with seeds 0..N-1; means, spreads and paired differences with 95% intervals."""
     from headsearch import api

@@ -6,7 +6,6 @@ the live table (`TrialLog`): one per finished trial and a status line every `STA
 print through `output_console`, whose lines are never wrapped there."""
 from __future__ import annotations
 
-import math
 import socket
 import time
 from contextlib import contextmanager
@@ -17,6 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from headsearch.search.rungcheck import RungWatch
 from headsearch.search.runner import SearchCallback, arch_summary
 from headsearch.search.snapshot import snapshot, trial_state
 from headsearch.training.trainer import Callback, EpochRecord, StepInfo, TrainResult
@@ -144,46 +144,6 @@ def grid_label(grid) -> Callable:
         return t.user_attrs.get("arch", "")
 
     return label
-
-
-class RungWatch:
-    """The search checks its own first rung while it runs: once the trials that ran to the end rank poorly at
-    the first rung (`headsearch.search.rungcheck.low_first_rung`), `warning` returns that line, once per run.
-
-    Cheap by design, as it runs on every poll of the display: it recomputes only when the number of COMPLETE
-    trials changed (nothing else changes the answer), at most every `every` seconds (a burst of finishing
-    workers is checked once), and then only the first rung's correlation. A study whose pruner has no rungs
-    is never checked."""
-
-    EVERY = 30.0
-
-    def __init__(self, study, every: float = EVERY, clock: Callable[[], float] = time.monotonic):
-        from headsearch.search.rungcheck import rung_schedule
-
-        self.meta = study.user_attrs.get("headsearch") or {}
-        schedule = rung_schedule(self.meta)
-        self.first = schedule[0] if schedule else None
-        self.every, self.clock = every, clock
-        self.done = self.first is None  # warned already, or nothing to check
-        self.checked = 0  # COMPLETE trials at the last check
-        self.next_check = -math.inf
-
-    def warning(self, trials, final: bool = False) -> str | None:
-        """The warning when it is first due, else None; `final`: the run's last look, not held back by `every`."""
-        from optuna.trial import TrialState
-
-        from headsearch.search.rungcheck import MIN_TRIALS, check_rungs
-
-        if self.done:
-            return None
-        complete = sum(1 for t in trials if t.state == TrialState.COMPLETE)
-        now = self.clock()
-        if complete < MIN_TRIALS or complete == self.checked or (now < self.next_check and not final):
-            return None
-        self.checked, self.next_check = complete, now + self.every
-        _, text = check_rungs(trials, self.meta, epochs=[self.first])
-        self.done = text is not None
-        return text
 
 
 class TrialLog:

@@ -12,7 +12,7 @@ from typing import Optional
 import typer
 
 from headsearch.cli.checks import check_artifact_folder, check_output_folder, check_study_to_read
-from headsearch.cli.common import Command, device_option, exits, fail, run_root_option, storage_option, study_option
+from headsearch.cli.common import Command, exits, fail, setting_option
 
 STORAGE_HELP = "Optuna storage URL of the search (sqlite:///FILE.db, postgresql://..., journal:FILE.log, redis://...)."
 STUDY_HELP = "Study name (default: the only study in the storage)."
@@ -30,13 +30,13 @@ def _quiet_optuna() -> None:
 
 @exits(kept="the study is unchanged and plots already written are whole; free space and run it again")
 def report(
-    study: Optional[str] = study_option(STUDY_HELP),
-    storage: str = storage_option(STORAGE_HELP),
+    study: Optional[str] = setting_option("study", STUDY_HELP),
+    storage: str = setting_option("storage", STORAGE_HELP),
     fmt: str = typer.Option("table", "--format", "-f", help="table (Rich tables), json (the whole report) or csv (one row per trial)."),
     plots: Optional[Path] = typer.Option(None, "--plots", help="Also write PNG and HTML plots into this folder and upload them to the study as artifacts."),
     robust: int = typer.Option(0, "--robust", help="Retrain the Pareto front with seeds 0..N-1 (`headsearch compare`) and show it on mean values with 95% intervals."),
-    run_root: Path = run_root_option("With --robust: run directories go in RUN_ROOT/<study>-robust/."),
-    device: str = device_option("With --robust: auto, cpu, cuda ..."),
+    run_root: Path = setting_option("run_root", "With --robust: run directories go in RUN_ROOT/<study>-robust/."),
+    device: str = setting_option("device", "With --robust: auto, cpu, cuda ..."),
     pruning_audit: bool = typer.Option(False, "--pruning-audit", help="Also replay the study's stored curves under other pruning rules and rungs: epochs each would have trained, and the front members it would have pruned."),
 ) -> None:
     """Summarise a search: Pareto front, trial counts, parameter importances, what pruning saved."""
@@ -302,8 +302,8 @@ def _fmt(v) -> str:
 
 @exits(kept="configs already written are whole; free space and export again")
 def export(
-    study: Optional[str] = study_option(STUDY_HELP),
-    storage: str = storage_option(STORAGE_HELP),
+    study: Optional[str] = setting_option("study", STUDY_HELP),
+    storage: str = setting_option("storage", STORAGE_HELP),
     trial: Optional[int] = typer.Option(None, "--trial", help="Export this trial (it must be complete)."),
     pareto: bool = typer.Option(False, "--pareto", help="Export every trial on the Pareto front (or the best trial of a single-objective study)."),
     best: Optional[str] = typer.Option(None, "--best", help="Export the complete trial best on this objective or validation metric."),
@@ -325,8 +325,8 @@ def export(
 
 @exits()
 def dashboard(
-    study: Optional[str] = study_option("Check this study exists and print its page's URL."),
-    storage: str = storage_option(STORAGE_HELP),
+    study: Optional[str] = setting_option("study", "Check this study exists and print its page's URL."),
+    storage: str = setting_option("storage", STORAGE_HELP),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0 to be reachable from other machines)."),
     port: int = typer.Option(8080, "--port", help="Port to listen on."),
     artifact_dir: Optional[Path] = typer.Option(None, "--artifact-dir", help="Artifact folder (default: beside the database, where `report --plots` uploads)."),

@@ -8,9 +8,8 @@ from typing import Optional
 
 import typer
 
-from headsearch.cli.common import (SET_HELP, Command, cohort_option, data_dir_option, data_file_option, device_option,
-                                   epochs_option, exits, preset_option, run_root_option, sets_option, space_option,
-                                   storage_option, study_option, task_option, workers_option)
+from headsearch.cli.common import PLAN_COHORT_HELP, PLAN_WORKERS_HELP, Command, exits, setting_option
+from headsearch.search.settings import SET_HELP
 
 RUNS, WORKERS = "Runs", "Storage and workers"
 KEPT = "finished runs are kept in the study; run the same command to train the rest"
@@ -18,23 +17,23 @@ KEPT = "finished runs are kept in the study; run the same command to train the r
 
 @exits(kept=f"{KEPT}; free space (or fix the disk) first", interrupted=KEPT)
 def table(
-    task: str = task_option(panel=RUNS),
-    space: str = space_option("Search space (a built-in name or a YAML path) whose every architecture is trained.", panel=RUNS),
+    task: str = setting_option("task", panel=RUNS),
+    space: str = setting_option("space", "Search space (a built-in name or a YAML path) whose every architecture is trained.", panel=RUNS),
     out: Path = typer.Option(..., "--out", "-o", help="The table's JSON file (written when the runs end; again on every resume)."),
     seeds: int = typer.Option(3, "--seeds", help="Seeds per architecture: 0..N-1 (at least 2).", rich_help_panel=RUNS),
     sample: Optional[int] = typer.Option(None, "--sample", help="Train a seeded sample of this many architectures instead of all.", rich_help_panel=RUNS),
     sample_seed: int = typer.Option(0, "--sample-seed", help="Seed of --sample's draw.", rich_help_panel=RUNS),
-    preset: Optional[str] = preset_option("Task preset whose search budget every run uses, e.g. tiny.", panel=RUNS),
-    epochs: Optional[int] = epochs_option("Epochs per run (default: the preset's search budget).", panel=RUNS),
-    data_dir: Optional[Path] = data_dir_option(panel=RUNS),
-    data_file: Optional[Path] = data_file_option(panel=RUNS),
-    storage: str = storage_option("Optuna storage URL of the runs' study (resumable).", panel=WORKERS),
-    study: Optional[str] = study_option("The runs' study (default table-<task>-<space>[-<preset>]).", panel=WORKERS),
-    run_root: Path = run_root_option(panel=WORKERS),
-    workers: Optional[int] = workers_option(panel=WORKERS),
-    cohort: Optional[int] = cohort_option(panel=WORKERS),
-    device: str = device_option(panel=WORKERS),
-    sets: list[str] = sets_option(SET_HELP + " For every run (a cheaper epoch, say); recorded in the table.", panel=RUNS),
+    preset: Optional[str] = setting_option("preset", "Task preset whose search budget every run uses, e.g. tiny.", panel=RUNS),
+    epochs: Optional[int] = setting_option("epochs", "Epochs per run (default: the preset's search budget).", panel=RUNS),
+    data_dir: Optional[Path] = setting_option("data_dir", panel=RUNS),
+    data_file: Optional[Path] = setting_option("data_file", panel=RUNS),
+    storage: str = setting_option("storage", "Optuna storage URL of the runs' study (resumable).", panel=WORKERS),
+    study: Optional[str] = setting_option("study", "The runs' study (default table-<task>-<space>[-<preset>]).", panel=WORKERS),
+    run_root: Path = setting_option("run_root", panel=WORKERS),
+    workers: Optional[int] = setting_option("workers", PLAN_WORKERS_HELP, panel=WORKERS),
+    cohort: Optional[int] = setting_option("cohort", PLAN_COHORT_HELP, panel=WORKERS),
+    device: str = setting_option("device", panel=WORKERS),
+    sets: list[str] = setting_option("sets", SET_HELP + " For every run (a cheaper epoch, say); recorded in the table.", panel=RUNS),
 ) -> None:
     """Train every architecture of a space (seeds 0..N-1, no pruning) and write them as a benchmark table."""
     from headsearch import api

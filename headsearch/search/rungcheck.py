@@ -23,8 +23,10 @@ what the search records as its objective. No Rich and no printing here: the repo
 from __future__ import annotations
 
 import math
+import time
+import warnings
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from headsearch.search.pruning import rule_rungs, rung_epochs
 from headsearch.search.ranks import metric_direction, spearman
@@ -173,3 +175,62 @@ def check_rungs(trials: Sequence[Any], meta: Mapping[str, Any], *,
     rows = rung_correlations(done, direction, rungs, epochs=epochs)
     first = rungs[0] if rungs else None
     return rows, low_first_rung(rows, first, metric=meta.get("primary_metric") or "value")
+
+
+class RungWatch:
+    """The search checks its own first rung while it runs: once the trials that ran to the end rank poorly at
+    the first rung (`headsearch.search.rungcheck.low_first_rung`), `warning` returns that line, once per run.
+
+    Cheap by design, as it runs on every poll of the display: it recomputes only when the number of COMPLETE
+    trials changed (nothing else changes the answer), at most every `every` seconds (a burst of finishing
+    workers is checked once), and then only the first rung's correlation. A study whose pruner has no rungs
+    is never checked."""
+
+    EVERY = 30.0
+
+    def __init__(self, study, every: float = EVERY, clock: Callable[[], float] = time.monotonic):
+        self.meta = study.user_attrs.get("headsearch") or {}
+        schedule = rung_schedule(self.meta)
+        self.first = schedule[0] if schedule else None
+        self.every, self.clock = every, clock
+        self.done = self.first is None  # warned already, or nothing to check
+        self.checked = 0  # COMPLETE trials at the last check
+        self.next_check = -math.inf
+
+    def warning(self, trials, final: bool = False) -> str | None:
+        """The warning when it is first due, else None; `final`: the run's last look, not held back by `every`."""
+        from optuna.trial import TrialState
+
+        if self.done:
+            return None
+        complete = sum(1 for t in trials if t.state == TrialState.COMPLETE)
+        now = self.clock()
+        if complete < MIN_TRIALS or complete == self.checked or (now < self.next_check and not final):
+            return None
+        self.checked, self.next_check = complete, now + self.every
+        _, text = check_rungs(trials, self.meta, epochs=[self.first])
+        self.done = text is not None
+        return text
+
+
+class RungWarning(UserWarning):
+    """The first rung ranks the trials that ran to the end poorly (`low_first_rung`'s line)."""
+
+
+class FirstRungCheck:
+    """An Optuna callback `(study, FrozenTrial)`, called after each trained trial: the `RungWatch` of a search
+    without the CLI's display (`headsearch.api.search`), whose line becomes a `RungWarning`, once per study and
+    process. Given to the search as the spec `FIRST_RUNG_CHECK`, so that worker processes import it too."""
+
+    def __init__(self):
+        self.watches: dict[str, RungWatch] = {}
+
+    def __call__(self, study, trial) -> None:
+        if (watch := self.watches.get(study.study_name)) is None:
+            watch = self.watches[study.study_name] = RungWatch(study)
+        if text := watch.warning(study.get_trials(deepcopy=False)):
+            warnings.warn(text, RungWarning, stacklevel=2)
+
+
+first_rung_check = FirstRungCheck()
+FIRST_RUNG_CHECK = "headsearch.search.rungcheck:first_rung_check"

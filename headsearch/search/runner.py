@@ -62,6 +62,7 @@ class Search:
 
     def __post_init__(self) -> None:
         s = self.settings
+        check_settings(s)
         task = get_task(s.task)
         # A space's name or path, or a space object (a comparison's `ConfigGrid`: fixed configs x seeds).
         space = load_space(s.space) if isinstance(s.space, str) else s.space
@@ -72,7 +73,6 @@ class Search:
         # Every architecture's epoch seconds, known before training (`cost_sampler.Candidate`s): the cost-aware
         # sampler proposes from them. Measured before the first trial (`use_costs`); the simulator's table gives them.
         self.cost_candidates: list | None = None
-        check_settings(s)
         check_sampler(default_sampler(s.sampler, len(objectives)), len(objectives))
         study_name = s.study or "-".join([task.name, space.name] + ([s.preset] if s.preset else []))
         source = DataSource(Path(s.data_dir) if s.data_dir else None, Path(s.data_file) if s.data_file else None)
@@ -100,7 +100,7 @@ class Search:
         """The base config, resolved once per search and checked before any study exists: the preset's search
         budget < --set < the flags < the space's fixed values."""
         s = self.settings
-        flags = flag_overrides(seed=s.seed, epochs=s.epochs, compile=s.compile, diversity_samples=s.diversity_samples or None,
+        flags = flag_overrides(seed=s.seed, epochs=s.epochs, compile=s.compile, diversity_samples=s.track_diversity or None,
                                sets=s.sets)
         cfg = resolve_config(task, preset=s.preset, search=True, overrides=flags)
         base = space.base_config(cfg, lambda c, o: apply_overrides(task, c, o))

@@ -169,12 +169,12 @@ def simulation_search(table: dict[str, Any], *, space: str, trials: int, sampler
                       sets: dict[str, dict[str, Any]] | None = None, **pruning: Any):
     """The `Search` that `headsearch run` would build for the table's task, preset and epochs, on the CPU
     (with the `--set` overrides the table's runs were trained with, `sets` or the table's own). `pruning`:
-    any of the settings' pruning fields (`PRUNING_VALUES`: pruner_min_epochs=2, pruner_percentile=10, ...)."""
+    any of the settings' pruning fields (`PRUNING_FIELDS`: pruner_min_epochs=2, pruner_percentile=10, ...)."""
     from headsearch.search.runner import Search, SearchSettings
-    from headsearch.search.settings import PRUNING_VALUES
+    from headsearch.search.settings import PRUNING_FIELDS
 
-    if unknown := sorted(set(pruning) - set(PRUNING_VALUES)):
-        raise TypeError(f"simulation_search: {', '.join(unknown)} is not a pruning setting ({', '.join(PRUNING_VALUES)})")
+    if unknown := sorted(set(pruning) - set(PRUNING_FIELDS)):
+        raise TypeError(f"simulation_search: {', '.join(unknown)} is not a pruning setting ({', '.join(PRUNING_FIELDS)})")
     settings = SearchSettings(task=table["task"], space=space, trials=trials, sampler=sampler, pruner=pruner, seed=seed,
                               objectives=tuple(objectives) if objectives else None, preset=table.get("preset"),
                               epochs=table["epochs"], storage=SIMULATED_STORAGE, device="cpu", heartbeat=0,
