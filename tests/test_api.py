@@ -65,3 +65,10 @@ def test_api_compare_trains_every_config_with_every_seed(tmp_path, cifar_dir):
                               storage=f"sqlite:///{tmp_path / 'c.db'}")
     runs = [(t.user_attrs["config"]["arch"]["fusion"], t.user_attrs["config"]["seed"]) for t in study.trials]
     assert sorted(runs) == [("add", 0), ("add", 1), ("none", 0), ("none", 1)]
+
+
+def test_export_takes_exactly_one_selector_as_the_command_does(tmp_path):
+    for selectors in ({}, {"trial": 1, "pareto": True}):
+        with pytest.raises(ConfigError, match="^pass exactly one of --trial N, --pareto, --best METRIC$"):
+            api.export(f"sqlite:///{tmp_path / 'none.db'}", out=tmp_path / "out", **selectors)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -19,6 +19,7 @@ measured before the first trial, with `--sampler cost`).
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -26,11 +27,11 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from headsearch.config import RunConfig
-from headsearch.errors import HeadsearchError
+from headsearch.errors import ConfigError, HeadsearchError
 from headsearch.search.storage import DEFAULT_STORAGE
 
-__all__ = ["SearchFailed", "TrainedRun", "compare", "load_model", "report", "robust", "search", "search_study", "table",
-           "train", "trials"]
+__all__ = ["SearchFailed", "StudyReportFiles", "TrainedRun", "analyze", "bench", "compare", "export", "load_model",
+           "report", "robust", "search", "search_study", "study_report", "table", "train", "trials"]
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,102 @@ def report(storage: str = DEFAULT_STORAGE, study: str | None = None, *, loaded=N
     from headsearch.search.report import summarize
 
     return summarize(storage, study, study=loaded)
+
+
+@dataclass(frozen=True)
+class StudyReportFiles:
+    """What `study_report` gives: the report, the pruning audit (`headsearch.search.audit.Audit`, or None), the
+    plots written and uploaded (`headsearch.search.plots.PublishedPlots`, or None), where the uploads went, and
+    the notes saved for optuna-dashboard (None without plots or without optuna-dashboard)."""
+
+    report: Any
+    audit: Any = None
+    plots: Any = None
+    artifact_dir: Path | None = None
+    notes: Any = None
+
+
+def study_report(storage: str = DEFAULT_STORAGE, study: str | None = None, *, plots: str | Path | None = None,
+                 pruning_audit: bool = False) -> StudyReportFiles:
+    """`headsearch report`: `report`, and with `pruning_audit` the replay of the study's curves under other
+    pruning rules; with `plots` a folder, PNG and HTML plots written there, the PNGs uploaded to the study as
+    artifacts, and the figures and notes saved in the study for optuna-dashboard. The study is loaded once."""
+    import importlib.util
+
+    from headsearch.search.report import load_study_stored
+
+    if plots is not None:
+        from headsearch.search.plots import check_plot_libraries
+
+        check_plot_libraries()
+        if Path(plots).exists() and not Path(plots).is_dir():
+            raise ConfigError(f"--plots {plots} is a file: pass a folder")
+    loaded, stored = load_study_stored(storage, study)
+    files = StudyReportFiles(report(storage, study, loaded=loaded))
+    if pruning_audit:
+        from headsearch.search.audit import pruning_audit as replay_pruning
+
+        files = dataclasses.replace(files, audit=replay_pruning(loaded))
+    if plots is not None:
+        from headsearch.search.artifacts import default_artifact_dir
+        from headsearch.search.notes import write_dashboard_notes
+        from headsearch.search.plots import publish_plots
+
+        artifact_dir = default_artifact_dir(storage)
+        published = publish_plots(loaded, files.report, Path(plots), artifact_dir, stored)
+        notes = write_dashboard_notes(loaded) if importlib.util.find_spec("optuna_dashboard") is not None else None
+        files = dataclasses.replace(files, artifact_dir=artifact_dir, notes=notes, plots=published)
+    return files
+
+
+def export(storage: str = DEFAULT_STORAGE, study: str | None = None, *, out: str | Path, trial: int | None = None,
+           pareto: bool = False, best: str | None = None) -> list[Path]:
+    """`headsearch export`: the chosen trials' full run configs as YAML files in `out` (for `train --config`):
+    exactly one of `trial` (a number), `pareto` (the front) or `best` (an objective or metric name)."""
+    from headsearch.search.export import export_configs
+
+    if sum([trial is not None, pareto, best is not None]) != 1:
+        raise ConfigError("pass exactly one of --trial N, --pareto, --best METRIC")
+    return export_configs(storage, study, trial=trial, pareto=pareto, best=best, out_dir=Path(out))
+
+
+def analyze(run_dir: str | Path, *, out: str | Path | None = None, samples: int = 256, ablate: bool = True,
+            device: str = "auto", data_dir: str | Path | None = None, data_file: str | Path | None = None,
+            progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """`headsearch analyze`: head diversity, importance, ablation, the pruning curve and attention maps of a
+    trained run, written to `out` (default RUN_DIR/analysis); a search trial's files are uploaded to its study
+    (`uploaded`). `progress(message)` hears each step."""
+    from headsearch.analysis.run import analyze_run
+    from headsearch.search.artifacts import upload_to_trial
+
+    if samples < 1:
+        raise ConfigError("--samples must be at least 1")
+    result = analyze_run(Path(run_dir), _source(data_dir, data_file), Path(out) if out else None, samples=samples,
+                         ablate=ablate, device=device, progress=progress or (lambda message: None))
+    result["uploaded"] = upload_to_trial(Path(run_dir), [*result["figures"], result.pop("analysis_json")])
+    return result
+
+
+def bench(task: str, *, space: str = "deep-head", preset: str | None = None, data_dir: str | Path | None = None,
+          data_file: str | Path | None = None, device: str = "auto", seconds: float | None = None,
+          ks: Sequence[int] | None = None, modes: Sequence[str] | None = None, cohorts: bool = True,
+          report: Callable | None = None, announce: Callable[[str], None] | None = None):
+    """`headsearch bench`: measure the ways a search can run its trials on this machine (each verified first;
+    `report(result)` hears each) and save the fastest for `run`'s plan. Returns (the `Measurement`, the `Plan`
+    `run` makes from it); `announce(line)` hears what is measured, once the data is checked."""
+    from headsearch.search.bench import bench as measure
+    from headsearch.search.runner import Search, SearchSettings
+
+    if seconds is not None and not seconds > 0:
+        raise ConfigError(f"--seconds {seconds}: give a positive number of seconds")
+    search = Search(SearchSettings(task=task, space=space, preset=preset, device=device, data_dir=data_dir,
+                                   data_file=data_file))
+    search.check_data()  # missing or malformed data: one line, before any process starts
+    if announce is not None:
+        announce(f"bench: {task}, base architecture of space {search.space.name}"
+                 + (f", preset {preset}" if preset else "") + "; each way verified, then timed")
+    measured = measure(search, seconds=seconds, ks=ks, modes=modes, cohorts=cohorts, report=report)
+    return measured, search.machine_plan()  # planned now: from the measurement just saved
 
 
 def trials(storage: str = DEFAULT_STORAGE, study: str | None = None):

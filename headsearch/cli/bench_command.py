@@ -1,6 +1,7 @@
-"""`headsearch bench`: a few lines over `headsearch.search.bench.bench`, and its table."""
+"""`headsearch bench`: a few lines over `headsearch.api.bench`, and its table."""
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Optional
@@ -29,25 +30,19 @@ def bench(
     from rich.console import Console
     from rich.table import Table
 
-    from headsearch.search.bench import GPU_MODES, bench as measure
-    from headsearch.search.runner import Search, SearchSettings
+    from headsearch import api
+    from headsearch.search.bench import GPU_MODES
 
     if fmt not in ("table", "json"):
         fail(f"--format {fmt!r}: use table or json")
-    if seconds is not None and not seconds > 0:
-        fail(f"--seconds {seconds}: give a positive number of seconds")
     k_list = parse_list("--ks", ks, int, "positive whole numbers, e.g. --ks 4,8", lambda k: k >= 1)
     mode_list = parse_list("--modes", modes, str, f"modes among {', '.join(GPU_MODES)}", lambda m: m in GPU_MODES)
     console = Console(stderr=fmt == "json")
-    settings = SearchSettings(task=task, space=space, preset=preset, device=device,
-                              data_dir=str(data_dir) if data_dir else None, data_file=str(data_file) if data_file else None)
-    search = Search(settings)
-    search.check_data()  # missing or malformed data: one line, before any process starts
-    console.print(f"bench: {task}, base architecture of space {search.space.name}"
-                  + (f", preset {preset}" if preset else "") + "; each way verified, then timed")
-    m = measure(search, seconds=seconds, ks=k_list, modes=mode_list, cohorts=not no_cohorts, report=lambda r: console.print(f"  {r.way.describe()}: " + (
-        f"{r.samples_per_s:,.0f} samples/s" if r.verified else f"not used ({r.reason})"), soft_wrap=True, highlight=False))
-    plan = search.machine_plan()  # planned now: from the measurement just saved
+    say = functools.partial(console.print, soft_wrap=True, highlight=False)
+    m, plan = api.bench(task, space=space, preset=preset, data_dir=data_dir, data_file=data_file, device=device,
+                        seconds=seconds, ks=k_list, modes=mode_list, cohorts=not no_cohorts, announce=console.print,
+                        report=lambda r: say(f"  {r.way.describe()}: " + (
+                            f"{r.samples_per_s:,.0f} samples/s" if r.verified else f"not used ({r.reason})")))
     if fmt == "json":
         typer.echo(json.dumps(m.to_dict(), indent=2))
         return

@@ -175,24 +175,16 @@ def analyze(
 
     from rich.console import Console
 
-    from headsearch.analysis.run import analyze_run
+    from headsearch import api
     from headsearch.cli.checks import check_output_folder
     from headsearch.cli.progress import print_analysis
-    from headsearch.search.artifacts import upload_to_trial
-    from headsearch.tasks import DataSource
 
     if fmt not in ("table", "json"):
         fail(f"--format {fmt!r} is not known: use table or json")
-    if samples < 1:
-        fail("--samples must be at least 1")
     check_output_folder(out, "--out", "analysis.json and the figures")
-    err = Console(stderr=True)
-    with err.status("analysing") as status:
-        result = analyze_run(run_dir, DataSource(data_dir, data_file), out, samples=samples, ablate=ablate,
-                             device=device, progress=lambda m: status.update(f"analysing: {m}"))
-        # A search trial's run: its figures and analysis.json go to the study as artifacts.
-        files = [*result["figures"], result.pop("analysis_json")]
-        result["uploaded"] = upload_to_trial(run_dir, files)
+    with Console(stderr=True).status("analysing") as status:
+        result = api.analyze(run_dir, out=out, samples=samples, ablate=ablate, device=device, data_dir=data_dir,
+                             data_file=data_file, progress=lambda m: status.update(f"analysing: {m}"))
     if fmt == "json":
         typer.echo(_json.dumps(result, indent=1))
         return

@@ -43,7 +43,6 @@ def report(
     import json
 
     from headsearch import api
-    from headsearch.errors import HeadsearchError
 
     if fmt not in FORMATS:
         fail(f"--format {fmt!r} is not known: use one of {', '.join(FORMATS)}")
@@ -59,29 +58,8 @@ def report(
     _quiet_optuna()
     if robust:
         return _robust_report(study, storage, robust, fmt, run_root, device)
-    from headsearch.search.report import load_study_stored
-
-    if plots is not None:
-        from headsearch.search.plots import check_plot_libraries
-
-        check_plot_libraries()
-        if plots.exists() and not plots.is_dir():
-            raise HeadsearchError(f"--plots {plots} is a file: pass a folder")
-    study_obj, stored = load_study_stored(storage, study)
-    rep = api.report(storage, study, loaded=study_obj)
-    audit = None
-    if pruning_audit:
-        from headsearch.search.audit import pruning_audit as replay_pruning
-
-        audit = replay_pruning(study_obj)
-    published = notes = None
-    if plots is not None:
-        from headsearch.search.artifacts import default_artifact_dir
-        from headsearch.search.plots import publish_plots
-
-        artifact_dir = default_artifact_dir(storage)
-        published = publish_plots(study_obj, rep, plots, artifact_dir, stored)
-        notes = _dashboard_notes(study_obj)
+    files = api.study_report(storage, study, plots=plots, pruning_audit=pruning_audit)
+    rep, audit, published, notes = files.report, files.audit, files.plots, files.notes
     if fmt == "json":
         data = rep.to_dict()
         if audit is not None:
@@ -102,7 +80,7 @@ def report(
     if published:
         # With json/csv on stdout, the list of plots goes to stderr so the data stays parseable.
         to_err = fmt != "table"
-        typer.echo(f"plots (PNGs uploaded as artifacts to {artifact_dir}):", err=to_err)
+        typer.echo(f"plots (PNGs uploaded as artifacts to {files.artifact_dir}):", err=to_err)
         for path in published.files:
             uploaded = published.artifacts.get(path)
             typer.echo(f"  {path}" + (f"  (artifact {uploaded})" if uploaded else ""), err=to_err)
@@ -112,17 +90,6 @@ def report(
             typer.echo(published.dashboard_note, err=to_err)
         if notes is not None and notes.written:
             typer.echo(f"notes saved in the study for optuna-dashboard: {notes.summary()}", err=to_err)
-
-
-def _dashboard_notes(study):
-    """`write_dashboard_notes`, or None without optuna-dashboard (the figures' line says it is missing)."""
-    import importlib.util
-
-    if importlib.util.find_spec("optuna_dashboard") is None:
-        return None
-    from headsearch.search.notes import write_dashboard_notes
-
-    return write_dashboard_notes(study)
 
 
 def print_pruning_audit(audit, console=None) -> None:
@@ -310,16 +277,14 @@ def export(
     out: Path = typer.Option(..., "--out", "-o", help="Folder for the YAML files (trial-00012.yaml, ...)."),
 ) -> None:
     """Write chosen trials' full run configs as YAML for `headsearch train --config`."""
-    n = sum([trial is not None, pareto, best is not None])
-    if n != 1:
+    from headsearch import api
+
+    if sum([trial is not None, pareto, best is not None]) != 1:
         fail("pass exactly one of --trial N, --pareto, --best METRIC")
     check_study_to_read(study)
     check_output_folder(out, "--out", "the YAML files")
     _quiet_optuna()
-    from headsearch.search.export import export_configs
-
-    paths = export_configs(storage, study, trial=trial, pareto=pareto, best=best, out_dir=out)
-    for p in paths:
+    for p in api.export(storage, study, out=out, trial=trial, pareto=pareto, best=best):
         typer.echo(str(p))
 
 
