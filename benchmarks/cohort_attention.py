@@ -3,7 +3,7 @@
 Two ways to run one layer's attention for K slots whose head counts differ (d_k = d_model / h, so the slots
 share every weight shape and differ only in how Q, K and V split into heads):
 
-- grouped (headsearch.models.cohort, `StackedViT._attention`, the production path): the slots with the same
+- grouped (headsearch.models.cohort, `StackedViT.layer_attention`, the production path): the slots with the same
   head count form a group; each group's slots are folded into the head axis, (B, G·h, T, d_k), and run as
   one scaled_dot_product_attention; the groups' outputs are put back in slot order. One attention call
   per distinct head count, each doing only its slots' own work.
@@ -88,7 +88,7 @@ def main() -> None:
         grad_out = torch.randn(k, batch, TOKENS, D_MODEL, device=device, generator=gen)
 
         def grouped():
-            return stacked._attention(0, qkv, [None] * k)[0]
+            return stacked.layer_attention(0, qkv, [None] * k)[0]
 
         def masked():
             return masked_attention(qkv, mask)
@@ -114,7 +114,7 @@ def main() -> None:
     notes = [f"one attention layer of the seed ViT (d_model {D_MODEL}, T {TOKENS}), forward + backward of the attention"
              f" core alone (no skip, no fusion); batch {batch} per slot; {rounds} rounds after 2 warm-up rounds,"
              " alternating; medians, ratios = medians of the ratios within rounds",
-             "grouped: StackedViT._attention (one scaled_dot_product_attention per head count); masked: every slot at"
+             "grouped: StackedViT.layer_attention (one scaled_dot_product_attention per head count); masked: every slot at"
              " the layer's finest head count H, scores summed into coarse heads by a (K, H, H) block-diagonal matrix;"
              " both checked equal before timing",
              "masked score work / grouped = K·H / sum of the slots' heads: the T×T scores and softmax the masked way"

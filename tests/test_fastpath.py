@@ -194,7 +194,7 @@ def test_a_vit_step_never_reads_the_device(cifar):
     batch = next(iter(bound.train_batches(1)))
     steps.step(batch)  # Adam's state exists after a first step, as it does before any capture
     with NoHostReads():
-        steps._step_body(clone_batch(batch))
+        steps.step_body(clone_batch(batch))
     with pytest.raises(AssertionError, match="reads the device"), NoHostReads():
         steps.state.check_finite(1)  # the detector works: this one does read
 
@@ -218,7 +218,7 @@ def test_translation_with_fixed_lengths_trains_in_graph_steps_of_warmed_up_shape
         assert eager.step(batch) == graph.step(batch)
         assert float(graph.state.last_loss) == pytest.approx(float(eager.state.last_loss), rel=1e-5), f"step {i + 1}"
     with NoHostReads():
-        graph._step_body(clone_batch(epoch[0]))
+        graph.step_body(clone_batch(epoch[0]))
 
 
 def test_warm_up_captures_each_shape_and_leaves_weights_optimizer_steps_and_rng_as_they_were(cifar):
@@ -253,17 +253,17 @@ def test_a_captured_step_is_checked_against_the_uncaptured_one(cifar, warmup_epo
 
     def other_labels(b):
         x, y, u = b
-        return steps._step_body((x, (y + 1) % 10, u))
+        return steps.step_body((x, (y + 1) % 10, u))
 
     def doubled_lr(b):
-        n = steps._step_body(b)
+        n = steps.step_body(b)
         with torch.no_grad():
             for p, w in zip(steps.model.parameters(), weights):
                 p.add_(p - w)  # as if the update had been twice as large
         return n
 
     with steps.restored_afterwards() as start:
-        verify_step(steps, steps._step_body, batch, start)
+        verify_step(steps, steps.step_body, batch, start)
         for wrong in (other_labels, lambda b: 64, doubled_lr):
             with pytest.raises(CaptureMismatch, match="the captured step gave loss"):
                 verify_step(steps, wrong, batch, start)
@@ -285,7 +285,7 @@ def test_a_few_flipped_signs_pass_the_check_and_many_do_not(cifar):
 
     def flipped(count, steps_away=2.0):
         def replay(b):
-            n = steps._step_body(b)
+            n = steps.step_body(b)
             with torch.no_grad():  # `count` weights of the largest matrix land `steps_away` steps off
                 p = list(steps.model.parameters())[largest].view(-1)
                 p[:count] += steps_away * first_step_lr(steps)

@@ -80,7 +80,7 @@ def test_out_of_memory_warming_up_a_graph_mode_falls_back_to_eager_steps_with_a_
 
     def runs_out(self, batches):
         failed.append(weakref.ref(self))
-        self._step_body(clone_batch(batches[0]))  # leaves grads on the model, as a failed capture does
+        self.step_body(clone_batch(batches[0]))  # leaves grads on the model, as a failed capture does
         raise out_of_memory()
 
     monkeypatch.setattr(GraphSteps, "warm_up", runs_out)
@@ -244,7 +244,7 @@ def test_an_interrupted_capture_gets_its_stream_and_rng_back_and_stays_an_interr
 
 
 def reads_the_device_under_capture(original):
-    """`GraphSteps._step_body` that also reads the loss on the host when captured: the mistake that makes
+    """`GraphSteps.step_body` that also reads the loss on the host when captured: the mistake that makes
     cudaStreamEndCapture fail ("operation not permitted when stream is capturing"), so capture_end throws."""
     def body(self, batch):
         n = original(self, batch)
@@ -260,7 +260,7 @@ def test_a_failed_capture_leaves_the_stream_and_random_draws_working_and_falls_b
     before, random numbers can be drawn (torch <= 2.12 would raise "Offset increment outside graph capture
     encountered unexpectedly" at the next dropout), and the trial falls back to eager steps, which train."""
     device = torch.device("cuda", torch.cuda.current_device())
-    monkeypatch.setattr(GraphSteps, "_step_body", reads_the_device_under_capture(GraphSteps._step_body))
+    monkeypatch.setattr(GraphSteps, "step_body", reads_the_device_under_capture(GraphSteps.step_body))
     cfg = vit_config({"compile": "graphs", "max_steps_per_epoch": 2}, arch={"dropout": 0.1})
     bound = VIT.setup(cfg, cifar, str(device))
     model = bound.build_model().to(device)
@@ -327,7 +327,7 @@ def test_every_shapes_graph_shares_one_pool_and_replays_in_any_order(cifar, monk
 
     replayed_losses, replayed = train(steps.step)
     assert steps.uncaptured == 0
-    eager_losses, eager = train(lambda batch: steps._step_body(clone_batch(batch)))
+    eager_losses, eager = train(lambda batch: steps.step_body(clone_batch(batch)))
     assert replayed_losses == pytest.approx(eager_losses, rel=1e-3)
     apart = max(float((a - b).abs().max()) for a, b in zip(replayed, eager))
     assert apart <= 0.5 * cfg.train.lr  # a step lost or taken on clobbered state moves weights by ~lr

@@ -20,7 +20,7 @@ def main() -> int:
     dev, task = torch.device("cuda"), get_task("vit-cifar10")
     cfg = resolve_config(task, overrides={"train": {"epochs": 1}, "data": {"val_size": 1000, "train_limit": 8960}})
     bound = task.setup(cfg, DataSource(data_dir=os.environ["HEADSEARCH_DATA"] + "/cifar10"), dev)
-    spe, base, orig = steps_per_epoch(bound, cfg.train), torch.cuda.memory_allocated(), GraphSteps._step_body
+    spe, base, orig = steps_per_epoch(bound, cfg.train), torch.cuda.memory_allocated(), GraphSteps.step_body
 
     def bad(self, batch):  # a host read inside the reduce-overhead capture: cudaStreamEndCapture fails
         n = orig(self, batch)
@@ -30,7 +30,7 @@ def main() -> int:
 
     modes, above = [], []
     for tag, body in (("injected failure", bad), ("next trial", orig), ("third trial", orig)):
-        GraphSteps._step_body = body
+        GraphSteps.step_body = body
         try:
             model = bound.build_model().to(dev)
             steps, _, note = prepare_steps(task, cfg.train, bound, model, dev, spe)
@@ -46,7 +46,7 @@ def main() -> int:
             print(f"{tag}: RAISED {type(e).__name__}: {' '.join(str(e).split())[:200]}")
         above.append((torch.cuda.memory_allocated() - base) / 2**20)
         print(f"   allocated above the data: {above[-1]:.1f} MiB, reserved {torch.cuda.memory_reserved() / 2**20:.0f} MiB")
-    GraphSteps._step_body = orig
+    GraphSteps.step_body = orig
     ok = modes == ["graphs", "reduce-overhead", "reduce-overhead"] and max(above) - min(above) < 64
     for what, fn in (("empty_cache", torch.cuda.empty_cache),
                      ("eager dropout", lambda: torch.nn.functional.dropout(torch.ones(1024, device=dev), 0.5).sum().item())):

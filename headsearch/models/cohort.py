@@ -271,14 +271,14 @@ class StackedViT(nn.Module):
         p = self.p
         h = _layer_norm(x, p(pre + "norm1.weight"), p(pre + "norm1.bias"))
         qkv = _linear(h, p(pre + "attn.qkv_proj.weight"), p(pre + "attn.qkv_proj.bias"))  # (K, B, T, 3D)
-        merged, skips = self._attention(i, qkv, skips)  # (K, B, T, D)
+        merged, skips = self.layer_attention(i, qkv, skips)  # (K, B, T, D)
         x = x + _linear(merged, p(pre + "attn.out_proj.weight"), p(pre + "attn.out_proj.bias"))
         h = _layer_norm(x, p(pre + "norm2.weight"), p(pre + "norm2.bias"))
         h = _linear(h, p(pre + "mlp.fc1.weight"), p(pre + "mlp.fc1.bias"))
         h = F.gelu(h) if self.archs[0].activation == "gelu" else F.relu(h)
         return x + _linear(h, p(pre + "mlp.fc2.weight"), p(pre + "mlp.fc2.bias")), skips
 
-    def _attention(self, i: int, qkv: Tensor, skips: list[Tensor | None]) -> tuple[Tensor, list[Tensor | None]]:
+    def layer_attention(self, i: int, qkv: Tensor, skips: list[Tensor | None]) -> tuple[Tensor, list[Tensor | None]]:
         """Layer i's attention cores, one per group: merged heads (K, B, T, D) and each slot's skip emission."""
         parts, emitted, groups = [], list(skips), self.groups[i]
         # Groups that are runs of slots in order split qkv in one op, whose backward is one cat (a view each

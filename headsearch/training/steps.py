@@ -260,7 +260,7 @@ class GraphSteps(Steps):
         self.pool = (torch.cuda.graph_pool_handle() if self.capture and shared_graph_pool()
                      and hasattr(torch.cuda, "graph_pool_handle") else None)
 
-    def _step_body(self, batch: Any) -> int:
+    def step_body(self, batch: Any) -> int:
         """One step, all on the device: the code a graph captures."""
         t, s = self.t, self.state
         mult = lr_multiplier_tensor(s.step, self.total_steps, self.warmup_steps, t.schedule, t.min_lr_ratio)
@@ -290,7 +290,7 @@ class GraphSteps(Steps):
                 if self.capture:
                     graph, n = self._capture(static)
                 else:
-                    graph, n = None, self._step_body(static)  # compiles, if the model is compiled
+                    graph, n = None, self.step_body(static)  # compiles, if the model is compiled
                 self.graphs[signature(batch)] = (graph, static, n)
             if self.capture:  # every captured shape: each is its own graph
                 for batch in batches:
@@ -322,17 +322,17 @@ class GraphSteps(Steps):
             stream.wait_stream(torch.cuda.current_stream(self.device))  # the static batch's copy, the weights
             with torch.cuda.stream(stream):
                 for _ in range(CAPTURE_WARMUP_CALLS):
-                    self._step_body(static)
+                    self.step_body(static)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with recover_failed_capture(self.device), torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                n = self._step_body(static)
+                n = self.step_body(static)
         return graph, n
 
     def step(self, batch: Any) -> int:
         entry = self.graphs.get(signature(batch))
         if entry is None or entry[0] is None:  # the CPU, or a shape no warm-up showed (then counted)
-            n = self._step_body(batch)
+            n = self.step_body(batch)
             if entry is None and self.capture:
                 self.uncaptured += 1
         else:
@@ -372,7 +372,7 @@ def verify_step(steps: "GraphSteps", replay: Callable[[Any], int], batch: Any, s
     # Both from the same RNG state: CUDA's graph-safe RNG gives a replay the numbers eager code draws from
     # the same seed and offset, so dropout masks agree too.
     rng = torch.cuda.get_rng_state(steps.device) if steps.device.type == "cuda" else None
-    for run in (replay, steps._step_body):
+    for run in (replay, steps.step_body):
         steps.restore(start_point)
         if rng is not None:
             torch.cuda.set_rng_state(rng, steps.device)
