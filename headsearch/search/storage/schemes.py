@@ -19,7 +19,7 @@ from typing import Any, Callable, ContextManager
 
 from headsearch.errors import ConfigError, HeadsearchError
 from headsearch.search.storage.locks import LockHold, _flock, _journal_file_lock, _JournalAppendLock
-from headsearch.search.storage.server_locks import _db_lock, _db_schema_lock, _redis_lock, redis_url_with_timeouts
+from headsearch.search.storage.server_locks import _db_lock, _redis_lock, redis_url_with_timeouts
 
 DEFAULT_STORAGE = "sqlite:///headsearch.db"
 
@@ -260,8 +260,16 @@ def _db_budget_lock(url: str, study_name: str) -> ContextManager[LockHold]:
     return _db_lock(url, _budget_lock_key(study_name), is_mysql(url))
 
 
-def _db_open_lock(url: str) -> ContextManager[None]:
-    return _db_schema_lock(url, is_mysql(url))
+# The schema lock's key: PostgreSQL's advisory lock takes it as is; MySQL's GET_LOCK named str(key), like the budget's.
+SCHEMA_LOCK_KEY = zlib.crc32(b"headsearch:schema")
+
+
+def _db_open_lock(url: str) -> ContextManager[LockHold]:
+    """Serialise opening a PostgreSQL or MySQL storage across processes: workers starting together on an empty
+    database (a Slurm array's nodes, `--workers N`, a new CI machine) would race to create Optuna's tables and its
+    version row (on MySQL/MariaDB the losers fail with "Table ... already exists"). The budget's session lock with
+    a key of its own; not patient: a database that does not answer fails the opening at once."""
+    return _db_lock(url, SCHEMA_LOCK_KEY, is_mysql(url), kind="schema lock", patient=False)
 
 
 def _sqlite_file(url: str) -> Path | None:
