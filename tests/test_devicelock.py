@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from headsearch.training.devicelock import (
+    DeviceHold,
     DeviceShare,
-    LockHold,
     LockNestingError,
     NoShare,
     device_key,
@@ -257,7 +257,7 @@ def test_holds_report_their_waits_and_the_lock_folder_is_made(tmp_path):
         pass
     with share.exclusive() as second:
         pass
-    assert isinstance(first, LockHold) and (first.mode, second.mode) == ("shared", "exclusive")
+    assert isinstance(first, DeviceHold) and (first.mode, second.mode) == ("shared", "exclusive")
     assert share.waited_total == pytest.approx(first.waited + second.waited)
     with pytest.raises(ValueError):  # an error in the body propagates and releases the device
         with share.exclusive():
@@ -270,7 +270,7 @@ def test_no_share_does_nothing_but_keeps_the_same_rules():
     share = DeviceShare.none()
     assert isinstance(share, NoShare)
     with share.shared() as hold:
-        assert hold == LockHold("shared", 0.0)
+        assert hold == DeviceHold("shared", 0.0)
         with pytest.raises(LockNestingError):
             with share.exclusive():
                 pass

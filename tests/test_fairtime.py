@@ -24,7 +24,7 @@ from headsearch.search.fairtime import alone_key, known_epoch_seconds
 from headsearch.search.runner import Search, SearchSettings
 from headsearch.tasks import DataSource, apply_overrides, get_task, resolve_config
 from headsearch.training import train_run
-from headsearch.training.devicelock import LockHold
+from headsearch.training.devicelock import DeviceHold
 from headsearch.training.clock import AloneClock, StepClock, alone_epoch_seconds, measure_alone
 from headsearch.training.trainer import Callback
 
@@ -48,12 +48,12 @@ class RecordingShare:
     @contextlib.contextmanager
     def shared(self):
         self.holds.append("shared")
-        yield LockHold("shared", 0.0)
+        yield DeviceHold("shared", 0.0)
 
     @contextlib.contextmanager
     def exclusive(self):
         self.holds.append("exclusive")
-        yield LockHold("exclusive", 0.0)
+        yield DeviceHold("exclusive", 0.0)
 
 
 # ------------------------------------------------------------------------------ the trainer's clock

@@ -1,9 +1,15 @@
 """The table of storage schemes (search/storage/schemes.py `SCHEMES`, issue 40): every row takes a real budget lock
 on its real backend and releases it; a URL no row claims is refused in one line by `open_storage`, `budget_lock`
-and `headsearch run`, never served without a lock; and a scheme added with `register_storage` runs a real search.
-The lock's behaviour under faults, row by row, is in test_storage_locks.py."""
+and `headsearch run`, never served without a lock; and a scheme added with `register_storage` runs a real search,
+and finds a killed worker's trial as its row's liveness says. The lock's behaviour under faults, row by row, is in
+test_storage_locks.py."""
 from __future__ import annotations
 
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
 import threading
 import uuid
 from pathlib import Path
@@ -15,10 +21,11 @@ from optuna.trial import TrialState
 from headsearch.errors import HeadsearchError
 from headsearch.search import storage
 from headsearch.search.storage import (SCHEMES, LockHold, StorageScheme, absolute_url, artifact_dir, budget_lock,
-                                       is_rdb, journal_path, normalize_url, open_rdb_storage, open_storage,
+                                       journal_path, normalize_url, open_rdb_storage, open_storage,
                                        register_storage, sqlite_path, storage_scheme)
+from test_budget_faults import TESTS, WORKER, settings
 from test_custom_task import NAME, SPACE, TASK
-from test_search import shared_storage
+from test_search import load, shared_storage
 
 # The backend each built-in row is tested on (test_search.shared_storage: a file in tmp_path, or the local servers).
 BACKENDS = {"sqlite", "postgresql", "mysql", "journal", "redis"}
@@ -77,7 +84,7 @@ def test_each_row_takes_a_real_budget_lock_and_releases_it(name, request, tmp_pa
 
         assert redis.Redis.from_url(url).get(f"headsearch:budget:{study}") is None
     opened = open_storage(url, heartbeat=None)
-    assert isinstance(opened, optuna.storages.RDBStorage) == SCHEMES[name].rdb == is_rdb(url)
+    assert isinstance(opened, optuna.storages.RDBStorage) == (storage_scheme(url).liveness == "heartbeats")
 
 
 def test_the_url_functions_are_the_rows(tmp_path, monkeypatch):
@@ -163,7 +170,7 @@ def memsql():
         open=counted("open", lambda url, heartbeat, retry: open_rdb_storage(_memsql_to_sqlite(url), heartbeat, retry)),
         budget_lock=counted("budget_lock", lambda url, study: sqlite.budget_lock(_memsql_to_sqlite(url), study)),
         schema_lock=counted("schema_lock", lambda url: sqlite.schema_lock(_memsql_to_sqlite(url))),
-        file=lambda url: sqlite.file(_memsql_to_sqlite(url)), rdb=True))
+        file=lambda url: sqlite.file(_memsql_to_sqlite(url)), liveness="heartbeats"))
     try:
         yield scheme, calls
     finally:
@@ -205,5 +212,81 @@ def test_a_registered_scheme_runs_a_real_search(memsql, planted_task, tmp_path):
     assert optuna.get_all_study_names(storage=f"sqlite:///{tmp_path / 'toy.db'}") == ["s"]
 
 
-def test_the_toy_scheme_is_gone_after_its_test():
+# -- a scheme's liveness: how a dead worker's trial is found, declared by its row --------------------------------
+
+
+def toyjournal(liveness: str = "leases") -> StorageScheme:
+    """A toy scheme, `toyjournal:///FILE.log`: Optuna's journal file under another URL prefix, each function handing
+    the URL, as a journal: one, to the journal row's; its liveness as asked. Its worker process registers it too."""
+    journal = SCHEMES["journal"]
+
+    def as_journal(url: str) -> str:
+        return "journal:" + url.removeprefix("toyjournal://")
+
+    return StorageScheme(
+        name="toyjournal", example="toyjournal:///FILE.log", claims=lambda url: url.startswith("toyjournal://"),
+        open=lambda url, heartbeat, retry: journal.open(as_journal(url), heartbeat, retry), liveness=liveness,
+        budget_lock=lambda url, study: journal.budget_lock(as_journal(url), study),
+        file=lambda url: journal.file(as_journal(url)))
+
+
+@pytest.fixture
+def toy_journal():
+    """Registers `toyjournal(liveness)` when called; unregistered at the end."""
+    yield lambda liveness="leases": register_storage(toyjournal(liveness))
+    SCHEMES.pop("toyjournal", None)
+
+
+@pytest.mark.processes
+@pytest.mark.slow
+@pytest.mark.floor  # the retry callback differs between Optuna 4.0 and 5
+def test_a_killed_workers_trial_on_a_registered_leases_scheme_is_retried(toy_journal, planted_task, tmp_path, processes):
+    """A worker on the toy scheme (liveness "leases") asks a trial, starts its lease and is killed with SIGKILL. The
+    row, not its URL prefix, gave it leases: they live beside the row's file, and a resumed search sees the lease
+    unchanged for 3 heartbeats, fails the trial and trains its retry."""
+    from headsearch.search.runner import Search
+
+    toy_journal("leases")
+    url = f"toyjournal://{tmp_path / 'h.log'}"
+    s = settings(tmp_path, url, "s", trials=2)
+    code = (f"import sys; sys.path.insert(0, {str(TESTS)!r})\nfrom test_storage_schemes import toyjournal\n"
+            "from headsearch.search.storage import register_storage\nregister_storage(toyjournal())\n"
+            + WORKER.format(tests=str(TESTS), settings=vars(s), pause=False, die=True))
+    dead = processes.start([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out, err = dead.communicate(timeout=60)
+    assert dead.returncode == -signal.SIGKILL and out.strip() == "got 0", err[-2000:]
+    assert list((tmp_path / "h.log.leases").glob("s-*/0")), "no lease of trial 0 beside the row's file"
+    Search(dataclasses.replace(s, timeout=90)).run_worker()
+    trials = load(url, "s").get_trials(deepcopy=False)
+    assert [t.state for t in trials].count(TrialState.COMPLETE) == 2 and trials[0].state == TrialState.FAIL
+    assert trials[0].user_attrs["fail_reason"] == "interrupted (its worker stopped renewing its lease)"
+    assert [t.system_attrs.get("failed_trial") for t in trials[1:]].count(0) == 1  # trial 0 retried once
+
+
+def test_a_scheme_of_liveness_none_is_accepted_and_keeps_no_leases(toy_journal, planted_task, tmp_path):
+    """Nothing finds a dead worker's trial there: no leases, and a worker stops rather than wait for running trials."""
+    from headsearch.search.runner import Search
+
+    assert toy_journal("none").liveness == "none"
+    search = Search(settings(tmp_path, f"toyjournal://{tmp_path / 'h.log'}", "s", trials=2))
+    search.open()
+    assert search.store.leases is None and not search.store.tells_dead_workers
+
+
+def test_register_storage_refuses_an_unknown_liveness_and_leases_with_nowhere_to_go():
+    from headsearch.errors import ConfigError
+
+    with pytest.raises(ConfigError) as bad:
+        register_storage(toyjournal("heartbeat"))
+    assert str(bad.value) == ("storage scheme 'toyjournal': unknown liveness 'heartbeat': use one of heartbeats,"
+                              " leases, none")
+    with pytest.raises(ConfigError, match="^storage scheme 'toyjournal': its leases go beside its file or in its"
+                                          " Redis, and its URLs have neither: give it a file"):
+        register_storage(dataclasses.replace(toyjournal("leases"), file=lambda url: None))
+    assert "toyjournal" not in SCHEMES
+
+
+def test_the_toy_schemes_are_gone_after_their_tests():
     assert "memsql" not in SCHEMES and storage.find_scheme("memsql:///x.db") is None
+    assert "toyjournal" not in SCHEMES and storage.find_scheme("toyjournal:///x.log") is None

@@ -6,8 +6,9 @@
   failed for good: the running trial's heartbeat or lease stops, and a resumed search retries it.
 - **Leases** (`TrialLeases`): Optuna records heartbeats on database storages only (its journal-heartbeat
   proposal was closed unmerged), so on a journal file or a Redis journal a killed worker's trial would stay
-  RUNNING and hold a budget place forever. headsearch keeps a lease per running trial there, renewed with
-  the heartbeat: a file per trial in `FILE.leases/` beside a journal, a key per trial in a Redis journal.
+  RUNNING and hold a budget place forever. headsearch keeps a lease per running trial on a storage whose row
+  declares `liveness="leases"` (search/storage/schemes.py `LIVENESS`), renewed with the heartbeat: a file per
+  trial in `FILE.leases/` beside the storage's file, a key per trial in a Redis journal.
 - **Silence** (`SilenceWatch`): a lease, or a database trial that never recorded a heartbeat, is judged by
   what this worker saw of it on its own monotonic clock: unchanged for `silence` seconds means its worker
   is gone. No clocks of two machines are compared (a journal's NFS mtimes, a skewed node).
@@ -130,16 +131,18 @@ def _make_patient(obj, url: str, patience: float, say) -> None:
 
 
 class TrialLeases:
-    """A lease per running trial on a journal file (`FILE.leases/STUDY-KEY/NUMBER`, a small file rewritten
-    on each renewal) or a Redis journal (`headsearch:lease:STUDY:NUMBER`, a counter). A lease proves its
-    worker alive by changing; `SilenceWatch` judges it."""
+    """A lease per running trial on a storage with a file, a journal's (`FILE.leases/STUDY-KEY/NUMBER`, a small
+    file rewritten on each renewal), or in a Redis journal (`headsearch:lease:STUDY:NUMBER`, a counter): where
+    its row (`storage_scheme(url)`) says its file is, or else in the Redis of its URL. A lease proves its worker
+    alive by changing; `SilenceWatch` judges it."""
 
     def __init__(self, url: str, study_name: str):
-        from headsearch.search.storage import journal_path, normalize_url
+        from headsearch.search.storage import storage_scheme
 
-        self.url, self.study_name = normalize_url(url), study_name
+        scheme = storage_scheme(url)
+        self.url, self.study_name = scheme.normalize(url), study_name
         self.owner = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        path = journal_path(self.url)
+        path = scheme.file(self.url)
         self.folder = None
         self._redis = None
         if path is not None:
@@ -147,13 +150,6 @@ class TrialLeases:
             self.folder = Path(os.path.realpath(path)).with_name(Path(path).name + ".leases") / \
                 f"{safe}-{zlib.crc32(study_name.encode()):08x}"
         self._counts: dict[int, int] = {}
-
-    @staticmethod
-    def supported(url: str) -> bool:
-        from headsearch.search.storage import journal_path, normalize_url
-
-        url = normalize_url(url)
-        return journal_path(url) is not None or url.startswith("redis://")
 
     def _client(self):
         if self._redis is None:

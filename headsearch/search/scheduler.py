@@ -177,8 +177,8 @@ class Scheduler:
 class DeadTrials:
     """Fails the RUNNING trials of dead workers, each re-enqueued as WAITING (Optuna's retry callback, up to
     twice): on a database, Optuna's stale heartbeats, and trials that never recorded one (a worker killed
-    between `ask` and its first heartbeat); on a journal file or a Redis journal, trials whose lease was
-    not renewed. Silence is judged over 3 heartbeats of this worker's own clock."""
+    between `ask` and its first heartbeat); where the storage's row keeps leases (a journal file, a Redis journal),
+    trials whose lease was not renewed. Silence is judged over 3 heartbeats of this worker's own clock."""
 
     def __init__(self, handle: "StudyHandle"):
         self.handle = handle

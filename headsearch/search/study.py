@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 
 from headsearch.config import stable_key
 from headsearch.errors import ConfigError, HeadsearchError
-from headsearch.search.storage import open_storage
+from headsearch.search.storage import open_storage, storage_scheme
 
 # How a trial runs, not what it computes: a study may be resumed with --compile on or off.
 EXECUTION_ONLY = {"train": ("compile", "channels_last")}
@@ -165,12 +165,13 @@ class StudyStorage:
         self.lock_url = lock_url
         self.study_id = storage.get_study_id_from_name(study_name)
         self._ids: dict[int, int] = {}  # trial number -> trial id (fixed once the trial exists)
-        self.leases = leases  # a journal's or Redis journal's TrialLeases (headsearch.search.liveness), or None
+        self.leases = leases  # TrialLeases where the storage's row declares liveness "leases" (a journal), or None
         self.heartbeat = heartbeat  # seconds between a running trial's heartbeats or lease renewals (None: none)
 
     @property
     def heartbeats(self) -> bool:
-        """Whether the storage records heartbeats (Optuna's RDB storage; journal and in-memory ones do not)."""
+        """Whether the storage records heartbeats: Optuna's RDBStorage, which a row of liveness "heartbeats" opens
+        (`open_rdb_storage`), with `--heartbeat` on (journal and in-memory storages have none)."""
         return hasattr(self.storage, "record_heartbeat") and bool(self.storage.get_heartbeat_interval())
 
     @property
@@ -229,7 +230,7 @@ def open_study(storage_url: str, heartbeat: int | None, study_name: str, *, metr
             study.set_metric_names(list(metric_names))
     else:
         check_same_search(stored, attrs, study_name, storage_url)
-    leases = TrialLeases(storage_url, study_name) if TrialLeases.supported(storage_url) else None
+    leases = TrialLeases(storage_url, study_name) if storage_scheme(storage_url).liveness == "leases" else None
     return study, StudyStorage(storage, study_name, leases=leases, heartbeat=heartbeat, lock_url=storage_url)
 
 

@@ -34,7 +34,7 @@ so a killed worker never leaves a device locked. Locks belong to open files, not
   workers with multiprocessing's spawn, which inherits nothing.
 
 Put the lock folder on a local disk (flock over NFS is not reliable), e.g. `default_lock_dir()`.
-Time spent waiting is measured: each hold reports it (`LockHold.waited`) and `waited_total` sums it,
+Time spent waiting is measured: each hold reports it (`DeviceHold.waited`) and `waited_total` sums it,
 so the trainer can keep lock waits out of its timings.
 """
 from __future__ import annotations
@@ -58,7 +58,7 @@ class LockNestingError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class LockHold:
+class DeviceHold:
     """One hold of a device: its mode ("shared" or "exclusive") and the seconds spent waiting for it."""
 
     mode: str
@@ -70,9 +70,9 @@ class Share(Protocol):
 
     waited_total: float
 
-    def shared(self) -> contextlib.AbstractContextManager[LockHold]: ...
+    def shared(self) -> contextlib.AbstractContextManager[DeviceHold]: ...
 
-    def exclusive(self) -> contextlib.AbstractContextManager[LockHold]: ...
+    def exclusive(self) -> contextlib.AbstractContextManager[DeviceHold]: ...
 
 
 def device_key(gpu: str | None) -> str:
@@ -126,7 +126,7 @@ def _no_nesting(lock_id: str, mode: str, describe: str) -> Iterator[None]:
 class DeviceShare:
     """A readers-writer lock on one device (`device_key`) across the processes of this machine, held
     through files in `lock_dir` (created if missing). `shared()` for ordinary work, `exclusive()` to
-    measure alone; both yield a `LockHold` saying how long the request waited."""
+    measure alone; both yield a `DeviceHold` saying how long the request waited."""
 
     def __init__(self, lock_dir: Path, device_key: str):
         self.lock_dir, self.device_key = Path(lock_dir), device_key
@@ -145,7 +145,7 @@ class DeviceShare:
         return f"DeviceShare({str(self.lock_dir)!r}, {self.device_key!r})"
 
     @contextlib.contextmanager
-    def shared(self) -> Iterator[LockHold]:
+    def shared(self) -> Iterator[DeviceHold]:
         """Hold the device with other shared holders; waits while an exclusive hold runs or waits."""
         with _no_nesting(str(self.lock_path.resolve()), SHARED, repr(self)):
             start = time.monotonic()
@@ -157,7 +157,7 @@ class DeviceShare:
                 # Closing `lock` releases it (also if the body raised, or the process dies).
 
     @contextlib.contextmanager
-    def exclusive(self) -> Iterator[LockHold]:
+    def exclusive(self) -> Iterator[DeviceHold]:
         """Hold the device alone: waits for the current shared holders to finish, and keeps new ones out
         from the moment it starts waiting until it ends."""
         with _no_nesting(str(self.lock_path.resolve()), EXCLUSIVE, repr(self)):
@@ -167,10 +167,10 @@ class DeviceShare:
                 fcntl.flock(lock, fcntl.LOCK_EX)  # the shared holders already in drain
                 yield self._record(EXCLUSIVE, start)
 
-    def _record(self, mode: str, start: float) -> LockHold:
+    def _record(self, mode: str, start: float) -> DeviceHold:
         waited = time.monotonic() - start
         self.waited_total += waited
-        return LockHold(mode, waited)
+        return DeviceHold(mode, waited)
 
 
 class NoShare:
@@ -187,11 +187,11 @@ class NoShare:
         return "NoShare()"
 
     @contextlib.contextmanager
-    def shared(self) -> Iterator[LockHold]:
+    def shared(self) -> Iterator[DeviceHold]:
         with _no_nesting(self._id, SHARED, repr(self)):
-            yield LockHold(SHARED, 0.0)
+            yield DeviceHold(SHARED, 0.0)
 
     @contextlib.contextmanager
-    def exclusive(self) -> Iterator[LockHold]:
+    def exclusive(self) -> Iterator[DeviceHold]:
         with _no_nesting(self._id, EXCLUSIVE, repr(self)):
-            yield LockHold(EXCLUSIVE, 0.0)
+            yield DeviceHold(EXCLUSIVE, 0.0)

@@ -3,12 +3,11 @@
 - `sqlite:///headsearch.db` (default): one machine; optuna-dashboard reads it as is.
 - `postgresql://user@host/db`, `mysql://...`: many workers on many machines.
 - `journal:PATH` or a path ending in `.log`: Optuna's JournalStorage on a file; `redis://host:port`
-  for a journal in Redis. Journal storages have no heartbeats in Optuna, so a killed worker's trial
-  stays RUNNING there: use an RDB storage when workers may die.
+  for a journal in Redis.
 
-RDB storages get heartbeats: a worker records one every `heartbeat` seconds while a trial runs, and
-a trial silent for 3 x `heartbeat` is failed by the next worker that starts a trial, which then
-re-enqueues it (Optuna's RetryFailedTrialCallback), so the trial is retried and counts once.
+Each row declares how a dead worker's trial is found (`LIVENESS`): heartbeats on the RDB storages (a trial
+silent for 3 x `heartbeat` is failed by the next worker that starts a trial, which re-enqueues it, so it is
+retried and counts once), headsearch's leases on the journals (Optuna keeps no heartbeats there), or none.
 
 Modules: `schemes` (the table of storage schemes, `SCHEMES`: one `StorageScheme` row per URL scheme, and the
 lookups every other module calls; `register_storage` adds a row), `locks` (the lock files of SQLite and journal
@@ -17,16 +16,16 @@ files, Optuna's journal append lock), `server_locks` (the Redis lock, PostgreSQL
 a worker script) reaches every lock). A URL no row claims is refused in one line by `open_storage` and `budget_lock`.
 """
 from headsearch.search.storage.locks import LockHold
-from headsearch.search.storage.schemes import (DEFAULT_STORAGE, SCHEMES, SQLITE_MAGIC, StorageScheme,
+from headsearch.search.storage.schemes import (DEFAULT_STORAGE, LIVENESS, SCHEMES, SQLITE_MAGIC, StorageScheme,
                                                absolute_url, artifact_dir, budget_lock, check_journal_file,
-                                               check_sqlite_file, find_scheme, is_rdb, journal_path, known_urls,
+                                               check_sqlite_file, find_scheme, journal_path, known_urls,
                                                normalize_url, open_rdb_storage, open_storage, register_storage,
                                                sqlite_path, storage_scheme)
 from headsearch.search.storage.server_locks import redis_url_with_timeouts
 
 __all__ = [
-    "DEFAULT_STORAGE", "SCHEMES", "SQLITE_MAGIC", "LockHold", "StorageScheme", "absolute_url", "artifact_dir",
-    "budget_lock", "check_journal_file", "check_sqlite_file", "find_scheme", "is_rdb", "journal_path", "known_urls",
-    "normalize_url", "open_rdb_storage", "open_storage", "redis_url_with_timeouts", "register_storage", "sqlite_path",
-    "storage_scheme",
+    "DEFAULT_STORAGE", "LIVENESS", "SCHEMES", "SQLITE_MAGIC", "LockHold", "StorageScheme", "absolute_url",
+    "artifact_dir", "budget_lock", "check_journal_file", "check_sqlite_file", "find_scheme", "journal_path",
+    "known_urls", "normalize_url", "open_rdb_storage", "open_storage", "redis_url_with_timeouts", "register_storage",
+    "sqlite_path", "storage_scheme",
 ]

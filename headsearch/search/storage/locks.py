@@ -29,15 +29,15 @@ class LockHold:
     waiter broke a file lock this worker had not renewed for LOCK_SILENCE seconds (it was paused or hung), a
     Redis lock expired, the database ended the session that held an advisory lock. Another worker may then
     have been inside at the same time. The holder goes on (it never removes a lock that is not its own) and
-    a warning says so once; `reason` says how it was lost."""
+    a warning says so once; `reason` says how it was lost. `kind`: the schema lock of a database yields one too."""
 
-    def __init__(self, what: str):
-        self.what, self.lost, self.reason = what, False, ""
+    def __init__(self, what: str, kind: str = "budget lock"):
+        self.what, self.kind, self.lost, self.reason = what, kind, False, ""
 
     def lose(self, reason: str) -> None:
         if not self.lost:
             self.lost, self.reason = True, reason
-            _log.warning("headsearch: the budget lock %s was lost while held: %s", self.what, reason)
+            _log.warning("headsearch: the %s %s was lost while held: %s", self.kind, self.what, reason)
 
 def _lock_file_error(path: str, e: OSError) -> HeadsearchError:
     folder = os.path.dirname(path) or "."

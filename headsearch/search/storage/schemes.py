@@ -1,6 +1,6 @@
 """The storages headsearch accepts, one row per URL scheme in one table (`SCHEMES`). A row says how to recognise
-its URLs, normalise them and make them absolute, check one before opening it, open the Optuna storage (with
-heartbeats and retries where Optuna has them), take the schema lock and the budget lock, and where its file
+its URLs, normalise them and make them absolute, check one before opening it, open the Optuna storage, how a
+dead worker's trial is found there (`liveness`), take the schema lock and the budget lock, and where its file
 (and so the study's artifacts) is. The functions every other module calls (`open_storage`, `budget_lock`,
 `normalize_url`, `absolute_url`, `journal_path`, `sqlite_path`, `artifact_dir`) look the URL up in the table;
 a URL no row claims is refused in one line, never served by a default. Adding a storage is one
@@ -19,7 +19,7 @@ from typing import Any, Callable, ContextManager
 
 from headsearch.errors import ConfigError, HeadsearchError
 from headsearch.search.storage.locks import LockHold, _flock, _journal_file_lock, _JournalAppendLock
-from headsearch.search.storage.server_locks import _db_lock, _db_schema_lock, _redis_lock, redis_url_with_timeouts
+from headsearch.search.storage.server_locks import _db_lock, _redis_lock, redis_url_with_timeouts
 
 DEFAULT_STORAGE = "sqlite:///headsearch.db"
 
@@ -40,6 +40,16 @@ def _no_schema_lock(url: str) -> ContextManager[Any]:
     return contextlib.nullcontext()
 
 
+# How a dead worker's RUNNING trial is found on a storage, and so failed and retried (`StorageScheme.liveness`).
+LIVENESS = {
+    "heartbeats": "`open` gives Optuna's RDBStorage (`open_rdb_storage`), whose running trials record heartbeats",
+    "leases": "headsearch keeps a lease per running trial (`liveness.TrialLeases`): in a folder beside the row's"
+              " `file(url)`, or in the Redis of a URL normalised to redis://",
+    "none": "nothing: a killed worker's trial stays RUNNING and holds its place in the budget; a worker (a resumed"
+            " search too) stops when only running trials are left, rather than wait for them",
+}
+
+
 @dataclass(frozen=True)
 class StorageScheme:
     """One row of `SCHEMES`: a kind of storage URL. `claims` and `normalize` see a URL as the user gave it; the
@@ -50,6 +60,7 @@ class StorageScheme:
     - `open(url, heartbeat, max_retry)`: the Optuna storage. `heartbeat`: seconds between a running trial's
       heartbeats, None for none; `max_retry`: how often a dead worker's trial is retried. Storages without
       heartbeats ignore both.
+    - `liveness`: how a dead worker's trial is found there: one key of `LIVENESS`, which says what each needs.
     - `budget_lock(url, study_name)`: a context manager yielding a `LockHold`, held while a worker counts the
       study's trials and starts one; the budget is exact because every worker of the study takes the same lock.
     - `schema_lock(url)`: held while `open` runs, so that workers opening a new storage together do not race to
@@ -60,13 +71,13 @@ class StorageScheme:
     - `check(url)`: one HeadsearchError line, before opening, for what can be told without opening.
     - `file(url)`: the storage's file when it is one: the study's artifacts go beside it (`artifact_dir`).
     - `driver`: how to install what `open` could not import.
-    - `rdb`: an Optuna RDBStorage (heartbeats, a dead worker's trial retried); Optuna's journals have neither.
     - `example`: the form of its URLs, listed when a URL is refused."""
 
     name: str
     example: str
     claims: Callable[[str], bool]
     open: Callable[[str, int | None, int], Any]
+    liveness: str
     budget_lock: Callable[[str, str], ContextManager[LockHold]]
     schema_lock: Callable[[str], ContextManager[Any]] = _no_schema_lock
     normalize: Callable[[str], str] = _same
@@ -74,7 +85,6 @@ class StorageScheme:
     check: Callable[[str], None] = _nothing_to_check
     file: Callable[[str], Path | None] = _no_file
     driver: str = "install the database driver for it"
-    rdb: bool = False
 
     def artifact_dir(self, url: str) -> Path:
         """Beside the storage's file (sqlite:///runs/x.db -> runs/x-artifacts), where `headsearch dashboard` looks;
@@ -89,9 +99,10 @@ SCHEMES: dict[str, StorageScheme] = {}
 def register_storage(scheme: StorageScheme, *, replace: bool = False) -> StorageScheme:
     """Add `scheme` to `SCHEMES` (for this process): `--storage` and every function of this package reach its URLs
     from then on. A name taken is refused unless `replace`, and so is a scheme whose example URL an earlier row
-    claims (no URL of that form would ever reach it)."""
+    claims (no URL of that form would ever reach it), and one whose liveness is unknown or has nowhere to live."""
     if not isinstance(scheme, StorageScheme):
         raise ConfigError(f"register_storage() takes a StorageScheme, not {type(scheme).__name__}")
+    _check_liveness(scheme)
     if scheme.name in SCHEMES and not replace:
         raise ConfigError(f"a storage scheme named {scheme.name!r} is registered already")
     if not scheme.claims(scheme.example):
@@ -102,6 +113,17 @@ def register_storage(scheme: StorageScheme, *, replace: bool = False) -> Storage
                           f" ({scheme.example}) already")
     SCHEMES[scheme.name] = scheme
     return scheme
+
+
+def _check_liveness(scheme: StorageScheme) -> None:
+    """One ConfigError line for a liveness not in `LIVENESS`, or for leases with nowhere to go (no file, no Redis)."""
+    if scheme.liveness not in LIVENESS:
+        raise ConfigError(f"storage scheme {scheme.name!r}: unknown liveness {scheme.liveness!r}: use one of"
+                          f" {', '.join(LIVENESS)}")
+    url = scheme.normalize(scheme.example)
+    if scheme.liveness == "leases" and scheme.file(url) is None and not url.startswith("redis://"):
+        raise ConfigError(f"storage scheme {scheme.name!r}: its leases go beside its file or in its Redis, and its"
+                          " URLs have neither: give it a file(url), or liveness 'none'")
 
 
 def find_scheme(url: str) -> StorageScheme | None:
@@ -185,12 +207,6 @@ def absolute_url(url: str) -> str:
     return scheme.absolute(url) if scheme is not None else url
 
 
-def is_rdb(url: str) -> bool:
-    """Whether `url` is an Optuna RDBStorage's (heartbeats, retried trials)."""
-    scheme = find_scheme(url)
-    return scheme is not None and scheme.rdb
-
-
 def artifact_dir(url: str) -> Path:
     """Where the artifacts of a study in `url` go (`StorageScheme.artifact_dir`)."""
     scheme = find_scheme(url)
@@ -260,8 +276,16 @@ def _db_budget_lock(url: str, study_name: str) -> ContextManager[LockHold]:
     return _db_lock(url, _budget_lock_key(study_name), is_mysql(url))
 
 
-def _db_open_lock(url: str) -> ContextManager[None]:
-    return _db_schema_lock(url, is_mysql(url))
+# The schema lock's key: PostgreSQL's advisory lock takes it as is; MySQL's GET_LOCK named str(key), like the budget's.
+SCHEMA_LOCK_KEY = zlib.crc32(b"headsearch:schema")
+
+
+def _db_open_lock(url: str) -> ContextManager[LockHold]:
+    """Serialise opening a PostgreSQL or MySQL storage across processes: workers starting together on an empty
+    database (a Slurm array's nodes, `--workers N`, a new CI machine) would race to create Optuna's tables and its
+    version row (on MySQL/MariaDB the losers fail with "Table ... already exists"). The budget's session lock with
+    a key of its own; not patient: a database that does not answer fails the opening at once."""
+    return _db_lock(url, SCHEMA_LOCK_KEY, is_mysql(url), kind="schema lock", patient=False)
 
 
 def _sqlite_file(url: str) -> Path | None:
@@ -424,20 +448,21 @@ def _redis_budget_lock(url: str, study_name: str) -> ContextManager[LockHold]:
 register_storage(StorageScheme(
     name="sqlite", example="sqlite:///FILE.db", claims=lambda url: _base_scheme(url) == "sqlite",
     open=open_rdb_storage, budget_lock=_sqlite_budget_lock, schema_lock=_sqlite_schema_lock,
-    absolute=_sqlite_absolute, check=_check_sqlite, file=_sqlite_file, rdb=True))
+    absolute=_sqlite_absolute, check=_check_sqlite, file=_sqlite_file, liveness="heartbeats"))
 register_storage(StorageScheme(
     name="postgresql", example="postgresql://USER@HOST/DB",
     claims=lambda url: _base_scheme(url) in ("postgresql", "postgres"),
     open=open_rdb_storage, budget_lock=_db_budget_lock, schema_lock=_db_open_lock, normalize=_postgresql_url,
-    driver="pip install 'headsearch[postgres]' (psycopg2)", rdb=True))
+    driver="pip install 'headsearch[postgres]' (psycopg2)", liveness="heartbeats"))
 register_storage(StorageScheme(
     name="mysql", example="mysql://USER@HOST/DB", claims=is_mysql,
     open=open_rdb_storage, budget_lock=_db_budget_lock, schema_lock=_db_open_lock, normalize=_mysql_url,
-    driver="pip install pymysql", rdb=True))
+    driver="pip install pymysql", liveness="heartbeats"))
 register_storage(StorageScheme(
     name="journal", example="journal:FILE.log", claims=lambda url: _journal_file(url) is not None,
     open=_open_journal_file, budget_lock=_journal_budget_lock, absolute=_journal_absolute, check=_check_journal,
-    file=_journal_file))
+    file=_journal_file, liveness="leases"))
 register_storage(StorageScheme(
     name="redis", example="redis://HOST:PORT", claims=lambda url: url.startswith("redis://"),
-    open=_open_redis_journal, budget_lock=_redis_budget_lock, driver="pip install 'headsearch[redis]' (redis)"))
+    open=_open_redis_journal, budget_lock=_redis_budget_lock, driver="pip install 'headsearch[redis]' (redis)",
+    liveness="leases"))

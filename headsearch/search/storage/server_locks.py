@@ -1,13 +1,12 @@
 """The locks on storage servers: a Redis lock for a Redis journal (`_redis_lock`), and PostgreSQL's advisory
-lock or MySQL's GET_LOCK for a database (`_db_lock` for the budget, `_db_schema_lock` while Optuna creates its
-tables), each on a connection made to last while held. The lock files of the file storages are in `locks`."""
+lock or MySQL's GET_LOCK for a database (`_db_lock`: the budget lock, and the schema lock held while Optuna creates
+its tables), each on a connection made to last while held. The lock files of the file storages are in `locks`."""
 from __future__ import annotations
 
 import contextlib
 import logging
 import socket
 import time
-import zlib
 from typing import Iterator
 
 # The timings (LOCK_SILENCE, REDIS_TIMEOUT, ...) are read at each use, never copied: a test or worker script sets them.
@@ -136,10 +135,11 @@ def _lock_session(conn, mysql: bool) -> None:
         conn.execute(sa.text(f"SET {name} = 0"))
 
 
-def _db_acquire(engine, mysql: bool, key: int, shown: str):
+def _db_acquire(engine, mysql: bool, key: int, shown: str, patient: bool):
     """A connection holding the lock `key`. A session the server ends during the wait (a restart, a killed
     session, a timeout) is opened again and the wait goes on: up to LOCK_LOSSES sessions, and LOCK_RECONNECT
-    seconds to reach the server each time; then one HeadsearchError line."""
+    seconds to reach the server each time (not `patient`, opening a storage: a server that does not answer raises
+    at once, a wrong host is one line without a wait); then one HeadsearchError line."""
     import sqlalchemy as sa
 
     losses, outage, pause = 0, None, 0.5
@@ -147,9 +147,11 @@ def _db_acquire(engine, mysql: bool, key: int, shown: str):
         try:
             conn = engine.connect()
         except sa.exc.DBAPIError as e:
+            if not patient:
+                raise
             outage = outage or time.monotonic()
             if time.monotonic() - outage > timings.LOCK_RECONNECT:
-                raise HeadsearchError(f"budget lock on {shown}: cannot reach the database (tried for"
+                raise HeadsearchError(f"{shown}: cannot reach the database (tried for"
                                       f" {timings.LOCK_RECONNECT} s): {_db_error_line(e)}") from None
             time.sleep(pause)
             pause = min(2 * pause, 5)
@@ -168,13 +170,13 @@ def _db_acquire(engine, mysql: bool, key: int, shown: str):
             with contextlib.suppress(Exception):
                 conn.close()
             if not (e.connection_invalidated or isinstance(e, sa.exc.OperationalError)):
-                raise HeadsearchError(f"budget lock on {shown}: {_db_error_line(e)}") from None
+                raise HeadsearchError(f"{shown}: {_db_error_line(e)}") from None
             losses += 1
             if losses >= timings.LOCK_LOSSES:
                 raise HeadsearchError(
-                    f"budget lock on {shown}: the database ended this worker's session {losses} times while it"
+                    f"{shown}: the database ended this worker's session {losses} times while it"
                     f" waited for the lock (last: {_db_error_line(e)}): check the server (restarts, killed sessions)") from None
-            _log.warning("headsearch: the database ended the session waiting for the budget lock on %s (%s):"
+            _log.warning("headsearch: the database ended the session waiting for the %s (%s):"
                          " waiting again on a new one", shown, _db_error_line(e))
         except BaseException:
             with contextlib.suppress(Exception):
@@ -183,18 +185,19 @@ def _db_acquire(engine, mysql: bool, key: int, shown: str):
 
 
 @contextlib.contextmanager
-def _db_lock(url: str, key: int, mysql: bool) -> Iterator[LockHold]:
-    """PostgreSQL's advisory lock or MySQL's GET_LOCK (`mysql`: `schemes.is_mysql(url)`) on a connection of its
-    own, made to last while held: in autocommit (never "idle in transaction"), with no session timeouts
-    (`_lock_session`), TCP keepalives (`_lock_engine`). A session the server ends anyway released the lock with
-    it: the holder learns it at unlock (`LockHold.lost`, a warning), not as a traceback."""
+def _db_lock(url: str, key: int, mysql: bool, kind: str = "budget lock", patient: bool = True) -> Iterator[LockHold]:
+    """PostgreSQL's advisory lock or MySQL's GET_LOCK (`mysql`: `schemes.is_mysql(url)`; the lock named `str(key)`,
+    asked again when its wait times out) on a connection of its own, made to last while held: in autocommit
+    (never "idle in transaction"), with no session timeouts (`_lock_session`), TCP keepalives (`_lock_engine`).
+    A session the server ends anyway released the lock with it: the holder learns it at unlock (`LockHold.lost`,
+    a warning), not as a traceback. `kind` names the lock in its messages; `patient`: see `_db_acquire`."""
     import sqlalchemy as sa
 
-    shown = sa.engine.make_url(url).render_as_string(hide_password=True)
-    hold = LockHold(f"on {shown}")
+    where = f"on {sa.engine.make_url(url).render_as_string(hide_password=True)}"
+    hold, shown = LockHold(where, kind), f"{kind} {where}"
     engine = _lock_engine(url)
     try:
-        conn = _db_acquire(engine, mysql, key, shown)
+        conn = _db_acquire(engine, mysql, key, shown, patient)
         try:
             yield hold
         finally:
@@ -210,34 +213,5 @@ def _db_lock(url: str, key: int, mysql: bool) -> Iterator[LockHold]:
             finally:
                 with contextlib.suppress(Exception):
                     conn.close()
-    finally:
-        engine.dispose()
-
-
-@contextlib.contextmanager
-def _db_schema_lock(url: str, mysql: bool) -> Iterator[None]:
-    """Serialise opening a PostgreSQL or MySQL storage across processes. Workers starting together on an empty
-    database (a Slurm array's nodes, `--workers N`, a new CI machine) would race to create Optuna's tables and its
-    version row: on MySQL/MariaDB the losers fail with "Table ... already exists". PostgreSQL: an advisory lock; MySQL
-    (`mysql`, `schemes.is_mysql`): GET_LOCK (both session locks: a killed opener's lock goes with its connection)."""
-    import sqlalchemy as sa
-
-    key = zlib.crc32(b"headsearch:schema")
-    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
-    try:
-        with engine.connect() as conn:
-            if mysql:
-                # GET_LOCK returns 0 when its wait times out: ask again rather than go on without the lock.
-                while conn.execute(sa.text("SELECT GET_LOCK(:k, 60)"), {"k": f"headsearch:schema:{key}"}).scalar() != 1:
-                    pass
-                unlock, params = "SELECT RELEASE_LOCK(:k)", {"k": f"headsearch:schema:{key}"}
-            else:
-                conn.execute(sa.text("SELECT pg_advisory_lock(:k)"), {"k": key})
-                unlock, params = "SELECT pg_advisory_unlock(:k)", {"k": key}
-            try:
-                yield
-            finally:
-                with contextlib.suppress(Exception):  # a lost connection released the lock with it
-                    conn.execute(sa.text(unlock), params)
     finally:
         engine.dispose()
