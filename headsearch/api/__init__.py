@@ -226,7 +226,7 @@ def _device_name(device: str) -> str:
     """The GPU's or the CPU's name, as a table records where its runs were timed."""
     import torch
 
-    from headsearch.search.measured import cpu_name
+    from headsearch.machine.measured import cpu_name
     from headsearch.training.runtime import resolve_device
 
     d = resolve_device(device)

@@ -1,4 +1,4 @@
-"""`headsearch bench`: a few lines over `headsearch.search.bench.bench`, and its table."""
+"""`headsearch bench`: a few lines over `headsearch.machine.bench.bench`, and its table."""
 from __future__ import annotations
 
 import json
@@ -30,7 +30,7 @@ def bench(
     from rich.console import Console
     from rich.table import Table
 
-    from headsearch.search.bench import GPU_MODES, bench as measure
+    from headsearch.machine.bench import GPU_MODES, bench as measure
     from headsearch.search.runner import Search, SearchSettings
 
     if fmt not in ("table", "json"):
@@ -62,7 +62,7 @@ def bench(
     for r in m.results:
         if not r.verified:
             console.print(f"not used: {r.way.describe()}: {r.reason}", soft_wrap=True, highlight=False, markup=False)
-    from headsearch.search.measured import measurement_path
+    from headsearch.machine.measured import measurement_path
 
     console.print(f"saved: {measurement_path(m.key)} ({m.seconds:.0f} s)", soft_wrap=True, highlight=False)
     console.print(f"plan of `headsearch run` here: {plan.describe()}", soft_wrap=True, highlight=False, markup=False)

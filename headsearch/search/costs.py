@@ -6,7 +6,7 @@ most MAX_ARCHITECTURES) gets a solo model, warmed up in the step mode its trial 
 ALONE_SETTLE + ALONE_STEPS steps timed under the device's exclusive hold: `training.clock.measure_alone`,
 how a cohort's trials are timed. Each figure is stored in the study as soon as it is measured, as the user
 attribute `cost:<alone_key>` (the fair clock's key: task, architecture, data, speed fields, device model,
-threads, torch, step mode; `headsearch.search.fairtime`). So a resumed search, a second machine with the
+threads, torch, step mode; `headsearch.machine.fairtime`). So a resumed search, a second machine with the
 same kind of device, or a run that crashed halfway measures only what is missing, and an architecture a
 trial has already timed alone is not measured again.
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from headsearch.config import RunConfig
 from headsearch.errors import ConfigError
-from headsearch.search.fairtime import device_share
+from headsearch.machine.fairtime import device_share
 from headsearch.search.objectives import Objective
 from headsearch.search.pruning import make_curve_pruner, make_optuna_pruner
 from headsearch.search.settings import SearchSettings

@@ -23,6 +23,7 @@ from typing import Any, Sequence
 
 from headsearch.config import RunConfig
 from headsearch.errors import ConfigError
+from headsearch.machine.plan import Plan, plan_search
 from headsearch.search.architectures import SpaceArchitectures
 from headsearch.search.backends import DataCache, machine_backend
 from headsearch.search.cost_sampler import COST_AWARE, candidates, cost_aware_sampler
@@ -30,7 +31,6 @@ from headsearch.search.costs import CostSummary, check_cost_search, cost_seconds
 from headsearch.search.definition import SearchDefinition, WorkerContext
 from headsearch.search.loop import TrialLoop
 from headsearch.search.objectives import resolve_objectives
-from headsearch.search.plan import Plan, plan_search
 from headsearch.search.record import arch_summary, config_key, holds_architecture, record_result
 from headsearch.search.scheduler import DUPLICATE_ASKS, WAIT, Scheduler
 from headsearch.search.settings import SearchSettings, check_settings, load_callback
@@ -213,7 +213,7 @@ class Search:
 
     # -- the machine ----------------------------------------------------------------------------
     def machine_plan(self) -> Plan:
-        """How this machine runs the search (workers, trials per GPU, step mode, MPS): headsearch.search.plan."""
+        """How this machine runs the search (workers, trials per GPU, step mode, MPS): headsearch.machine.plan."""
         if self._plan is None:
             self.use_plan(plan_search(self))
         return self._plan

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Sequence
 from headsearch.analysis.tracking import diversity_callbacks
 from headsearch.config import RunConfig
 from headsearch.errors import ConfigError, Diverged
+from headsearch.machine.fairtime import alone_key, known_epoch_seconds
 from headsearch.search.artifacts import write_trial_link
-from headsearch.search.fairtime import alone_key, known_epoch_seconds
 from headsearch.search.liveness import StorageUnavailable, finished_trial_error
 from headsearch.search.record import arch_summary, record_result
 from headsearch.search.trial_pruning import TrialPruning
@@ -104,7 +104,7 @@ class TrialLife:
         return TrialRun(trial, cfg, run_dir, pruning, self.alone_clock(study, trial, cfg, device), writer)
 
     def alone_clock(self, study, trial, cfg: RunConfig, device) -> AloneClock:
-        """The trial's fair clock (headsearch.search.fairtime): this device's lock, and the architecture's
+        """The trial's fair clock (headsearch.machine.fairtime): this device's lock, and the architecture's
         epoch seconds alone if an earlier trial measured them in the step mode this one runs (then nobody
         is paused again). The trial's `alone_key` names that mode once its steps are prepared (a fallback
         changes it)."""

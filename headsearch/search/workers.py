@@ -1,4 +1,4 @@
-"""Worker processes on one machine, as the search's plan says (headsearch.search.plan).
+"""Worker processes on one machine, as the search's plan says (headsearch.machine.plan).
 
 The plan names each worker's GPU; worker i is pinned to it by setting its CUDA_VISIBLE_DEVICES before
 torch initialises CUDA, and gets the plan itself (the parent plans once; a worker never plans). Each
@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 
 from headsearch.errors import HeadsearchError
 from headsearch.io import write_atomic
-from headsearch.search.plan import Plan, share_cores
+from headsearch.machine.plan import Plan, share_cores
 from headsearch.search.runner import Search
 from headsearch.search.settings import SearchSettings
 
@@ -63,14 +63,14 @@ def with_space_line(line: str, search) -> str:
 def run_search(search, callbacks: Sequence = (), argv: list[str] | None = None,
                poll: Callable[[], None] | None = None, every: float = 2.0,
                announce: Callable[[str], None] | None = None, on_cost: Callable | None = None) -> list[WorkerFailure]:
-    """Run the trials of `search` on this machine as its plan says (headsearch.search.plan): in this
+    """Run the trials of `search` on this machine as its plan says (headsearch.machine.plan): in this
     process (with `callbacks`) when it has one worker, else in worker processes (`run_workers`), with
     NVIDIA MPS started for them when several share a GPU and it can be (stopped when they end), calling
     `poll()` every `every` seconds until they end. `announce(line)` hears the plan, once, before any trial.
     With the cost-aware sampler every architecture's cost is measured first (`measure_costs_first`;
     `on_cost(done, total, ArchCost)` hears each one) and the plan line says what that took.
     Returns the worker processes that failed (none in process: errors raise there)."""
-    from headsearch.search.mps import managed_mps
+    from headsearch.machine.mps import managed_mps
 
     plan = search.machine_plan()
     costs, failures = measure_costs_first(search, poll, every, on_cost)

@@ -4,13 +4,13 @@ Three sources, in order:
 
 1. **The user's flags**: `--workers N`, `--trials-per-gpu K`, `--cohort K` set the count (and `--compile`
    the step mode).
-2. **A measurement of this machine** (`headsearch bench`, headsearch/search/bench.py): the fastest way
+2. **A measurement of this machine** (`headsearch bench`, headsearch/machine/bench.py): the fastest way
    it verified for this device model, torch version, task and base architecture
-   (headsearch/search/measured.py). The plan line ends `(measured by headsearch bench on DATE)`.
+   (headsearch/machine/measured.py). The plan line ends `(measured by headsearch bench on DATE)`.
 3. **The rule**, when nothing was measured here; the plan line ends `(rule: headsearch bench measures
    this machine)`. On a GPU it is the way measured fastest on a GPU so far: K processes per GPU, each
    step compiled and captured in a CUDA graph (`train.compile: auto`, headsearch/training/fastpath.py),
-   with NVIDIA MPS so that their kernels run side by side (headsearch/search/mps.py). On a CPU: one
+   with NVIDIA MPS so that their kernels run side by side (headsearch/machine/mps.py). On a CPU: one
    worker, eager steps.
 
 Cohorts (K trials stacked into one model, headsearch/training/cohort.py) are a default only where
@@ -40,8 +40,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from headsearch.errors import ConfigError
-from headsearch.search.measured import COHORT, Measurement, WayResult, bench_key, cpu_name, key_inputs, load_measurement
-from headsearch.search.settings import SearchSettings
+from headsearch.machine.measured import COHORT, Measurement, WayResult, bench_key, cpu_name, key_inputs, load_measurement
 
 # GFLOP of concurrent training steps one multiprocessor absorbs before the GPU is busy: 8 seed-ViT
 # steps (13.76 GFLOP each at batch 256) over an H100's 132 multiprocessors.
@@ -51,8 +50,8 @@ MEMORY_FRACTION = 0.8  # of the GPU's memory that K training models may take, by
 RULE = "rule: headsearch bench measures this machine"
 
 
-def process_count(s: SearchSettings, n_gpus: int) -> int:
-    """Worker processes on this machine: --workers, or --trials-per-gpu times the GPUs (times one without GPUs)."""
+def process_count(s: Any, n_gpus: int) -> int:
+    """Worker processes on this machine for settings `s`: --workers, or --trials-per-gpu times the GPUs (or one)."""
     if s.trials_per_gpu is not None:
         return s.trials_per_gpu * max(1, n_gpus)
     return s.workers or 1

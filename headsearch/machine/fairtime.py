@@ -18,7 +18,7 @@ import hashlib
 from typing import Any
 
 from headsearch.config import stable_key
-from headsearch.search.measured import cpu_name
+from headsearch.machine.measured import cpu_name
 
 # Training fields that change how long an epoch takes (the learning rate and the like do not).
 SPEED_FIELDS = ("batch_size", "amp", "compile", "channels_last", "grad_clip", "optimizer", "max_steps_per_epoch")

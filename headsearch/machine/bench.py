@@ -4,7 +4,7 @@ A search's speed depends on how its trials share the device: one process or K, e
 compiled and captured in a CUDA graph, NVIDIA MPS or not, K trials stacked into one model (a cohort)
 or not; on a CPU, how many workers and how many threads each. Which is fastest depends on the device,
 torch and the model, so it is measured, for the search's base architecture, and saved for `headsearch
-run` to plan from (headsearch/search/measured.py, headsearch/search/plan.py).
+run` to plan from (headsearch/machine/measured.py, headsearch/machine/plan.py).
 
 Every way is verified before it is timed, and a way that fails or mismatches is reported with its
 one-line reason and never chosen:
@@ -38,10 +38,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from headsearch.search.measured import (
+from headsearch.machine.measured import (
     COHORT, PROCESSES, Measurement, Way, WayResult, bench_key, cpu_name, key_inputs, save_measurement,
 )
-from headsearch.search.plan import MAX_PER_GPU, MEMORY_FRACTION, GpuInfo, share_cores, trial_bytes, visible_gpus
+from headsearch.machine.plan import MAX_PER_GPU, MEMORY_FRACTION, GpuInfo, share_cores, trial_bytes, visible_gpus
 
 GPU_MODES = ("off", "graphs", "reduce-overhead")
 GPU_KS = (2, 4, 8)
@@ -101,7 +101,7 @@ def bench(search: Any, *, seconds: float | None = None, ks: Sequence[int] | None
     False measures no cohort."""
     import torch
 
-    from headsearch.search.mps import managed_mps, mps_available
+    from headsearch.machine.mps import managed_mps, mps_available
 
     started = time.perf_counter()
     visible = [] if search.settings.device == "cpu" else visible_gpus()
