@@ -102,6 +102,7 @@ def bench(search: Any, *, seconds: float | None = None, ks: Sequence[int] | None
     import torch
 
     from headsearch.machine.mps import managed_mps, mps_available
+    from headsearch.training.fastpath import resolve_mode
 
     started = time.perf_counter()
     visible = [] if search.settings.device == "cpu" else visible_gpus()
@@ -109,8 +110,10 @@ def bench(search: Any, *, seconds: float | None = None, ks: Sequence[int] | None
     seconds = seconds or default_seconds(on_gpu)
     cores = os.cpu_count() or 1
     gpu = GpuInfo.of(0) if on_gpu else None
-    if ks is None:
-        ks = gpu_ks(trial_bytes(search.step_footprint(), search, torch.device("cuda")), gpu) if on_gpu else CPU_COHORTS
+    if ks is None and on_gpu:
+        mode = resolve_mode(search.base.train, search.task, torch.device("cuda"))
+        ks = gpu_ks(trial_bytes(search.step_footprint(), mode), gpu)
+    ks = CPU_COHORTS if ks is None else ks
     modes = tuple(modes or GPU_MODES)
     unknown = [m for m in modes if m not in GPU_MODES]
     if unknown:

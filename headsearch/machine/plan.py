@@ -171,16 +171,15 @@ def share_cores(n_processes: int) -> int:
     return share
 
 
-def trial_bytes(footprint: Any, search: Any, device: Any) -> int:
-    """The memory one trial's process of `search` takes on `device`, from the size guard's `footprint` of its
-    base config (0: none): with CUDA graphs in private pools (the default), each captured batch shape keeps
-    its own activations."""
-    from headsearch.training.fastpath import resolve_mode
+def trial_bytes(footprint: Any, mode: Any) -> int:
+    """The memory one trial's process takes when its steps run in `mode` (a `fastpath.StepMode`), from the size
+    guard's `footprint` of its config (0: none): with CUDA graphs in private pools (the default), each captured
+    batch shape keeps its own activations."""
     from headsearch.training.capture import shared_graph_pool
 
     if footprint is None:
         return 0
-    graphs = resolve_mode(search.base.train, search.task, device).cuda_graph and not shared_graph_pool()
+    graphs = mode.cuda_graph and not shared_graph_pool()
     return footprint.captured_training_bytes if graphs else footprint.training_bytes
 
 
@@ -197,7 +196,8 @@ def plan_search(search: Any, visible: list[str] | None = None, gpu: GpuInfo | No
     if visible is None:
         visible = [] if s.device == "cpu" else visible_gpus()
     device = torch.device("cuda" if visible else "cpu")
-    step_mode = resolve_mode(search.base.train, search.task, device).describe()
+    mode = resolve_mode(search.base.train, search.task, device)  # once: the plan line's, the memory rule's
+    step_mode = mode.describe()
     flag = "--workers" if s.workers else "--trials-per-gpu" if s.trials_per_gpu else None
     stacks = search.stacks()
     if s.cohort is not None and s.cohort > 1 and not stacks:
@@ -218,20 +218,22 @@ def plan_search(search: Any, visible: list[str] | None = None, gpu: GpuInfo | No
         measurement = machine_measurement(search, visible, gpu)
     choice = measurement.choice(cohorts=stacks and s.cohort is None) if measurement else None
     if choice is not None:
-        return measured_plan(search, measurement, choice, visible, device)
+        return measured_plan(search, measurement, choice, visible, device, mode)
     if not visible:
         return Plan((None,), None, "default: one worker", step_mode, mps=False, basis=RULE)
     # The rule: K processes per GPU with the fast path (CUDA graphs) and MPS: what was measured fastest on a GPU.
     footprint = search.step_footprint()
-    per_gpu, why = trials_per_gpu_for(footprint.step_flops if footprint else None, trial_bytes(footprint, search, device),
+    per_gpu, why = trials_per_gpu_for(footprint.step_flops if footprint else None, trial_bytes(footprint, mode),
                                       gpu or GpuInfo.of(0), cpu_cores or os.cpu_count() or 1,
                                       math.ceil(s.trials / len(visible)))
     devices = worker_devices(per_gpu * len(visible), visible)
     return Plan(tuple(devices), per_gpu, why, step_mode, mps=len(devices) > len(set(devices)), basis=RULE)
 
 
-def measured_plan(search: Any, m: Measurement, choice: WayResult, visible: Sequence[str], device: Any) -> Plan:
-    """The plan that runs `choice`, the fastest way `headsearch bench` verified here, capped by the budget."""
+def measured_plan(search: Any, m: Measurement, choice: WayResult, visible: Sequence[str], device: Any,
+                  mode: Any) -> Plan:
+    """The plan that runs `choice`, the fastest way `headsearch bench` verified here, capped by the budget.
+    `mode`: the base config's step mode on `device`, resolved again only when the way's compile replaces it."""
     from headsearch.training.fastpath import resolve_mode
 
     way = choice.way
@@ -243,8 +245,9 @@ def measured_plan(search: Any, m: Measurement, choice: WayResult, visible: Seque
                     threads=way.threads)
     per_device = max(1, min(way.k, math.ceil(search.settings.trials / max(1, len(visible)))))
     compile_mode = way.step_mode if search.settings.compile is None else None
-    train = search.base.train if compile_mode is None else dataclasses.replace(search.base.train, compile=compile_mode)
-    step_mode = resolve_mode(train, search.task, device).describe()
+    if compile_mode is not None:
+        mode = resolve_mode(dataclasses.replace(search.base.train, compile=compile_mode), search.task, device)
+    step_mode = mode.describe()
     if not visible:
         return Plan((None,) * per_device, None, why, step_mode, mps=False, basis=basis, compile=compile_mode,
                     threads=way.threads)
