@@ -41,6 +41,7 @@ from typing import Any, Sequence
 
 from headsearch.errors import ConfigError
 from headsearch.machine.measured import COHORT, Measurement, WayResult, bench_key, cpu_name, key_inputs, load_measurement
+from headsearch.machine.mps import shares_a_gpu
 
 # GFLOP of concurrent training steps one multiprocessor absorbs before the GPU is busy: 8 seed-ViT
 # steps (13.76 GFLOP each at batch 256) over an H100's 132 multiprocessors.
@@ -205,15 +206,13 @@ def plan_search(search: Any, visible: list[str] | None = None, gpu: GpuInfo | No
                f"task {search.task.name} trains its trials one at a time")
         raise ConfigError(f"--cohort {s.cohort}: {why}; leave --cohort out (or give 1)")
     if s.cohort is not None and s.cohort > 1:  # asked for: this many together in each worker (one per GPU by default)
-        if not visible:
-            return Plan(tuple(worker_devices(process_count(s, 0), [])), None, "--cohort", step_mode, mps=False, cohort=s.cohort)
-        devices = worker_devices(process_count(s, len(visible)) if flag else len(visible), visible)
-        return Plan(tuple(devices), s.cohort * math.ceil(len(devices) / len(visible)), "--cohort", step_mode,
-                    mps=len(devices) > len(set(devices)), cohort=s.cohort)
+        devices = worker_devices(process_count(s, len(visible)) if flag else max(1, len(visible)), visible)
+        return Plan(tuple(devices), s.cohort * math.ceil(len(devices) / len(visible)) if visible else None, "--cohort",
+                    step_mode, mps=shares_a_gpu(devices), cohort=s.cohort)
     if flag:
         devices = worker_devices(process_count(s, len(visible)), visible)
         return Plan(tuple(devices), math.ceil(len(devices) / len(visible)) if visible else None, flag, step_mode,
-                    mps=len(devices) > len(set(devices)) if visible else False)
+                    mps=shares_a_gpu(devices))
     if measurement is True:
         measurement = machine_measurement(search, visible, gpu)
     choice = measurement.choice(cohorts=stacks and s.cohort is None) if measurement else None
@@ -227,7 +226,7 @@ def plan_search(search: Any, visible: list[str] | None = None, gpu: GpuInfo | No
                                       gpu or GpuInfo.of(0), cpu_cores or os.cpu_count() or 1,
                                       math.ceil(s.trials / len(visible)))
     devices = worker_devices(per_gpu * len(visible), visible)
-    return Plan(tuple(devices), per_gpu, why, step_mode, mps=len(devices) > len(set(devices)), basis=RULE)
+    return Plan(tuple(devices), per_gpu, why, step_mode, mps=shares_a_gpu(devices), basis=RULE)
 
 
 def measured_plan(search: Any, m: Measurement, choice: WayResult, visible: Sequence[str], device: Any,
@@ -247,10 +246,7 @@ def measured_plan(search: Any, m: Measurement, choice: WayResult, visible: Seque
     compile_mode = way.step_mode if search.settings.compile is None else None
     if compile_mode is not None:
         mode = resolve_mode(dataclasses.replace(search.base.train, compile=compile_mode), search.task, device)
-    step_mode = mode.describe()
-    if not visible:
-        return Plan((None,) * per_device, None, why, step_mode, mps=False, basis=basis, compile=compile_mode,
-                    threads=way.threads)
-    devices = worker_devices(per_device * len(visible), visible)
-    return Plan(tuple(devices), per_device, why, step_mode, mps=way.mps and len(devices) > len(set(devices)),
-                basis=basis, compile=compile_mode)
+    devices = worker_devices(per_device * max(1, len(visible)), visible)  # without GPUs: per_device on the CPU
+    return Plan(tuple(devices), per_device if visible else None, why, mode.describe(),
+                mps=way.mps and shares_a_gpu(devices), basis=basis, compile=compile_mode,
+                threads=None if visible else way.threads)
