@@ -11,10 +11,14 @@ which the other workers respect at their epoch boundaries (`headsearch.training.
 `headsearch.training.clock.AloneClock`). It is measured once per architecture and device: a later
 trial with the same `alone_key` reuses the stored value instead of pausing the others again. The raw
 seconds (`best_train_seconds`, as measured in the crowd) are recorded beside it. docs/design.md §7.4.
+
+Each worker process holds one `Seat` (built by `plan.worker_seat` in a worker, by `Search` otherwise): its
+device, its hold on the device's lock and a lone process's threads, which every fair clock of the worker uses.
 """
 from __future__ import annotations
 
 import hashlib
+from functools import cached_property
 from typing import Any
 
 from headsearch.config import stable_key
@@ -58,12 +62,57 @@ def known_epoch_seconds(study: Any, key: str) -> float | None:
     return None
 
 
-def device_share(device: Any):
-    """The lock every headsearch worker on this machine uses for `device` (by GPU UUID: the same GPU has
-    the same key whatever CUDA_VISIBLE_DEVICES numbers it)."""
-    import torch
+class Seat:
+    """One worker's place on `device`: its hold on the device's lock (`share`, the `DeviceShare` every headsearch
+    worker of this machine uses for it: shared to train, exclusive to time alone) and the threads a process alone
+    on this machine uses (`alone_threads`: what the fair time measures with on a CPU, where a worker among
+    several runs with fewer)."""
 
-    from headsearch.training.devicelock import DeviceShare, default_lock_dir, device_key
+    def __init__(self, device: Any, alone_threads: int | None = None):
+        self.device = device
+        if alone_threads is not None:  # a worker's, counted before its share of the threads was set
+            self.alone_threads = alone_threads
 
-    gpu = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None
-    return DeviceShare(default_lock_dir(), device_key(gpu))
+    @cached_property
+    def alone_threads(self) -> int:
+        """This process's threads, when no worker counted them (it runs alone), read when first needed."""
+        import torch
+
+        return torch.get_num_threads()
+
+    @cached_property
+    def share(self):
+        """The device's lock, by GPU UUID (the same GPU has the same key whatever CUDA_VISIBLE_DEVICES numbers
+        it), opened when first needed."""
+        import torch
+
+        from headsearch.training.devicelock import DeviceShare, default_lock_dir, device_key
+
+        gpu = str(torch.cuda.get_device_properties(self.device).uuid) if self.device.type == "cuda" else None
+        return DeviceShare(default_lock_dir(), device_key(gpu))
+
+    def step_mode(self, cfg: Any, task: Any) -> str:
+        """How `cfg`'s steps mean to run here (`fastpath.resolve_mode`, described): the fair clock's mode before
+        the trainer prepares them (a fallback may change it)."""
+        from headsearch.training.fastpath import resolve_mode
+
+        return resolve_mode(cfg.train, task, self.device).describe()
+
+    def alone_key(self, cfg: Any, step_mode: str) -> str:
+        """`alone_key` of `cfg` run in `step_mode` on this seat (a CPU's key names a lone process's threads)."""
+        return alone_key(cfg, self.device, self.alone_threads if self.device.type == "cpu" else None, step_mode)
+
+    def clock(self, study: Any, cfg: Any, intended: str, note_key=None):
+        """A fair clock (`training.clock.AloneClock`) for `cfg` on this seat (a trial's, or a cost measurement's) that
+        knows the epoch seconds alone an earlier trial of `study` measured in the step mode that runs: the one
+        `intended` (`step_mode`), then the one its steps were prepared in (then nobody is paused again).
+        `note_key(alone_key)` hears each mode's key as it is looked up."""
+        from headsearch.training.clock import AloneClock
+
+        def recall(step_mode: str) -> float | None:
+            key = self.alone_key(cfg, step_mode)
+            if note_key is not None:
+                note_key(key)
+            return known_epoch_seconds(study, key)
+
+        return AloneClock(self.share, known=recall(intended), alone_threads=self.alone_threads, recall=recall)

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from headsearch.errors import ConfigError
+from headsearch.machine.fairtime import Seat
 from headsearch.machine.measured import COHORT, Measurement, WayResult, bench_key, cpu_name, key_inputs, load_measurement
 from headsearch.machine.mps import shares_a_gpu
 
@@ -170,6 +171,25 @@ def share_cores(n_processes: int) -> int:
     share = max(1, (os.cpu_count() or 1) // n_processes)
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(share))
     return share
+
+
+def worker_seat(gpu: str | None, n_processes: int, threads: int | None, device: str | None) -> Seat:
+    """A worker process's seat: pinned to `gpu` (before torch initialises CUDA) and given its share of the CPU's
+    threads (`threads`, a measurement's, else the cores shared among `n_processes`), knowing the threads a process
+    alone here uses (the fair time's measure). `device`: the search's --device, resolved once pinned."""
+    if gpu is not None:
+        # The parent's own name for the GPU (CUDA_VISIBLE_DEVICES "2,3" gives "2" and "3"), set before
+        # torch initialises CUDA in this process, which then sees it as cuda:0.
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+    import torch
+
+    from headsearch.training.runtime import resolve_device
+
+    alone_threads = torch.get_num_threads()  # before this worker's share is set
+    share = share_cores(n_processes)
+    if gpu is None:
+        torch.set_num_threads(threads or share)
+    return Seat(resolve_device(device), alone_threads)
 
 
 def trial_bytes(footprint: Any, mode: Any) -> int:
