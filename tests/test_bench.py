@@ -179,16 +179,18 @@ def test_a_cohort_slot_is_checked_against_the_same_trial_alone(small_search, one
     computed something else is reported as a mismatch, with both loss lists, and never timed."""
     import threading
 
+    import torch
+
     from headsearch.machine import bench
 
-    figures = bench.measure_cohort(cohort_job(small_search, 2), threading.Barrier(1))
+    figures = bench.measure_cohort(cohort_job(small_search, 2), threading.Barrier(1), torch.device("cpu"))
     assert figures["trials"] == 2 and figures["samples"] > 0 and figures["end"] > figures["start"]
     real = bench.solo_losses
     off = lambda *a: [x * 1.01 for x in real(*a)]  # noqa: E731 - a slot 1% away from its solo run
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(bench, "solo_losses", off)
         broken = threading.Barrier(2)
-        mismatch = bench.measure_cohort(cohort_job(small_search, 2), broken)
+        mismatch = bench.measure_cohort(cohort_job(small_search, 2), broken, torch.device("cpu"))
     assert "differ from the same trial alone" in mismatch["mismatch"] and broken.broken and "samples" not in mismatch
 
 
