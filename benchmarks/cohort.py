@@ -87,7 +87,7 @@ def main() -> None:
                           "schedule": "cosine", "compile": compile_mode},
                 "data": {"train_limit": train_limit, "val_size": 1000, "test_limit": 200}}
 
-    from headsearch.search.mps import managed_mps
+    from headsearch.machine.mps import managed_mps
 
     ctx = __import__("multiprocessing").get_context("spawn")
     pool = Pool(ctx, DATA / "cifar10", str(device), ks)

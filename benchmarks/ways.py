@@ -1,6 +1,6 @@
 """Benchmark: `headsearch bench` on this machine: the ways a search can run its trials, verified, then timed.
 
-Runs the library's `headsearch.search.bench.bench` (the same code as the command) for a task's search base
+Runs the library's `headsearch.machine.bench.bench` (the same code as the command) for a task's search base
 architecture and appends its table: per way (step mode, K processes with and without MPS, cohorts of K;
 on a CPU workers x threads and cohorts) the aggregate and per-trial samples/s, whether it was verified
 (a captured step against the uncaptured one, a cohort slot against the same trial alone) and its warm-up
@@ -26,7 +26,7 @@ def main() -> None:
     p.add_argument("--no-save", action="store_true", help="do not save the measurement in headsearch's cache")
     args = p.parse_args()
 
-    from headsearch.search.bench import bench
+    from headsearch.machine.bench import bench
     from headsearch.search.runner import Search, SearchSettings
 
     device = resolve_device(args.device)

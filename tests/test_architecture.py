@@ -5,7 +5,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "headsearch"
 # Highest first: a layer may import only the layers before it.
-LAYERS = ["core", "models", "tasks", "training", "analysis", "search", "api", "cli"]
+LAYERS = ["core", "models", "tasks", "training", "analysis", "machine", "search", "api", "cli"]
 
 
 def layer_of(module: str) -> str | None:

@@ -1,5 +1,5 @@
-"""`headsearch bench` (headsearch.search.bench) and the plan `headsearch run` makes from what it saved
-(headsearch.search.measured, headsearch.search.plan).
+"""`headsearch bench` (headsearch.machine.bench) and the plan `headsearch run` makes from what it saved
+(headsearch.machine.measured, headsearch.machine.plan).
 
 The plan tests describe a GPU (`GpuInfo`) and hand the plan a measurement; the bench itself runs for
 real on this CPU: its processes, its verification of a cohort slot against the same trial alone, its
@@ -14,9 +14,9 @@ import sys
 
 import pytest
 
-from headsearch.search.bench import combine
-from headsearch.search.measured import COHORT, PROCESSES, Measurement, Way, WayResult, load_measurement
-from headsearch.search.plan import GpuInfo, plan_search
+from headsearch.machine.bench import combine
+from headsearch.machine.measured import COHORT, PROCESSES, Measurement, Way, WayResult, load_measurement
+from headsearch.machine.plan import GpuInfo, plan_search
 from headsearch.search.runner import Search, SearchSettings
 
 H100 = GpuInfo("NVIDIA H100 80GB HBM3", 132, 80 * 2**30)
@@ -99,7 +99,7 @@ def test_a_way_whose_process_failed_or_mismatched_is_not_verified():
 
 
 def test_a_measurement_round_trips_through_its_file(tmp_path, monkeypatch):
-    from headsearch.search.measured import save_measurement
+    from headsearch.machine.measured import save_measurement
 
     monkeypatch.setenv("HEADSEARCH_CACHE", str(tmp_path))
     m = measured(GRAPHS_K8, BROKEN_FAST, COHORT_8)
@@ -168,7 +168,7 @@ def small_search(tmp_path, cifar_dir) -> Search:
 
 
 def cohort_job(search: Search, k: int):
-    from headsearch.search.bench import Job, with_compile
+    from headsearch.machine.bench import Job, with_compile
 
     return Job("vit-cifar10", with_compile(search.task, search.base, "off"), search.source, Way(COHORT, k, "off", threads=1), None, 0.2)
 
@@ -179,24 +179,26 @@ def test_a_cohort_slot_is_checked_against_the_same_trial_alone(small_search, one
     computed something else is reported as a mismatch, with both loss lists, and never timed."""
     import threading
 
-    from headsearch.search import bench
+    import torch
 
-    figures = bench.measure_cohort(cohort_job(small_search, 2), threading.Barrier(1))
+    from headsearch.machine import bench
+
+    figures = bench.measure_cohort(cohort_job(small_search, 2), threading.Barrier(1), torch.device("cpu"))
     assert figures["trials"] == 2 and figures["samples"] > 0 and figures["end"] > figures["start"]
     real = bench.solo_losses
     off = lambda *a: [x * 1.01 for x in real(*a)]  # noqa: E731 - a slot 1% away from its solo run
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(bench, "solo_losses", off)
         broken = threading.Barrier(2)
-        mismatch = bench.measure_cohort(cohort_job(small_search, 2), broken)
+        mismatch = bench.measure_cohort(cohort_job(small_search, 2), broken, torch.device("cpu"))
     assert "differ from the same trial alone" in mismatch["mismatch"] and broken.broken and "samples" not in mismatch
 
 
 def test_a_bench_stopped_part_way_keeps_the_ways_it_measured(small_search, tmp_path, monkeypatch):
     """The measurement is saved after each way: a bench interrupted (Ctrl-C, a command's time limit) during its
     second way leaves the first saved, for `run` to plan from; --no-cohorts (cohorts=False) measures none."""
-    from headsearch.search import bench
-    from headsearch.search.measured import bench_key, cpu_name, key_inputs
+    from headsearch.machine import bench
+    from headsearch.machine.measured import bench_key, cpu_name, key_inputs
 
     monkeypatch.setenv("HEADSEARCH_CACHE", str(tmp_path / "cache"))
     asked = []
@@ -223,7 +225,7 @@ def test_a_bench_stopped_part_way_keeps_the_ways_it_measured(small_search, tmp_p
 
 
 def test_the_ks_a_gpu_bench_tries_fit_in_its_memory():
-    from headsearch.search.bench import gpu_ks
+    from headsearch.machine.bench import gpu_ks
 
     assert gpu_ks(348_000_000, H100) == [2, 4, 8]  # the seed ViT: 8 fit many times over
     assert gpu_ks(20 * 2**30, H100) == [2]  # 0.8 x 80 GiB holds 3 of these: K = 4 would not fit
@@ -235,7 +237,7 @@ def test_k_processes_share_the_cores_for_compiling(monkeypatch):
     compile threads, unless the user set those."""
     import os
 
-    from headsearch.search.plan import share_cores
+    from headsearch.machine.plan import share_cores
 
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)

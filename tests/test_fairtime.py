@@ -1,4 +1,4 @@
-"""The search's fair `time` (headsearch.search.fairtime, trainer.AloneClock, training.devicelock):
+"""The search's fair `time` (headsearch.machine.fairtime, trainer.AloneClock, training.devicelock):
 best epoch x one epoch's seconds measured with the device to itself, whatever shares the device.
 
 The acceptance test runs the same architecture alone (before and after) and twice beside two other CPU
@@ -20,7 +20,7 @@ import pytest
 import torch
 import yaml
 
-from headsearch.search.fairtime import alone_key, known_epoch_seconds
+from headsearch.machine.fairtime import alone_key, known_epoch_seconds
 from headsearch.search.runner import Search, SearchSettings
 from headsearch.tasks import DataSource, apply_overrides, get_task, resolve_config
 from headsearch.training import train_run

@@ -1,4 +1,4 @@
-"""headsearch starts NVIDIA MPS for a search and stops it (headsearch.search.mps), tested on the CPU with a
+"""headsearch starts NVIDIA MPS for a search and stops it (headsearch.machine.mps), tested on the CPU with a
 fake `nvidia-cuda-mps-control` first on PATH. The fake records each call (its arguments, the two MPS
 variables and what came on stdin); `-d` leaves a background "daemon" (a sleep whose argv[0] is the
 control binary's name, as the real daemon's is) with a pid file in the pipe folder, and `quit` on stdin
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from headsearch.search.mps import (
+from headsearch.machine.mps import (
     DEFAULT,
     LOG_VAR,
     ORPHAN,

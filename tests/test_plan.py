@@ -1,4 +1,4 @@
-"""The search's plan (headsearch.search.plan): worker processes, trials per GPU from the model's size
+"""The search's plan (headsearch.machine.plan): worker processes, trials per GPU from the model's size
 and the device, the step mode and MPS; CPU behaviour unchanged. GPUs are described, not needed: the
 rule reads a `GpuInfo` and CUDA_VISIBLE_DEVICES names."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from headsearch.errors import ConfigError
-from headsearch.search.plan import FILL_FLOPS_PER_SM, GpuInfo, Plan, plan_search, trials_per_gpu_for
-from headsearch.search.mps import MpsStatus
+from headsearch.machine.mps import MpsStatus
+from headsearch.machine.plan import FILL_FLOPS_PER_SM, GpuInfo, Plan, plan_search, trials_per_gpu_for
 from headsearch.search.runner import Search, SearchSettings
 
 H100 = GpuInfo("NVIDIA H100 80GB HBM3", 132, 80 * 2**30)
@@ -161,7 +161,7 @@ def test_translation_counts_the_graph_pool_of_each_captured_shape(tmp_path, spa_
     import yaml
 
     from headsearch.models.size import OPTIMIZER_BYTES_PER_PARAM, seq2seq_footprint
-    from headsearch.search.plan import MEMORY_FRACTION
+    from headsearch.machine.plan import MEMORY_FRACTION
 
     space = tmp_path / "space.yaml"
     space.write_text(yaml.safe_dump({"schedule": {"families": ["uniform"], "heads": [2]}, "skip": ["none"],

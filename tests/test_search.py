@@ -36,10 +36,10 @@ import yaml
 from optuna.trial import TrialState
 
 from headsearch.errors import ConfigError, HeadsearchError
+from headsearch.machine.plan import process_count, visible_gpus, worker_devices
 from headsearch.search.pruning import MedianRule
 from headsearch.search.runner import Search, SearchCallback, SearchSettings
 from headsearch.search.storage import open_storage
-from headsearch.search.plan import process_count, visible_gpus, worker_devices
 
 TASK = "translation-en-es"
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)

@@ -413,10 +413,10 @@ def fixed_speeds(monkeypatch) -> None:
     The replay reads the same seconds from the table, as it reads measured ones."""
     from headsearch.training.clock import AloneClock
 
-    def alone_clock(self, study, trial, cfg, device):
+    def alone_clock(self, study, trial, cfg):
         a = cfg.arch
         heads = [*a.enc_heads, *a.dec_heads]
-        return AloneClock(self.context.device_share(device), known=1.0 + 0.05 * sum(heads) + 0.25 * (a.skip != "none"))
+        return AloneClock(self.seat.share, known=1.0 + 0.05 * sum(heads) + 0.25 * (a.skip != "none"))
 
     monkeypatch.setattr(TrialLife, "alone_clock", alone_clock)
 
@@ -597,8 +597,8 @@ def equal_speeds(monkeypatch, seconds: float = 1.0) -> None:
     in the same lockstep (ties in scheduling order, which is slot order there)."""
     from headsearch.training.clock import AloneClock
 
-    def alone_clock(self, study, trial, cfg, device):
-        return AloneClock(self.context.device_share(device), known=seconds)
+    def alone_clock(self, study, trial, cfg):
+        return AloneClock(self.seat.share, known=seconds)
 
     monkeypatch.setattr(TrialLife, "alone_clock", alone_clock)
 

@@ -76,7 +76,7 @@ def test_train_and_bench_start_without_scipy_and_pandas(checkout, cifar_dir):
                           "--data-dir", str(cifar_dir), "--device", "cpu", "--out", str(cwd / "run")], cwd, env)
     assert trained.returncode == 0, trained.stderr[-2000:]
     assert (cwd / "run" / "final.json").is_file()
-    # bench with data that is not there: it imports what it runs (headsearch.search.bench) before it checks the
+    # bench with data that is not there: it imports what it runs (headsearch.machine.bench) before it checks the
     # data and stops with one line; its processes import what train imports.
     benched = headsearch(["bench", "--task", "vit-cifar10", "--data-dir", str(cwd / "nowhere"), "--device", "cpu"], cwd, env)
     assert benched.returncode == 2 and benched.stderr.startswith("error:") and "Traceback" not in benched.stderr

@@ -208,7 +208,7 @@ def bench(task: str, *, space: str = "deep-head", preset: str | None = None, dat
     """`headsearch bench`: measure the ways a search can run its trials on this machine (each verified first;
     `report(result)` hears each) and save the fastest for `run`'s plan. Returns (the `Measurement`, the `Plan`
     `run` makes from it); `announce(line)` hears what is measured, once the data is checked."""
-    from headsearch.search.bench import bench as measure
+    from headsearch.machine.bench import bench as measure
     from headsearch.search.runner import Search, SearchSettings
 
     if seconds is not None and not seconds > 0:
@@ -273,6 +273,7 @@ def table(task: str, space: str = "deep-head", *, out: str | Path, seeds: int = 
     study in which no run finished raises `SearchFailed`."""
     import shlex
 
+    from headsearch.machine.fairtime import device_model
     from headsearch.search.table import read_table, table_search, write_table
 
     s, grid, space_search = table_search(
@@ -282,7 +283,7 @@ def table(task: str, space: str = "deep-head", *, out: str | Path, seeds: int = 
         sets=dict(sets) if sets else sets)
     study_obj = _train_trials(s, grid.points, watch, argv, grid=grid)
     command = shlex.join(["headsearch", *argv[1:]]) if argv else "headsearch.api.table"
-    built = read_table(study_obj, grid, space_search, command=command, device=_device_name(s.settings.device))
+    built = read_table(study_obj, grid, space_search, command=command, device=device_model(s.device))  # where it was timed
     if not built["architectures"]:
         raise SearchFailed(f"no run of study {s.study_name} finished: see `headsearch report --study {s.study_name}`")
     return built, write_table(built, Path(out))
@@ -328,17 +329,6 @@ def _compared(s, grid, out: Path, watch, argv, on_written) -> dict[str, Any]:
     if on_written is not None:
         on_written(paths)
     return result
-
-
-def _device_name(device: str) -> str:
-    """The GPU's or the CPU's name, as a table records where its runs were timed."""
-    import torch
-
-    from headsearch.search.measured import cpu_name
-    from headsearch.training.runtime import resolve_device
-
-    d = resolve_device(device)
-    return torch.cuda.get_device_name(d) if d.type == "cuda" else cpu_name()
 
 
 def _source(data_dir, data_file):

@@ -31,7 +31,7 @@ def bench(
     from rich.table import Table
 
     from headsearch import api
-    from headsearch.search.bench import GPU_MODES
+    from headsearch.machine.bench import GPU_MODES
 
     if fmt not in ("table", "json"):
         fail(f"--format {fmt!r}: use table or json")
@@ -56,7 +56,7 @@ def bench(
     for r in m.results:
         if not r.verified:
             console.print(f"not used: {r.way.describe()}: {r.reason}", soft_wrap=True, highlight=False, markup=False)
-    from headsearch.search.measured import measurement_path
+    from headsearch.machine.measured import measurement_path
 
     console.print(f"saved: {measurement_path(m.key)} ({m.seconds:.0f} s)", soft_wrap=True, highlight=False)
     console.print(f"plan of `headsearch run` here: {plan.describe()}", soft_wrap=True, highlight=False, markup=False)

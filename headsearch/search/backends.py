@@ -19,7 +19,8 @@ from headsearch.training.cohort import SlotEnd
 from headsearch.training.trainer import TrainResult
 
 if TYPE_CHECKING:
-    from headsearch.search.definition import SearchDefinition, WorkerContext
+    from headsearch.machine.fairtime import Seat
+    from headsearch.search.definition import SearchDefinition
     from headsearch.tasks import DataSource, Task
 
 
@@ -136,13 +137,12 @@ def soft_columns(definition: "SearchDefinition") -> int | None:
     return soft_width(definition.base.arch, max(1, fewest))
 
 
-def machine_backend(definition: "SearchDefinition", context: "WorkerContext", device, cohort_size: int) -> Any:
-    """The backend a worker's plan asks for: one slot, or a cohort of `cohort_size` (held shared under this
-    worker's hold on the device's lock)."""
+def machine_backend(definition: "SearchDefinition", seat: "Seat", cohort_size: int) -> Any:
+    """The backend a worker's plan asks for on its `seat`'s device: one slot, or a cohort of `cohort_size` (held
+    shared under the seat's hold on the device's lock)."""
     if cohort_size <= 1:
-        return SoloBackend(device)
+        return SoloBackend(seat.device)
     from headsearch.training.cohort import Cohort
 
-    return Cohort(definition.task, cohort_size, device, soft_columns=soft_columns(definition),
-                  share=context.device_share(device))
+    return Cohort(definition.task, cohort_size, seat.device, soft_columns=soft_columns(definition), share=seat.share)
 

@@ -6,7 +6,7 @@ most MAX_ARCHITECTURES) gets a solo model, warmed up in the step mode its trial 
 ALONE_SETTLE + ALONE_STEPS steps timed under the device's exclusive hold: `training.clock.measure_alone`,
 how a cohort's trials are timed. Each figure is stored in the study as soon as it is measured, as the user
 attribute `cost:<alone_key>` (the fair clock's key: task, architecture, data, speed fields, device model,
-threads, torch, step mode; `headsearch.search.fairtime`). So a resumed search, a second machine with the
+threads, torch, step mode; `headsearch.machine.fairtime`). So a resumed search, a second machine with the
 same kind of device, or a run that crashed halfway measures only what is missing, and an architecture a
 trial has already timed alone is not measured again.
 
@@ -25,9 +25,9 @@ from headsearch.search.cost_sampler import COST_AWARE
 from headsearch.search.record import arch_summary
 
 if TYPE_CHECKING:
+    from headsearch.machine.fairtime import Seat
     from headsearch.search.architectures import SpaceArchitectures
     from headsearch.search.backends import DataCache
-    from headsearch.search.trial_life import TrialLife
 
 COST_ATTR = "cost:"  # a study's user attribute per architecture: cost:<alone_key> -> ArchCost.stored()
 # A space of at most this many architectures is measured whole before the first trial (a few seconds each
@@ -101,34 +101,32 @@ def study_cost_summary(study) -> CostSummary | None:
     return CostSummary(len(costs), None, sum(float(c.get("seconds") or 0.0) for c in costs.values()))
 
 
-def _architectures(archs: "SpaceArchitectures", life: "TrialLife", device):
-    """(config key, config, fair-clock key in the step mode its trial intends) of each architecture of the
-    space, as its trial would train it."""
+def _architectures(archs: "SpaceArchitectures", seat: "Seat"):
+    """(config key, config, the step mode its trial intends, fair-clock key in that mode) of each architecture of
+    the space, as its trial would train it on `seat`."""
     from optuna.trial import FixedTrial
 
-    from headsearch.training.fastpath import resolve_mode
-
-    task = archs.definition.task
     for key, params in (archs.listing() or {}).items():
-        cfg = archs.sample_config(FixedTrial(params), device)
-        yield key, cfg, life.alone_key(cfg, device, resolve_mode(cfg.train, task, device).describe())
+        cfg = archs.sample_config(FixedTrial(params), seat.device)
+        intended = seat.step_mode(cfg, archs.definition.task)
+        yield key, cfg, intended, seat.alone_key(cfg, intended)
 
 
-def measure_costs(archs: "SpaceArchitectures", life: "TrialLife", data: "DataCache", study, device,
+def measure_costs(archs: "SpaceArchitectures", seat: "Seat", data: "DataCache", study,
                   on_cost: Callable[[int, int, ArchCost], None] | None = None) -> CostSummary:
-    """Every architecture's epoch seconds alone on `device`, stored in `study` one by one: those it holds
-    already are skipped, those a trial timed alone are copied, the rest measured (`measure_alone`).
+    """Every architecture's epoch seconds alone on the worker's `seat`, stored in `study` one by one: those it
+    holds already are skipped, those a trial timed alone are copied, the rest measured (`measure_alone`).
     `on_cost(done, total, cost)` hears each one stored now."""
     from headsearch.training.clock import measure_alone
 
-    stored = stored_costs(study)
-    listed = list(_architectures(archs, life, device))
+    stored, device = stored_costs(study), seat.device
+    listed = list(_architectures(archs, seat))
     measured = 0
-    for done, (key, cfg, alone) in enumerate(listed, 1):
+    for done, (key, cfg, intended, alone) in enumerate(listed, 1):
         if alone in stored:
             continue
         start = time.perf_counter()
-        clock = life.clock_for(study, cfg, device)
+        clock = seat.clock(study, cfg, intended)
         if clock.known is not None:  # a trial timed this architecture alone already
             cost = ArchCost(key, arch_summary(cfg), alone, clock.known, 0.0, source="trial")
         else:
@@ -139,15 +137,15 @@ def measure_costs(archs: "SpaceArchitectures", life: "TrialLife", data: "DataCac
         stored[alone] = cost.stored()
         if on_cost is not None:
             on_cost(done, len(listed), cost)
-    return CostSummary(len(listed), measured, sum(float(stored[alone]["seconds"]) for _, _, alone in listed))
+    return CostSummary(len(listed), measured, sum(float(stored[alone]["seconds"]) for *_, alone in listed))
 
 
-def cost_seconds(archs: "SpaceArchitectures", life: "TrialLife", study, device) -> dict[str, float]:
-    """Each architecture's stored epoch seconds alone, by config key (what `cost_sampler.candidates` takes);
-    a RuntimeError names the first one missing."""
+def cost_seconds(archs: "SpaceArchitectures", seat: "Seat", study) -> dict[str, float]:
+    """Each architecture's stored epoch seconds alone on `seat`, by config key (what `cost_sampler.candidates`
+    takes); a RuntimeError names the first one missing."""
     stored = stored_costs(study)
     out = {}
-    for key, cfg, alone in _architectures(archs, life, device):
+    for key, cfg, _, alone in _architectures(archs, seat):
         if alone not in stored:
             raise RuntimeError(f"the cost of {arch_summary(cfg)} is not in study {study.study_name}: measure_costs first")
         out[key] = float(stored[alone]["epoch_seconds_alone"])

@@ -3,8 +3,8 @@
 - `SearchDefinition`: what the search is, frozen once its base config is resolved (and the machine's plan
   applied to it): settings, task, space, objectives, study name, data source, base config, device; and the
   pruning rule those settle. A unit reads it and cannot change it.
-- `WorkerContext`: what one worker process holds across its trials: its seat on the device (the fair
-  clock's lock), the data it loaded, the threads a process alone here uses, the trial it trains alone.
+- `WorkerContext`: what one worker process holds across its trials: its seat on the device (`machine.fairtime.Seat`:
+  the device, the fair clock's lock, a lone process's threads), the data it loaded, the trial it trains alone.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 
 from headsearch.config import RunConfig
 from headsearch.errors import ConfigError
-from headsearch.search.fairtime import device_share
+from headsearch.machine.fairtime import Seat
 from headsearch.search.objectives import Objective
 from headsearch.search.pruning import make_curve_pruner, make_optuna_pruner
 from headsearch.search.settings import SearchSettings
@@ -90,28 +90,12 @@ class SearchDefinition:
         return {n: getattr(rule, n) for n in names if rule is not None and hasattr(rule, n)}
 
 
+@dataclass
 class WorkerContext:
-    """What one worker process holds across its trials (and across a rebuilt definition): its data cache, its
-    hold on the device's lock, the threads a process alone on this machine uses (what the fair time measures
-    with on a CPU; a worker among several runs with fewer: `headsearch.search.workers` gives the parent's),
-    and the number of the trial it trains alone, if any (its failure line names it)."""
+    """What one worker process holds across its trials (and across a rebuilt definition): its seat on the device
+    (`headsearch.machine.fairtime.Seat`), its data cache, and the number of the trial it trains alone, if any (its
+    failure line names it)."""
 
-    def __init__(self, data, alone_threads: int | None = None):
-        self.data = data
-        self._alone_threads = alone_threads
-        self._share = None
-        self.current_trial: int | None = None
-
-    @property
-    def alone_threads(self) -> int:
-        if self._alone_threads is None:
-            import torch
-
-            self._alone_threads = torch.get_num_threads()
-        return self._alone_threads
-
-    def device_share(self, device):
-        """This worker's hold on the device's lock (one per process)."""
-        if self._share is None:
-            self._share = device_share(device)
-        return self._share
+    seat: Seat
+    data: Any
+    current_trial: int | None = None

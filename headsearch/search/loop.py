@@ -33,14 +33,13 @@ def wait_seconds(heartbeat: int | None) -> float:
 
 class TrialLoop:
     """Runs a search's trials in `study` on `backend` until the budget is spent, the space exhausted or
-    --timeout passed: the scheduler's next trial, begun and ended by `life`, on this worker's `context`.
-    A trial the backend refuses (a cohort: another stack signature) trains alone at once."""
+    --timeout passed: the scheduler's next trial, begun and ended by `life`, on this worker's `context` (data,
+    seat). A trial the backend refuses (a cohort: another stack signature) trains alone at once."""
 
     def __init__(self, settings: "SearchSettings", scheduler: Scheduler, life: TrialLife, context: "WorkerContext",
-                 handle: "StudyHandle", study, backend: Any, device, callbacks: Sequence = (),
-                 argv: list[str] | None = None):
+                 handle: "StudyHandle", study, backend: Any, callbacks: Sequence = (), argv: list[str] | None = None):
         self.settings, self.scheduler, self.life, self.context, self.handle = settings, scheduler, life, context, handle
-        self.study, self.backend, self.device = study, backend, device
+        self.study, self.backend, self.device = study, backend, context.seat.device
         self.callbacks, self.argv = callbacks, argv
         self.beats: dict[int, Heartbeat] = {}  # the running trials' heartbeats, by slot
 
@@ -91,7 +90,7 @@ class TrialLoop:
 
     def _join(self, trial) -> None:
         """Begin `trial` and put it in a free slot of the backend, or train it alone now if it cannot join."""
-        run = self.life.begin(self.study, trial, self.device, self.callbacks)
+        run = self.life.begin(self.study, trial, self.callbacks)
         if isinstance(run, str):
             return
         backend = self.backend

@@ -17,12 +17,14 @@ processes on any number of machines sharing one storage run exactly `trials` tri
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 from headsearch.config import RunConfig
 from headsearch.errors import ConfigError
+from headsearch.machine.fairtime import Seat
+from headsearch.machine.plan import Plan, plan_search
 from headsearch.search.architectures import SpaceArchitectures
 from headsearch.search.backends import DataCache, machine_backend
 from headsearch.search.cost_sampler import COST_AWARE, candidates, cost_aware_sampler
@@ -30,7 +32,6 @@ from headsearch.search.costs import CostSummary, check_cost_search, cost_seconds
 from headsearch.search.definition import SearchDefinition, WorkerContext
 from headsearch.search.loop import TrialLoop
 from headsearch.search.objectives import resolve_objectives
-from headsearch.search.plan import Plan, plan_search
 from headsearch.search.record import arch_summary, config_key, holds_architecture, record_result
 from headsearch.search.scheduler import DUPLICATE_ASKS, WAIT, Scheduler
 from headsearch.search.settings import SearchSettings, check_settings, load_callback
@@ -50,17 +51,17 @@ __all__ = ["DUPLICATE_ASKS", "WAIT", "Search", "SearchCallback", "SearchSettings
 class Search:
     """A search: its frozen definition (`definition`: settings, task, space, objectives, base config, device,
     pruning) and its parts, each built with what it uses: the space's architectures (`archs`), the scheduler,
-    a trial's life (`life`), this worker's context (`context`: data, device seat, current trial) and the
+    a trial's life (`life`), this worker's context (`context`: device seat, data, current trial) and the
     study handle (`handle`). No study exists until `open`; `run_worker` runs the one loop."""
 
     settings: SearchSettings
     # The base config a parent process resolved and checked (a worker gets it instead of resolving again).
     resolved_base: RunConfig | None = None
-    # A worker's: the threads a process alone on this machine uses (its parent's count; the fair time's measure).
-    alone_threads: int | None = None
+    # A worker process's seat on its device (`machine.plan.worker_seat`); else one on `settings.device` is made.
+    seat: InitVar[Seat | None] = None
     definition: SearchDefinition = field(init=False)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, seat: Seat | None) -> None:
         s = self.settings
         check_settings(s)
         task = get_task(s.task)
@@ -77,11 +78,11 @@ class Search:
         study_name = s.study or "-".join([task.name, space.name] + ([s.preset] if s.preset else []))
         source = DataSource(Path(s.data_dir) if s.data_dir else None, Path(s.data_file) if s.data_file else None)
         base = self.resolved_base if self.resolved_base is not None else self._resolve_base(task, space, source)
-        self.definition = SearchDefinition(s, task, space, tuple(objectives), study_name, source, base,
-                                           resolve_device(s.device))
+        seat = seat if seat is not None else Seat(resolve_device(s.device))
+        self.definition = SearchDefinition(s, task, space, tuple(objectives), study_name, source, base, seat.device)
         self.make_pruner()  # bad pruner options fail here, before any storage is touched
         self.handle = StudyHandle()  # the study `open` (or `adopt`) gives this process, passed down to the units
-        self.context = WorkerContext(DataCache(task, source), self.alone_threads)
+        self.context = WorkerContext(seat, DataCache(task, source))
         self._build_units()
         if self.resolved_base is None:
             self.archs.check_feasible(self.device)
@@ -94,7 +95,7 @@ class Search:
         d = self.definition
         self.archs = SpaceArchitectures(d)
         self.scheduler = Scheduler(d, self.archs, self.handle, self.make_sampler)
-        self.life = TrialLife(d, self.scheduler, self.handle, self.context, self.optuna_callbacks)
+        self.life = TrialLife(d, self.scheduler, self.handle, self.context.seat, self.optuna_callbacks)
 
     def _resolve_base(self, task: Task, space: SearchSpace, source: DataSource) -> RunConfig:
         """The base config, resolved once per search and checked before any study exists: the preset's search
@@ -177,11 +178,11 @@ class Search:
             return None
         return self.make_sampler(0)
 
-    def use_costs(self, study, device, on_cost=None) -> CostSummary:
-        """Every architecture's epoch seconds alone (`headsearch.search.costs`), measuring those `study` lacks,
-        for the cost-aware sampler to propose from."""
-        summary = measure_costs(self.archs, self.life, self.context.data, study, device, on_cost)
-        self.use_cost_candidates(candidates(self, cost_seconds(self.archs, self.life, study, device)))
+    def use_costs(self, study, on_cost=None) -> CostSummary:
+        """Every architecture's epoch seconds alone on this worker's device (`headsearch.search.costs`),
+        measuring those `study` lacks, for the cost-aware sampler to propose from."""
+        summary = measure_costs(self.archs, self.context.seat, self.context.data, study, on_cost)
+        self.use_cost_candidates(candidates(self, cost_seconds(self.archs, self.context.seat, study)))
         return summary
 
     def use_cost_candidates(self, known: list) -> None:
@@ -200,20 +201,20 @@ class Search:
     def run_worker(self, worker_index: int = 0, callbacks: Sequence[SearchCallback] = (), argv: list[str] | None = None) -> None:
         """Run trials until the study holds `trials` finished ones or `timeout` passes, one at a time or in
         cohorts as the machine's plan says."""
-        study, device = self.open(), self.device
+        study = self.open()
         if self.sampler_name() == COST_AWARE and self.cost_candidates is None:
-            self.use_costs(study, device)  # measured before this worker started, unless it is on another machine
+            self.use_costs(study)  # measured before this worker started, unless it is on another machine
         cohort = self.machine_plan().cohort  # planned first: a plan may rebuild the definition
-        self.run(study, machine_backend(self.definition, self.context, device, cohort), device, callbacks, argv)
+        self.run(study, machine_backend(self.definition, self.context.seat, cohort), callbacks, argv)
 
-    def run(self, study, backend, device, callbacks: Sequence[SearchCallback] = (), argv: list[str] | None = None) -> None:
+    def run(self, study, backend, callbacks: Sequence[SearchCallback] = (), argv: list[str] | None = None) -> None:
         """The one loop (`headsearch.search.loop`) over `backend`: a solo slot, a cohort, or the simulator's table."""
-        TrialLoop(self.settings, self.scheduler, self.life, self.context, self.handle, study, backend, device,
-                  callbacks, argv).run()
+        TrialLoop(self.settings, self.scheduler, self.life, self.context, self.handle, study, backend, callbacks,
+                  argv).run()
 
     # -- the machine ----------------------------------------------------------------------------
     def machine_plan(self) -> Plan:
-        """How this machine runs the search (workers, trials per GPU, step mode, MPS): headsearch.search.plan."""
+        """How this machine runs the search (workers, trials per GPU, step mode, MPS): headsearch.machine.plan."""
         if self._plan is None:
             self.use_plan(plan_search(self))
         return self._plan

@@ -228,7 +228,6 @@ def measuring_seconds(table: dict[str, Any]) -> float:
 def replay(search, table: dict[str, Any], *, workers: int = 1, table_seed: int | None = None, truth=None) -> Replay:
     """Run `search` (from `simulation_search`) against `table` with `workers` slots; score its front."""
     import optuna
-    import torch
 
     from headsearch.search.snapshot import count_states
 
@@ -242,7 +241,7 @@ def replay(search, table: dict[str, Any], *, workers: int = 1, table_seed: int |
     cohort = TableCohort(table, workers, random.Random(seed if table_seed is None else table_seed))
     if search.sampler_name() == COST_AWARE:  # the costs are measured before the first trial starts
         cohort.now = measuring_seconds(table)
-    search.run(study, cohort, device=torch.device("cpu"))
+    search.run(study, cohort)
     trials = study.get_trials(deepcopy=False)
     counts = count_states(trials)
     front_keys = []

@@ -17,7 +17,6 @@ from headsearch.analysis.tracking import diversity_callbacks
 from headsearch.config import RunConfig
 from headsearch.errors import ConfigError, Diverged
 from headsearch.search.artifacts import write_trial_link
-from headsearch.search.fairtime import alone_key, known_epoch_seconds
 from headsearch.search.liveness import StorageUnavailable, finished_trial_error
 from headsearch.search.record import arch_summary, record_result
 from headsearch.search.trial_pruning import TrialPruning
@@ -25,7 +24,8 @@ from headsearch.training.clock import AloneClock
 from headsearch.training.trainer import Callback
 
 if TYPE_CHECKING:
-    from headsearch.search.definition import SearchDefinition, WorkerContext
+    from headsearch.machine.fairtime import Seat
+    from headsearch.search.definition import SearchDefinition
     from headsearch.search.scheduler import Scheduler
     from headsearch.search.study import StudyHandle
 
@@ -64,14 +64,14 @@ def worker_name() -> str:
 
 class TrialLife:
     """Begins and ends a search's trials in this worker: their configs from the scheduler, their fair clocks on
-    the worker's seat (`context`), their ends told through the study handle and to the user's Optuna callbacks."""
+    the worker's `seat` (its device), their ends told through the study handle and to the user's Optuna callbacks."""
 
-    def __init__(self, definition: "SearchDefinition", scheduler: "Scheduler", handle: "StudyHandle",
-                 context: "WorkerContext", optuna_callbacks: Sequence = ()):
-        self.definition, self.scheduler, self.handle, self.context = definition, scheduler, handle, context
+    def __init__(self, definition: "SearchDefinition", scheduler: "Scheduler", handle: "StudyHandle", seat: "Seat",
+                 optuna_callbacks: Sequence = ()):
+        self.definition, self.scheduler, self.handle, self.seat = definition, scheduler, handle, seat
         self.optuna_callbacks = optuna_callbacks
 
-    def begin(self, study, trial, device, callbacks: Sequence) -> "TrialRun | str":
+    def begin(self, study, trial, callbacks: Sequence) -> "TrialRun | str":
         """A trial's config, run directory, pruning and fair clock, or the name of the state it ended in
         already ("REJECTED": an invalid config)."""
         from optuna.trial import TrialState
@@ -79,7 +79,7 @@ class TrialLife:
         s = self.definition
         trial.set_user_attr("worker", worker_name())
         try:
-            cfg, recorded = self.scheduler.config_of(trial, device)
+            cfg, recorded = self.scheduler.config_of(trial, self.seat.device)
         except ConfigError as e:
             # An invalid combination (e.g. a head count that does not divide a searched d_model, or a
             # model too big for the device): recorded as such, and never trained.
@@ -101,34 +101,13 @@ class TrialLife:
             from headsearch.training.tensorboard import TensorBoardWriter, trial_dir
 
             writer = TensorBoardWriter(trial_dir(s.settings.tensorboard, trial.number), hparams=trial.params)
-        return TrialRun(trial, cfg, run_dir, pruning, self.alone_clock(study, trial, cfg, device), writer)
+        return TrialRun(trial, cfg, run_dir, pruning, self.alone_clock(study, trial, cfg), writer)
 
-    def alone_clock(self, study, trial, cfg: RunConfig, device) -> AloneClock:
-        """The trial's fair clock (headsearch.search.fairtime): this device's lock, and the architecture's
-        epoch seconds alone if an earlier trial measured them in the step mode this one runs (then nobody
-        is paused again). The trial's `alone_key` names that mode once its steps are prepared (a fallback
-        changes it)."""
-        return self.clock_for(study, cfg, device, lambda key: trial.set_user_attr("alone_key", key))
-
-    def clock_for(self, study, cfg: RunConfig, device, note_key=None) -> AloneClock:
-        """A fair clock for `cfg` on `device` (a trial's, or the cost measurement's: `headsearch.search.costs`);
-        `note_key(alone_key)` hears each step mode's key as it is looked up."""
-        from headsearch.training.fastpath import resolve_mode
-
-        share = self.context.device_share(device)
-
-        def recall(step_mode: str) -> float | None:
-            key = self.alone_key(cfg, device, step_mode)
-            if note_key is not None:
-                note_key(key)
-            return known_epoch_seconds(study, key)
-
-        intended = resolve_mode(cfg.train, self.definition.task, device).describe()
-        return AloneClock(share, known=recall(intended), alone_threads=self.context.alone_threads, recall=recall)
-
-    def alone_key(self, cfg: RunConfig, device, step_mode: str) -> str:
-        """`fairtime.alone_key` as this worker's clocks compute it (a CPU's key names a lone process's threads)."""
-        return alone_key(cfg, device, self.context.alone_threads if device.type == "cpu" else None, step_mode)
+    def alone_clock(self, study, trial, cfg: RunConfig) -> AloneClock:
+        """The trial's fair clock on this worker's seat (`Seat.clock`), in the step mode it intends; the trial's
+        `alone_key` names the mode once its steps are prepared (a fallback changes it)."""
+        intended = self.seat.step_mode(cfg, self.definition.task)
+        return self.seat.clock(study, cfg, intended, lambda key: trial.set_user_attr("alone_key", key))
 
     def end(self, study, run: TrialRun, result, error: BaseException | None, callbacks: Sequence,
             reraise: bool = True) -> str:

@@ -1,4 +1,4 @@
-"""Worker processes on one machine, as the search's plan says (headsearch.search.plan).
+"""Worker processes on one machine, as the search's plan says (headsearch.machine.plan).
 
 The plan names each worker's GPU; worker i is pinned to it by setting its CUDA_VISIBLE_DEVICES before
 torch initialises CUDA, and gets the plan itself (the parent plans once; a worker never plans). Each
@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 
 from headsearch.errors import HeadsearchError
 from headsearch.io import write_atomic
-from headsearch.search.plan import Plan, share_cores
+from headsearch.machine.plan import Plan, worker_seat
 from headsearch.search.runner import Search
 from headsearch.search.settings import SearchSettings
 
@@ -63,14 +63,14 @@ def with_space_line(line: str, search) -> str:
 def run_search(search, callbacks: Sequence = (), argv: list[str] | None = None,
                poll: Callable[[], None] | None = None, every: float = 2.0,
                announce: Callable[[str], None] | None = None, on_cost: Callable | None = None) -> list[WorkerFailure]:
-    """Run the trials of `search` on this machine as its plan says (headsearch.search.plan): in this
+    """Run the trials of `search` on this machine as its plan says (headsearch.machine.plan): in this
     process (with `callbacks`) when it has one worker, else in worker processes (`run_workers`), with
     NVIDIA MPS started for them when several share a GPU and it can be (stopped when they end), calling
     `poll()` every `every` seconds until they end. `announce(line)` hears the plan, once, before any trial.
     With the cost-aware sampler every architecture's cost is measured first (`measure_costs_first`;
     `on_cost(done, total, ArchCost)` hears each one) and the plan line says what that took.
     Returns the worker processes that failed (none in process: errors raise there)."""
-    from headsearch.search.mps import managed_mps
+    from headsearch.machine.mps import managed_mps
 
     plan = search.machine_plan()
     costs, failures = measure_costs_first(search, poll, every, on_cost)
@@ -109,14 +109,13 @@ def measure_costs_first(search, poll: Callable[[], None] | None = None, every: f
     (`CostSummary` or None for another sampler, [the measuring process's `WorkerFailure`] or [])."""
     from headsearch.search.cost_sampler import COST_AWARE
     from headsearch.search.costs import ArchCost, CostSummary, stored_costs
-    from headsearch.training.runtime import resolve_device
 
     if search.sampler_name() != COST_AWARE:
         return None, []
     plan = search.machine_plan()
     study = search.open()
     if len(plan.devices) == 1:
-        return search.use_costs(study, resolve_device(search.settings.device), on_cost), []
+        return search.use_costs(study, on_cost), []
     import multiprocessing as mp
 
     total = len(search.archs.listing() or {})
@@ -239,28 +238,16 @@ def _worker_main(settings: SearchSettings, index: int, gpu: str | None, n_proces
 
 def _costs_main(settings: SearchSettings, gpu: str | None, plan: Plan, base) -> None:
     """The process that measures every architecture's cost before the workers start (`measure_costs_first`)."""
-    from headsearch.training.runtime import resolve_device
-
     search = _worker_search(settings, gpu, 1, plan, base)
-    _logged(search, COSTS_WORKER, lambda: search.use_costs(search.open(), resolve_device(settings.device)))
+    _logged(search, COSTS_WORKER, lambda: search.use_costs(search.open()))
 
 
 def _worker_search(settings: SearchSettings, gpu: str | None, n_processes: int, plan: Plan | None, base):
-    """A worker process's search, pinned to `gpu` (before torch initialises CUDA) and given its share of
-    the CPU's threads, knowing the threads a process alone here uses (the fair time's measure)."""
-    if gpu is not None:
-        # The parent's own name for the GPU (CUDA_VISIBLE_DEVICES "2,3" gives "2" and "3"), set before
-        # torch initialises CUDA in this process, which then sees it as cuda:0.
-        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
-    import torch
-
-    alone_threads = torch.get_num_threads()  # what a process alone here uses: the fair time's measure
-    share = share_cores(n_processes)
-    if gpu is None:
-        torch.set_num_threads(plan.threads if plan is not None and plan.threads else share)
-
+    """A worker process's search, on its seat: pinned to `gpu`, given its share of the CPU's threads
+    (`headsearch.machine.plan.worker_seat`)."""
+    seat = worker_seat(gpu, n_processes, plan.threads if plan is not None else None, settings.device)
     # The parent resolved and checked the config: not again.
-    search = Search(settings, resolved_base=base, alone_threads=alone_threads)
+    search = Search(settings, resolved_base=base, seat=seat)
     if plan is not None:
         search.use_plan(plan)  # the parent's: a worker sees one GPU and would plan otherwise
     return search

@@ -8,7 +8,7 @@ model, torch's version, the task, and the base configuration's architecture, dat
 training fields that change a step's cost. `run` uses the fastest verified way of the measurement with
 its key (`load_measurement`); a way that failed or did not match its reference is never chosen.
 
-This module is data only (no torch): the plan reads it, `headsearch.search.bench` writes it.
+This module is data only (no torch): the plan reads it, `headsearch.machine.bench` writes it.
 """
 from __future__ import annotations
 

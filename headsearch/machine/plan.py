@@ -4,13 +4,13 @@ Three sources, in order:
 
 1. **The user's flags**: `--workers N`, `--trials-per-gpu K`, `--cohort K` set the count (and `--compile`
    the step mode).
-2. **A measurement of this machine** (`headsearch bench`, headsearch/search/bench.py): the fastest way
+2. **A measurement of this machine** (`headsearch bench`, headsearch/machine/bench.py): the fastest way
    it verified for this device model, torch version, task and base architecture
-   (headsearch/search/measured.py). The plan line ends `(measured by headsearch bench on DATE)`.
+   (headsearch/machine/measured.py). The plan line ends `(measured by headsearch bench on DATE)`.
 3. **The rule**, when nothing was measured here; the plan line ends `(rule: headsearch bench measures
    this machine)`. On a GPU it is the way measured fastest on a GPU so far: K processes per GPU, each
    step compiled and captured in a CUDA graph (`train.compile: auto`, headsearch/training/fastpath.py),
-   with NVIDIA MPS so that their kernels run side by side (headsearch/search/mps.py). On a CPU: one
+   with NVIDIA MPS so that their kernels run side by side (headsearch/machine/mps.py). On a CPU: one
    worker, eager steps.
 
 Cohorts (K trials stacked into one model, headsearch/training/cohort.py) are a default only where
@@ -40,8 +40,9 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from headsearch.errors import ConfigError
-from headsearch.search.measured import COHORT, Measurement, WayResult, bench_key, cpu_name, key_inputs, load_measurement
-from headsearch.search.settings import SearchSettings
+from headsearch.machine.fairtime import Seat
+from headsearch.machine.measured import COHORT, Measurement, WayResult, bench_key, cpu_name, key_inputs, load_measurement
+from headsearch.machine.mps import shares_a_gpu
 
 # GFLOP of concurrent training steps one multiprocessor absorbs before the GPU is busy: 8 seed-ViT
 # steps (13.76 GFLOP each at batch 256) over an H100's 132 multiprocessors.
@@ -51,8 +52,8 @@ MEMORY_FRACTION = 0.8  # of the GPU's memory that K training models may take, by
 RULE = "rule: headsearch bench measures this machine"
 
 
-def process_count(s: SearchSettings, n_gpus: int) -> int:
-    """Worker processes on this machine: --workers, or --trials-per-gpu times the GPUs (times one without GPUs)."""
+def process_count(s: Any, n_gpus: int) -> int:
+    """Worker processes on this machine for settings `s`: --workers, or --trials-per-gpu times the GPUs (or one)."""
     if s.trials_per_gpu is not None:
         return s.trials_per_gpu * max(1, n_gpus)
     return s.workers or 1
@@ -172,16 +173,34 @@ def share_cores(n_processes: int) -> int:
     return share
 
 
-def trial_bytes(footprint: Any, search: Any, device: Any) -> int:
-    """The memory one trial's process of `search` takes on `device`, from the size guard's `footprint` of its
-    base config (0: none): with CUDA graphs in private pools (the default), each captured batch shape keeps
-    its own activations."""
-    from headsearch.training.fastpath import resolve_mode
+def worker_seat(gpu: str | None, n_processes: int, threads: int | None, device: str | None) -> Seat:
+    """A worker process's seat: pinned to `gpu` (before torch initialises CUDA) and given its share of the CPU's
+    threads (`threads`, a measurement's, else the cores shared among `n_processes`), knowing the threads a process
+    alone here uses (the fair time's measure). `device`: the search's --device, resolved once pinned."""
+    if gpu is not None:
+        # The parent's own name for the GPU (CUDA_VISIBLE_DEVICES "2,3" gives "2" and "3"), set before
+        # torch initialises CUDA in this process, which then sees it as cuda:0.
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+    import torch
+
+    from headsearch.training.runtime import resolve_device
+
+    alone_threads = torch.get_num_threads()  # before this worker's share is set
+    share = share_cores(n_processes)
+    if gpu is None:
+        torch.set_num_threads(threads or share)
+    return Seat(resolve_device(device), alone_threads)
+
+
+def trial_bytes(footprint: Any, mode: Any) -> int:
+    """The memory one trial's process takes when its steps run in `mode` (a `fastpath.StepMode`), from the size
+    guard's `footprint` of its config (0: none): with CUDA graphs in private pools (the default), each captured
+    batch shape keeps its own activations."""
     from headsearch.training.capture import shared_graph_pool
 
     if footprint is None:
         return 0
-    graphs = resolve_mode(search.base.train, search.task, device).cuda_graph and not shared_graph_pool()
+    graphs = mode.cuda_graph and not shared_graph_pool()
     return footprint.captured_training_bytes if graphs else footprint.training_bytes
 
 
@@ -198,7 +217,8 @@ def plan_search(search: Any, visible: list[str] | None = None, gpu: GpuInfo | No
     if visible is None:
         visible = [] if s.device == "cpu" else visible_gpus()
     device = torch.device("cuda" if visible else "cpu")
-    step_mode = resolve_mode(search.base.train, search.task, device).describe()
+    mode = resolve_mode(search.base.train, search.task, device)  # once: the plan line's, the memory rule's
+    step_mode = mode.describe()
     flag = "--workers" if s.workers else "--trials-per-gpu" if s.trials_per_gpu else None
     stacks = search.stacks()
     if s.cohort is not None and s.cohort > 1 and not stacks:
@@ -206,33 +226,33 @@ def plan_search(search: Any, visible: list[str] | None = None, gpu: GpuInfo | No
                f"task {search.task.name} trains its trials one at a time")
         raise ConfigError(f"--cohort {s.cohort}: {why}; leave --cohort out (or give 1)")
     if s.cohort is not None and s.cohort > 1:  # asked for: this many together in each worker (one per GPU by default)
-        if not visible:
-            return Plan(tuple(worker_devices(process_count(s, 0), [])), None, "--cohort", step_mode, mps=False, cohort=s.cohort)
-        devices = worker_devices(process_count(s, len(visible)) if flag else len(visible), visible)
-        return Plan(tuple(devices), s.cohort * math.ceil(len(devices) / len(visible)), "--cohort", step_mode,
-                    mps=len(devices) > len(set(devices)), cohort=s.cohort)
+        devices = worker_devices(process_count(s, len(visible)) if flag else max(1, len(visible)), visible)
+        return Plan(tuple(devices), s.cohort * math.ceil(len(devices) / len(visible)) if visible else None, "--cohort",
+                    step_mode, mps=shares_a_gpu(devices), cohort=s.cohort)
     if flag:
         devices = worker_devices(process_count(s, len(visible)), visible)
         return Plan(tuple(devices), math.ceil(len(devices) / len(visible)) if visible else None, flag, step_mode,
-                    mps=len(devices) > len(set(devices)) if visible else False)
+                    mps=shares_a_gpu(devices))
     if measurement is True:
         measurement = machine_measurement(search, visible, gpu)
     choice = measurement.choice(cohorts=stacks and s.cohort is None) if measurement else None
     if choice is not None:
-        return measured_plan(search, measurement, choice, visible, device)
+        return measured_plan(search, measurement, choice, visible, device, mode)
     if not visible:
         return Plan((None,), None, "default: one worker", step_mode, mps=False, basis=RULE)
     # The rule: K processes per GPU with the fast path (CUDA graphs) and MPS: what was measured fastest on a GPU.
     footprint = search.step_footprint()
-    per_gpu, why = trials_per_gpu_for(footprint.step_flops if footprint else None, trial_bytes(footprint, search, device),
+    per_gpu, why = trials_per_gpu_for(footprint.step_flops if footprint else None, trial_bytes(footprint, mode),
                                       gpu or GpuInfo.of(0), cpu_cores or os.cpu_count() or 1,
                                       math.ceil(s.trials / len(visible)))
     devices = worker_devices(per_gpu * len(visible), visible)
-    return Plan(tuple(devices), per_gpu, why, step_mode, mps=len(devices) > len(set(devices)), basis=RULE)
+    return Plan(tuple(devices), per_gpu, why, step_mode, mps=shares_a_gpu(devices), basis=RULE)
 
 
-def measured_plan(search: Any, m: Measurement, choice: WayResult, visible: Sequence[str], device: Any) -> Plan:
-    """The plan that runs `choice`, the fastest way `headsearch bench` verified here, capped by the budget."""
+def measured_plan(search: Any, m: Measurement, choice: WayResult, visible: Sequence[str], device: Any,
+                  mode: Any) -> Plan:
+    """The plan that runs `choice`, the fastest way `headsearch bench` verified here, capped by the budget.
+    `mode`: the base config's step mode on `device`, resolved again only when the way's compile replaces it."""
     from headsearch.training.fastpath import resolve_mode
 
     way = choice.way
@@ -244,11 +264,9 @@ def measured_plan(search: Any, m: Measurement, choice: WayResult, visible: Seque
                     threads=way.threads)
     per_device = max(1, min(way.k, math.ceil(search.settings.trials / max(1, len(visible)))))
     compile_mode = way.step_mode if search.settings.compile is None else None
-    train = search.base.train if compile_mode is None else dataclasses.replace(search.base.train, compile=compile_mode)
-    step_mode = resolve_mode(train, search.task, device).describe()
-    if not visible:
-        return Plan((None,) * per_device, None, why, step_mode, mps=False, basis=basis, compile=compile_mode,
-                    threads=way.threads)
-    devices = worker_devices(per_device * len(visible), visible)
-    return Plan(tuple(devices), per_device, why, step_mode, mps=way.mps and len(devices) > len(set(devices)),
-                basis=basis, compile=compile_mode)
+    if compile_mode is not None:
+        mode = resolve_mode(dataclasses.replace(search.base.train, compile=compile_mode), search.task, device)
+    devices = worker_devices(per_device * max(1, len(visible)), visible)  # without GPUs: per_device on the CPU
+    return Plan(tuple(devices), per_device if visible else None, why, mode.describe(),
+                mps=way.mps and shares_a_gpu(devices), basis=basis, compile=compile_mode,
+                threads=None if visible else way.threads)

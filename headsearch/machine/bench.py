@@ -4,7 +4,7 @@ A search's speed depends on how its trials share the device: one process or K, e
 compiled and captured in a CUDA graph, NVIDIA MPS or not, K trials stacked into one model (a cohort)
 or not; on a CPU, how many workers and how many threads each. Which is fastest depends on the device,
 torch and the model, so it is measured, for the search's base architecture, and saved for `headsearch
-run` to plan from (headsearch/search/measured.py, headsearch/search/plan.py).
+run` to plan from (headsearch/machine/measured.py, headsearch/machine/plan.py).
 
 Every way is verified before it is timed, and a way that fails or mismatches is reported with its
 one-line reason and never chosen:
@@ -38,10 +38,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from headsearch.search.measured import (
+from headsearch.machine.measured import (
     COHORT, PROCESSES, Measurement, Way, WayResult, bench_key, cpu_name, key_inputs, save_measurement,
 )
-from headsearch.search.plan import MAX_PER_GPU, MEMORY_FRACTION, GpuInfo, share_cores, trial_bytes, visible_gpus
+from headsearch.machine.plan import MAX_PER_GPU, MEMORY_FRACTION, GpuInfo, trial_bytes, visible_gpus, worker_seat
 
 GPU_MODES = ("off", "graphs", "reduce-overhead")
 GPU_KS = (2, 4, 8)
@@ -101,7 +101,8 @@ def bench(search: Any, *, seconds: float | None = None, ks: Sequence[int] | None
     False measures no cohort."""
     import torch
 
-    from headsearch.search.mps import managed_mps, mps_available
+    from headsearch.machine.mps import managed_mps, mps_available
+    from headsearch.training.fastpath import resolve_mode
 
     started = time.perf_counter()
     visible = [] if search.settings.device == "cpu" else visible_gpus()
@@ -109,8 +110,10 @@ def bench(search: Any, *, seconds: float | None = None, ks: Sequence[int] | None
     seconds = seconds or default_seconds(on_gpu)
     cores = os.cpu_count() or 1
     gpu = GpuInfo.of(0) if on_gpu else None
-    if ks is None:
-        ks = gpu_ks(trial_bytes(search.step_footprint(), search, torch.device("cuda")), gpu) if on_gpu else CPU_COHORTS
+    if ks is None and on_gpu:
+        mode = resolve_mode(search.base.train, search.task, torch.device("cuda"))
+        ks = gpu_ks(trial_bytes(search.step_footprint(), mode), gpu)
+    ks = CPU_COHORTS if ks is None else ks
     modes = tuple(modes or GPU_MODES)
     unknown = [m for m in modes if m not in GPU_MODES]
     if unknown:
@@ -208,17 +211,12 @@ def combine(way: Way, figures: Sequence[dict]) -> WayResult:
 
 
 def _job_main(job: Job, barrier, queue) -> None:
-    """A bench process: pinned to its GPU before torch starts CUDA, its threads set; never raises (its one-line
-    reason goes back instead) and never leaves the others waiting at the barrier."""
-    if job.gpu is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = job.gpu
-    share_cores(1 if job.way.kind == COHORT else job.way.k)  # K processes compiling at once, as a search's workers
-    import torch
-
-    if job.way.threads:
-        torch.set_num_threads(job.way.threads)
+    """A bench process, seated as a search's worker is (`worker_seat`: pinned, K compiling at once, the way's threads);
+    never raises (its one-line reason goes back instead) and never leaves the others waiting at the barrier."""
     try:
-        figures = measure_cohort(job, barrier) if job.way.kind == COHORT else measure_process(job, barrier)
+        seat = worker_seat(job.gpu, 1 if job.way.kind == COHORT else job.way.k, job.way.threads,
+                           "cpu" if job.gpu is None else "cuda")
+        figures = (measure_cohort if job.way.kind == COHORT else measure_process)(job, barrier, seat.device)
     except threading.BrokenBarrierError:  # another process of the way failed: its reason is the way's
         figures = {"error": "another process of this way failed before timing began", "secondary": True}
     except BaseException as e:  # noqa: BLE001 - reported as the way's reason
@@ -232,16 +230,13 @@ def _endless(bound) -> Any:
     return itertools.chain.from_iterable(bound.train_batches(epoch) for epoch in itertools.count(1))
 
 
-def measure_process(job: Job, barrier) -> dict:
-    """One trial's steps in the job's step mode: warmed up (compiled, captured and verified), then timed."""
-    import torch
-
+def measure_process(job: Job, barrier, device) -> dict:
+    """One trial's steps in the job's step mode on `device`: warmed up (compiled, captured and verified), then timed."""
     from headsearch.tasks import get_task
     from headsearch.training.prepare import prepare_steps
     from headsearch.training.runtime import seed_everything, steps_per_epoch
 
     task, cfg = get_task(job.task), job.cfg
-    device = torch.device("cuda" if job.gpu is not None else "cpu")
     bound = task.setup(cfg, job.source, device)
     seed_everything(cfg.seed)
     model = bound.build_model().to(device)
@@ -254,16 +249,13 @@ def measure_process(job: Job, barrier) -> dict:
     return {"samples": samples, "trials": 1, "start": start, "end": end, "compile_seconds": compile_seconds}
 
 
-def measure_cohort(job: Job, barrier) -> dict:
-    """A cohort of K: slot 0 first checked against the same trial alone (VERIFY_STEPS steps), then timed."""
-    import torch
-
+def measure_cohort(job: Job, barrier, device) -> dict:
+    """A cohort of K on `device`: slot 0 first checked against the same trial alone (VERIFY_STEPS steps), then timed."""
     from headsearch.models.cohort import soft_width
     from headsearch.tasks import get_task
     from headsearch.training.cohort import Cohort
 
     task, cfg, k = get_task(job.task), job.cfg, job.way.k
-    device = torch.device("cuda" if job.gpu is not None else "cpu")
     bound = task.setup(cfg, job.source, device)
     soft = soft_width(cfg.arch, min(cfg.arch.enc_heads)) if cfg.arch.fusion != "none" else None
     cohort = Cohort(task, k, device, soft_columns=soft, keep_step_losses=True)
