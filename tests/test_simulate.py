@@ -98,43 +98,44 @@ def test_the_deep_head_space_on_the_tiny_vit_holds_39_architectures():
 
 
 @pytest.mark.floor
-@pytest.mark.slow
-def test_duplicates_are_neither_trained_nor_counted_and_an_exhausted_space_ends_the_study(tmp_path, spa_file, tiny_translation,
-                                                                                          cache_env, one_thread):
-    space = write_space(tmp_path / "s.yaml", tiny_translation, schedule={"families": ["uniform"], "heads": [1, 2, 4]},
-                        epochs=1)
-    s = settings(tmp_path, spa_file, space, trials=5, sampler="random", pruner="none")
-    search = Search(s)
-    assert len(search.archs.listing()) == 3
-    search.run_worker()
-    study = load(s.storage)
-    trials = study.get_trials(deepcopy=False)
-    trained = [t for t in trials if t.state == TrialState.COMPLETE]
-    dups = [t for t in trials if t.state == TrialState.FAIL]
-    # The space held 3: each trained once, and the study ended there although --trials asked for 5.
-    assert sorted(tuple(t.user_attrs["config"]["arch"]["enc_heads"][:1]) for t in trained) == [(1,), (2,), (4,)]
-    assert len(trained) + len(dups) == len(trials)
-    for d in dups:  # every other proposal named the trial holding its architecture, and was never trained
-        twin = next(t for t in trained if t.number == d.user_attrs["duplicate_of"])
-        assert config_key(d.user_attrs["config"]) == config_key(twin.user_attrs["config"])
-        assert not d.intermediate_values and "run_dir" not in d.user_attrs and "fail_reason" not in d.user_attrs
-    # At most DUPLICATE_ASKS proposals in a row before the search takes an untried architecture itself.
-    from headsearch.search.runner import DUPLICATE_ASKS
+def test_duplicates_are_neither_trained_nor_counted_and_an_exhausted_space_ends_the_study(tmp_path):
+    """On the simulator's table backend: the same scheduler and loop as a real search, trials looked up."""
+    import random
 
-    run = 0
-    for t in trials:
-        run = run + 1 if t.state == TrialState.FAIL else 0
+    from headsearch.search.runner import DUPLICATE_ASKS
+    from headsearch.search.simulate import TableCohort
+    from headsearch.search.snapshot import count_states
+
+    table = load_table(Path(__file__).resolve().parents[1] / "benchmarks" / "tables" / "vit-cifar10-deep-head-tiny.json")
+    space = tmp_path / "s.yaml"
+    space.write_text(yaml.safe_dump({"schedule": {"families": ["uniform"], "heads": [1, 2, 4]},
+                                     "skip": ["none"], "fusion": ["none"]}))
+    sim = simulation_search(table, space=str(space), trials=5, sampler="random", pruner="none")
+    assert len(sim.archs.listing()) == 3
+    result = replay(sim, table)
+    trained = [r for r in result.trials if r["state"] == "COMPLETE"]
+    dups = [r for r in result.trials if r["state"] == "FAIL"]
+    # The space held 3: each trained once, and the study ended there although --trials asked for 5.
+    assert sorted(r["arch"] for r in trained) == sorted({r["arch"] for r in trained}) and len(trained) == 3
+    assert dups and len(trained) + len(dups) == len(result.trials) and result.duplicates == len(dups)
+    for d in dups:  # every other proposal named the trial holding its architecture, and was never trained
+        twin = next(r for r in trained if r["number"] == d["duplicate_of"])
+        assert d["arch"] == twin["arch"] and d["epochs"] == 0
+    run = 0  # at most DUPLICATE_ASKS proposals in a row before the search takes an untried architecture itself
+    for r in result.trials:
+        run = run + 1 if r["state"] == "FAIL" else 0
         assert run <= DUPLICATE_ASKS
 
     # Resuming with a bigger budget trains nothing more: the space is exhausted.
-    before = len(trials)
-    Search(settings(tmp_path, spa_file, space, trials=9, sampler="random", pruner="none")).run_worker()
-    assert len(load(s.storage).get_trials(deepcopy=False)) == before
-
-    from headsearch.search.report import summarize
-
-    rep = summarize(s.storage, "s")
-    assert rep.counts["complete"] == 3 and rep.counts["duplicate"] == len(dups) and rep.counts["failed"] == 0
+    storage = sim.handle.store.storage
+    (name,) = optuna.get_all_study_names(storage)  # the replay's study, in memory
+    study = optuna.load_study(study_name=name, storage=storage)
+    resumed = simulation_search(table, space=str(space), trials=9, sampler="random", pruner="none")
+    resumed.adopt(study, storage)
+    resumed.run(study, TableCohort(table, 1, random.Random(0)))
+    counts = count_states(study.get_trials(deepcopy=False))
+    assert len(study.get_trials(deepcopy=False)) == len(result.trials)
+    assert counts["complete"] == 3 and counts["duplicate"] == len(dups) and counts["failed"] == 0
 
 
 @pytest.mark.slow

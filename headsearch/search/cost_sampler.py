@@ -250,32 +250,31 @@ class CostAwareSampler:
 
 # -- a search's sampler -----------------------------------------------------------------------------
 
-def candidates(search, seconds: dict[str, float]) -> list[Candidate]:
-    """The space's architectures (`SpaceArchitectures.listing`: config key -> parameters) with their epoch
-    seconds from `seconds` (by config key), each with its features."""
+def candidates(archs, seconds: dict[str, float]) -> list[Candidate]:
+    """The architectures of `archs` (a `SpaceArchitectures`: its `listing`, config key -> parameters) with their
+    epoch seconds from `seconds` (by config key), each with its features."""
     from optuna.trial import FixedTrial
 
     from headsearch.errors import ConfigError
-    from headsearch.training.runtime import resolve_device
 
-    listing = search.archs.listing()
+    listing = archs.listing()
     if listing is None:
-        raise ConfigError(f"the cost-aware sampler needs a space it can list; space {search.space.name} has a continuous range")
-    device = resolve_device(search.settings.device)
+        raise ConfigError(f"the cost-aware sampler needs a space it can list; space {archs.definition.space.name} has a continuous range")
     out = []
     for key, params in listing.items():
-        cfg = search.archs.sample_config(FixedTrial(params), device)
+        cfg = archs.sample_config(FixedTrial(params), archs.definition.device)
         out.append(Candidate(key, dict(params), arch_features(cfg), float(seconds[key])))
     return out
 
 
-def cost_aware_sampler(search, seed: int) -> CostAwareSampler:
-    """The sampler of `search` (its `cost_candidates` set): quality x time, as `headsearch run`'s default."""
+def cost_aware_sampler(definition, costs: list[Candidate], seed: int) -> CostAwareSampler:
+    """The sampler of a search (its `SearchDefinition`) over the architectures' `costs`: quality x time, as
+    `headsearch run`'s default objectives."""
     from headsearch.errors import ConfigError
 
-    names = [o.name for o in search.objectives]
-    primary = search.task.primary
+    names = [o.name for o in definition.objectives]
+    primary = definition.task.primary
     if len(names) != 2 or primary.name not in names or "time" not in names:
         raise ConfigError(f"the cost-aware sampler searches {primary.name} x time (objectives {', '.join(names)})")
-    return CostAwareSampler(search.cost_candidates, quality=names.index(primary.name), time=names.index("time"),
-                            maximize=primary.direction == "maximize", epochs=search.base.train.epochs, seed=seed)
+    return CostAwareSampler(costs, quality=names.index(primary.name), time=names.index("time"),
+                            maximize=primary.direction == "maximize", epochs=definition.base.train.epochs, seed=seed)

@@ -137,7 +137,7 @@ class Search:
         if self.sampler_name() == COST_AWARE:
             if self.cost_candidates is None:
                 raise RuntimeError("the cost-aware sampler has no costs yet: Search.use_costs first")
-            return cost_aware_sampler(self, seed=self.settings.seed * 100_003 + trial_index)
+            return cost_aware_sampler(self.definition, self.cost_candidates, seed=self.settings.seed * 100_003 + trial_index)
         return make_sampler(self.sampler_name(), seed=self.settings.seed, trials=self.settings.trials, trial_index=trial_index,
                             curve_direction=self.task.primary.direction if self.multi_objective else None)
 
@@ -182,7 +182,7 @@ class Search:
         """Every architecture's epoch seconds alone on this worker's device (`headsearch.search.costs`),
         measuring those `study` lacks, for the cost-aware sampler to propose from."""
         summary = measure_costs(self.archs, self.context.seat, self.context.data, study, on_cost)
-        self.use_cost_candidates(candidates(self, cost_seconds(self.archs, self.context.seat, study)))
+        self.use_cost_candidates(candidates(self.archs, cost_seconds(self.archs, self.context.seat, study)))
         return summary
 
     def use_cost_candidates(self, known: list) -> None:

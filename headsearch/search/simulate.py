@@ -205,7 +205,7 @@ def table_candidates(search, table: dict[str, Any]) -> list:
     for key, params in (search.archs.listing() or {}).items():
         row = table_row(table, rows, search.archs.sample_config(FixedTrial(params), torch.device("cpu")))
         seconds[key] = statistics.fmean(r["epoch_seconds"] for r in row["runs"])
-    return candidates(search, seconds)
+    return candidates(search.archs, seconds)
 
 
 def measuring_seconds(table: dict[str, Any]) -> float:
