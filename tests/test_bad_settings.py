@@ -118,3 +118,17 @@ def test_a_bad_value_of_any_setting_stops_run_in_one_line_before_anything_exists
                                "--storage", "sqlite:///h.db", flag_of(name), value]))
     assert flag_of(name) in line or name in ("sampler", "pruner", "tensorboard")  # these name what they know
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # no study, no run directory
+
+
+@pytest.mark.parametrize("name", ["workers", "cohort", "study"])
+@pytest.mark.parametrize("command", ["compare", "table"])
+def test_a_bad_value_of_a_shared_setting_stops_compare_and_table_the_same_way(command, name, cli, cifar_dir, tmp_path,
+                                                                              monkeypatch):
+    """`compare` and `table` take these settings as `run` does: the same check, the same line."""
+    monkeypatch.chdir(tmp_path)
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    given = [str(examples / "ham-a.yaml"), str(examples / "ham-b.yaml")] if command == "compare" else ["--out", "t.json"]
+    line = cli.error_line(cli([command, *given, "--task", "vit-cifar10", "--preset", "tiny", "--data-dir", cifar_dir,
+                               "--storage", "sqlite:///h.db", flag_of(name), BAD_RUN_VALUES[name]]))
+    assert line.startswith(f"error: {flag_of(name)} ")
+    assert list(tmp_path.iterdir()) == []
