@@ -215,10 +215,6 @@ class SearchSettings:
             if isinstance(value := getattr(self, name), list):
                 object.__setattr__(self, name, tuple(value))
 
-    def part(self, part: str) -> dict[str, Any]:
-        """The fields of one part (e.g. `PRUNING`) and their values."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if option_of(f.name).part == part}
-
 
 def option_of(name: str) -> Option:
     """The `Option` of the setting `name`."""
