@@ -314,6 +314,25 @@ def outage_run(processes, tmp_path: Path, url: str, trials: int, patience: float
     return processes.start(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
 
 
+def pause_holding_no_lock(proc: subprocess.Popen, database: Path, tries: int = 100) -> None:
+    """SIGSTOP `proc` at a moment it holds no lock on the SQLite `database`. Stopped inside a read or a write (its
+    heartbeat's, its display's), it would lock the database for every other client until it resumes: a fault of
+    its own (the storage unreachable), not a worker that only looks dead."""
+    import sqlite3
+
+    for _ in range(tries):
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            with contextlib.closing(sqlite3.connect(database, timeout=0.2, isolation_level=None)) as conn:
+                conn.execute("BEGIN EXCLUSIVE")  # refused while any other connection holds a lock
+                conn.execute("ROLLBACK")
+            return
+        except sqlite3.OperationalError:
+            os.kill(proc.pid, signal.SIGCONT)
+            time.sleep(0.05)
+    raise AssertionError(f"the worker held {database} at each of {tries} pauses")
+
+
 def mid_trial(url: str) -> bool:
     """A trial of study "s" is running and has recorded an epoch (the storage is read as another client)."""
     try:
@@ -434,7 +453,7 @@ def test_a_worker_paused_mid_trial_past_its_heartbeats_drops_its_result_and_goes
     url = f"sqlite:///{tmp_path / 'h.db'}"
     proc = outage_run(processes, tmp_path, url, trials=2, patience=60)
     wait_for(lambda: mid_trial(url) or proc.poll() is not None, "a trial mid-run", 120)
-    os.kill(proc.pid, signal.SIGSTOP)
+    pause_holding_no_lock(proc, tmp_path / "h.db")
     paused = next(t.number for t in load(url, "s").get_trials(deepcopy=False) if t.state == TrialState.RUNNING)
     # Past 3 heartbeats of 1 s by the database's clock, which SQLite keeps in whole seconds: a heartbeat
     # stamped 12:00:00.9 reads 12:00:00, so a fixed sleep of 3.5 s was sometimes judged 3 s old, not stale,
