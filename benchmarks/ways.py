@@ -33,7 +33,7 @@ def main() -> None:
     preset = args.preset or ("tiny" if args.quick else None)
     data = {"data_dir": str(DATA / "cifar10")} if args.task == "vit-cifar10" else {"data_file": str(DATA / "spa-eng" / "spa.txt")}
     search = Search(SearchSettings(task=args.task, space=args.space, preset=preset, device=device.type, **data))
-    m = bench(search, seconds=args.seconds or (3.0 if args.quick else None), save=not args.no_save,
+    m = bench(search.plan_inputs(), seconds=args.seconds or (3.0 if args.quick else None), save=not args.no_save,
               report=lambda r: print(f"  {r.way.describe()}: {r.samples_per_s:,.0f} samples/s" if r.verified
                                      else f"  {r.way.describe()}: not used ({r.reason})", flush=True))
     reference = next((r for r in m.results if r.way.k == 1 and r.verified and r.way.kind == "processes"

@@ -16,7 +16,7 @@ import pytest
 
 from headsearch.machine.bench import combine
 from headsearch.machine.measured import COHORT, PROCESSES, Measurement, Way, WayResult, load_measurement
-from headsearch.machine.plan import GpuInfo, plan_search
+from headsearch.machine.plan import GpuInfo, Plan, plan_search
 from headsearch.search.runner import Search, SearchSettings
 
 H100 = GpuInfo("NVIDIA H100 80GB HBM3", 132, 80 * 2**30)
@@ -24,6 +24,11 @@ H100 = GpuInfo("NVIDIA H100 80GB HBM3", 132, 80 * 2**30)
 
 def vit_search(**settings) -> Search:
     return Search(SearchSettings(task="vit-cifar10", device="auto", **settings))
+
+
+def plan_of(search: Search, **machine) -> Plan:
+    """`search`'s plan on the machine `machine` describes (`plan_search`'s visible, gpu, cpu_cores, measurement)."""
+    return plan_search(search.plan_inputs(), **machine)
 
 
 def measured(*results: WayResult, date: str = "2026-11-25") -> Measurement:
@@ -39,7 +44,7 @@ BROKEN_FAST = WayResult(Way(PROCESSES, 8, "graphs", mps=True), False, "CaptureMi
 def test_the_plan_runs_the_fastest_verified_way_and_says_it_was_measured():
     m = measured(GRAPHS_K8, GRAPHS_K4_MPS, COHORT_8, BROKEN_FAST)
     assert m.choice() is GRAPHS_K4_MPS  # the unverified way is never chosen, however fast
-    plan = plan_search(vit_search(), visible=["0"], gpu=H100, cpu_cores=16, measurement=m)
+    plan = plan_of(vit_search(), visible=["0"], gpu=H100, cpu_cores=16, measurement=m)
     assert plan.devices == ("0",) * 4 and plan.per_gpu == 4 and plan.mps and plan.cohort == 1
     assert plan.compile == "reduce-overhead"
     assert plan.describe() == ("4 trials per GPU on 1 GPU (4 processes, reduce-overhead + MPS: 160,000 samples/s);"
@@ -49,38 +54,38 @@ def test_the_plan_runs_the_fastest_verified_way_and_says_it_was_measured():
 
 def test_a_cohort_is_planned_only_where_it_was_measured_fastest():
     faster = WayResult(Way(COHORT, 8, "off"), True, None, 200_000.0, 25_000.0, 3.0)
-    plan = plan_search(vit_search(), visible=["0"], gpu=H100, cpu_cores=16, measurement=measured(GRAPHS_K4_MPS, faster))
+    plan = plan_of(vit_search(), visible=["0"], gpu=H100, cpu_cores=16, measurement=measured(GRAPHS_K4_MPS, faster))
     assert (plan.devices, plan.cohort, plan.mps) == (("0",), 8, False)
     assert plan.describe().endswith("steps: stacked, eager (measured by headsearch bench on 2026-11-25)")
     # --cohort 1: the fastest way that is not a cohort.
-    no_cohort = plan_search(vit_search(cohort=1), visible=["0"], gpu=H100, cpu_cores=16, measurement=measured(GRAPHS_K4_MPS, faster))
+    no_cohort = plan_of(vit_search(cohort=1), visible=["0"], gpu=H100, cpu_cores=16, measurement=measured(GRAPHS_K4_MPS, faster))
     assert no_cohort.cohort == 1 and no_cohort.per_gpu == 4
     # A task that does not stack never gets one (the measurement would not have one either).
     translation = Search(SearchSettings(task="translation-en-es", device="auto"))
-    assert plan_search(translation, visible=["0"], gpu=H100, cpu_cores=16, measurement=measured(faster, GRAPHS_K8)).cohort == 1
+    assert plan_of(translation, visible=["0"], gpu=H100, cpu_cores=16, measurement=measured(faster, GRAPHS_K8)).cohort == 1
 
 
 def test_flags_and_the_budget_win_over_the_measurement():
     m = measured(GRAPHS_K4_MPS)
-    assert plan_search(vit_search(trials_per_gpu=2), visible=["0"], gpu=H100, cpu_cores=16, measurement=m).per_gpu == 2
-    assert plan_search(vit_search(trials=3), visible=["0"], gpu=H100, cpu_cores=16, measurement=m).devices == ("0",) * 3
+    assert plan_of(vit_search(trials_per_gpu=2), visible=["0"], gpu=H100, cpu_cores=16, measurement=m).per_gpu == 2
+    assert plan_of(vit_search(trials=3), visible=["0"], gpu=H100, cpu_cores=16, measurement=m).devices == ("0",) * 3
     # --compile keeps its mode: the measurement chooses the count, not the user's step mode.
-    eager = plan_search(vit_search(compile="off"), visible=["0"], gpu=H100, cpu_cores=16, measurement=m)
+    eager = plan_of(vit_search(compile="off"), visible=["0"], gpu=H100, cpu_cores=16, measurement=m)
     assert eager.compile is None and eager.step_mode == "off: eager"
 
 
 def test_a_search_runs_its_trials_in_the_step_mode_the_measurement_chose():
     search = vit_search()
     eager_wins = WayResult(Way(PROCESSES, 4, "off"), True, None, 90_000.0, 22_500.0, 0.0)
-    search.use_plan(plan_search(search, visible=["0"], gpu=H100, cpu_cores=16, measurement=measured(eager_wins)))
+    search.use_plan(plan_of(search, visible=["0"], gpu=H100, cpu_cores=16, measurement=measured(eager_wins)))
     assert search.base.train.compile == "off"
     told = vit_search(compile="graphs")
-    told.use_plan(plan_search(told, visible=["0"], gpu=H100, cpu_cores=16, measurement=measured(eager_wins)))
+    told.use_plan(plan_of(told, visible=["0"], gpu=H100, cpu_cores=16, measurement=measured(eager_wins)))
     assert told.base.train.compile == "graphs"
 
 
 def test_a_measurement_with_nothing_verified_leaves_the_rule():
-    plan = plan_search(vit_search(), visible=["0"], gpu=H100, cpu_cores=16, measurement=measured(BROKEN_FAST))
+    plan = plan_of(vit_search(), visible=["0"], gpu=H100, cpu_cores=16, measurement=measured(BROKEN_FAST))
     assert plan.basis == "rule: headsearch bench measures this machine" and plan.per_gpu == 8
 
 
@@ -211,17 +216,17 @@ def test_a_bench_stopped_part_way_keeps_the_ways_it_measured(small_search, tmp_p
 
     monkeypatch.setattr(bench, "run_way", one_way)
     with pytest.raises(KeyboardInterrupt):
-        bench.bench(small_search, seconds=0.1, cohorts=False)
+        bench.bench(small_search.plan_inputs(), seconds=0.1, cohorts=False)
     import torch
 
     saved = load_measurement(bench_key(key_inputs(cpu_name(), torch.__version__, small_search.base)))
     assert [r.way for r in saved.results] == asked[:1] and saved.results[0].samples_per_s == 1000.0
     asked.clear()
     monkeypatch.setattr(bench, "run_way", lambda jobs: asked.append(jobs[0].way) or WayResult(jobs[0].way, False, "x"))
-    bench.bench(small_search, seconds=0.1, cohorts=False, save=False)
+    bench.bench(small_search.plan_inputs(), seconds=0.1, cohorts=False, save=False)
     assert asked and all(w.kind == PROCESSES for w in asked)
     with pytest.raises(ValueError, match="unknown step modes"):
-        bench.bench(small_search, modes=["fast"], save=False)
+        bench.bench(small_search.plan_inputs(), modes=["fast"], save=False)
 
 
 def test_the_ks_a_gpu_bench_tries_fit_in_its_memory():

@@ -22,6 +22,11 @@ def vit_search(**settings) -> Search:
     return Search(SearchSettings(task="vit-cifar10", device="auto", **settings))
 
 
+def plan_of(search: Search, **machine) -> Plan:
+    """`search`'s plan on the machine `machine` describes (`plan_search`'s visible, gpu, cpu_cores, measurement)."""
+    return plan_search(search.plan_inputs(), **machine)
+
+
 def test_the_rule_fills_an_h100_with_eight_seed_vits():
     # 8 x 13.76 GFLOP over 132 multiprocessors: the calibration point (issue 12's measurements).
     assert FILL_FLOPS_PER_SM * 132 == pytest.approx(8 * 13.76e9)
@@ -56,50 +61,50 @@ def test_on_a_gpu_machine_without_a_measurement_the_rule_runs_processes_with_gra
     """Without `headsearch bench` on this machine the plan is the way measured fastest on a GPU so far: K
     processes with CUDA graphs and MPS. Cohorts, never measured on a GPU, are not the default even where the
     task stacks (the ViT), and the line says that the count comes from the rule."""
-    plan = plan_search(vit_search(), visible=["0"], gpu=H100, cpu_cores=16, measurement=None)
+    plan = plan_of(vit_search(), visible=["0"], gpu=H100, cpu_cores=16, measurement=None)
     assert plan.devices == ("0",) * 8 and plan.per_gpu == 8 and plan.mps and plan.cohort == 1
     assert plan.step_mode == "reduce-overhead: compiled blocks (default), whole step in a CUDA graph"
     started = MpsStatus("started", "started by headsearch")
     assert plan.describe(started) == ("8 trials per GPU on 1 GPU (auto: a step is 13.8 GFLOP, 8 fill a NVIDIA H100 80GB HBM3);"
                                       " steps: reduce-overhead: compiled blocks (default), whole step in a CUDA graph; "
                                       + started.describe() + " (rule: headsearch bench measures this machine)")
-    two = plan_search(vit_search(), visible=["2", "3"], gpu=H100, cpu_cores=16, measurement=None)
+    two = plan_of(vit_search(), visible=["2", "3"], gpu=H100, cpu_cores=16, measurement=None)
     assert two.devices == ("2", "3") * 8 and two.per_gpu == 8 and two.cohort == 1
-    assert plan_search(vit_search(cohort=1), visible=["0"], gpu=H100, cpu_cores=16, measurement=None) == plan
+    assert plan_of(vit_search(cohort=1), visible=["0"], gpu=H100, cpu_cores=16, measurement=None) == plan
     # Processes: one host thread drives each, so the cores cap them.
-    assert plan_search(vit_search(), visible=["0"], gpu=H100, cpu_cores=2, measurement=None).per_gpu == 2
+    assert plan_of(vit_search(), visible=["0"], gpu=H100, cpu_cores=2, measurement=None).per_gpu == 2
 
 
 def test_an_explicit_cohort_anywhere_and_where_it_cannot_be():
-    cpu = plan_search(vit_search(cohort=4), visible=[])
+    cpu = plan_of(vit_search(cohort=4), visible=[])
     assert (cpu.devices, cpu.cohort, cpu.why) == ((None,), 4, "--cohort")
     assert cpu.describe() == "cohorts of 4 trials (one stacked model) in 1 worker on the CPU (--cohort); steps: stacked, eager"
-    gpu = plan_search(vit_search(cohort=4, trials_per_gpu=2), visible=["0"], gpu=H100, cpu_cores=16)
+    gpu = plan_of(vit_search(cohort=4, trials_per_gpu=2), visible=["0"], gpu=H100, cpu_cores=16)
     assert (gpu.devices, gpu.cohort, gpu.per_gpu, gpu.mps) == (("0", "0"), 4, 8, True)
     with pytest.raises(ConfigError, match="--cohort 4: task translation-en-es trains its trials one at a time"):
-        plan_search(Search(SearchSettings(task="translation-en-es", cohort=4)), visible=[])
+        plan_of(Search(SearchSettings(task="translation-en-es", cohort=4)), visible=[])
     with pytest.raises(ConfigError, match="--cohort 0"):
         Search(SearchSettings(task="vit-cifar10", cohort=0))
 
 
 def test_flags_override_the_rule_on_a_gpu_machine():
-    k3 = plan_search(vit_search(trials_per_gpu=3), visible=["0", "1"], gpu=H100, cpu_cores=16)
+    k3 = plan_of(vit_search(trials_per_gpu=3), visible=["0", "1"], gpu=H100, cpu_cores=16)
     assert (k3.devices, k3.per_gpu, k3.why, k3.mps) == (("0", "1", "0", "1", "0", "1"), 3, "--trials-per-gpu", True)
-    one = plan_search(vit_search(trials_per_gpu=1), visible=["0"], gpu=H100, cpu_cores=16)
+    one = plan_of(vit_search(trials_per_gpu=1), visible=["0"], gpu=H100, cpu_cores=16)
     assert one.devices == ("0",) and not one.mps  # one process a GPU: no MPS
-    w = plan_search(vit_search(workers=3), visible=["0", "1"], gpu=H100, cpu_cores=16)
+    w = plan_of(vit_search(workers=3), visible=["0", "1"], gpu=H100, cpu_cores=16)
     assert (w.devices, w.per_gpu, w.why) == (("0", "1", "0"), 2, "--workers")
-    eager = plan_search(vit_search(compile="off"), visible=["0"], gpu=H100, cpu_cores=16)
+    eager = plan_of(vit_search(compile="off"), visible=["0"], gpu=H100, cpu_cores=16)
     assert eager.step_mode == "off: eager"
 
 
 def test_the_cpu_plan_is_unchanged():
-    assert plan_search(vit_search(), visible=[], measurement=None) == Plan((None,), None, "default: one worker", "off: eager",
+    assert plan_of(vit_search(), visible=[], measurement=None) == Plan((None,), None, "default: one worker", "off: eager",
                                                                           mps=False, basis="rule: headsearch bench measures this machine")
     for settings, n, why in (({"workers": 3}, 3, "--workers"), ({"trials_per_gpu": 2}, 2, "--trials-per-gpu")):
-        plan = plan_search(vit_search(**settings), visible=[])
+        plan = plan_of(vit_search(**settings), visible=[])
         assert plan == Plan((None,) * n, None, why, "off: eager", mps=False, cohort=1)
-    assert plan_search(vit_search(workers=3), visible=[]).describe() == "3 workers on the CPU (--workers); steps: off: eager"
+    assert plan_of(vit_search(workers=3), visible=[]).describe() == "3 workers on the CPU (--workers); steps: off: eager"
     # --device cpu ignores the GPUs there are.
     assert Search(SearchSettings(task="vit-cifar10", device="cpu")).machine_plan().devices == (None,)
 
@@ -147,7 +152,7 @@ def test_translation_counts_an_average_step_on_its_data_not_max_len(tmp_path, sp
     bound = task.footprint(cfg)
     assert average.step_flops < bound.step_flops / 2 and average.training_bytes == bound.training_bytes
     gpu = GpuInfo("a 4-SM GPU", 4, 80 * 2**30)
-    plan = plan_search(search, visible=["0"], gpu=gpu, cpu_cores=16, measurement=None)
+    plan = plan_of(search, visible=["0"], gpu=gpu, cpu_cores=16, measurement=None)
     assert plan.per_gpu == trials_per_gpu_for(average.step_flops, average.training_bytes, gpu, 16, 50)[0]
     assert plan.per_gpu > trials_per_gpu_for(bound.step_flops, bound.training_bytes, gpu, 16, 50)[0]
 
@@ -176,7 +181,7 @@ def test_translation_counts_the_graph_pool_of_each_captured_shape(tmp_path, spa_
     # A GPU whose memory holds 8 processes by one batch each, but fewer by their graph pools.
     memory = int(8.5 * fp.training_bytes / MEMORY_FRACTION)
     gpu = GpuInfo("a small GPU", 1000, memory)
-    plan = plan_search(search, visible=["0"], gpu=gpu, cpu_cores=16, measurement=None)
+    plan = plan_of(search, visible=["0"], gpu=gpu, cpu_cores=16, measurement=None)
     assert plan.per_gpu == int(MEMORY_FRACTION * memory // fp.captured_training_bytes) < 8
     monkeypatch.setenv("HEADSEARCH_SHARED_GRAPH_POOL", "1")
-    assert plan_search(search, visible=["0"], gpu=gpu, cpu_cores=16, measurement=None).per_gpu == 8
+    assert plan_of(search, visible=["0"], gpu=gpu, cpu_cores=16, measurement=None).per_gpu == 8

@@ -219,7 +219,7 @@ def bench(task: str, *, space: str = "deep-head", preset: str | None = None, dat
     if announce is not None:
         announce(f"bench: {task}, base architecture of space {search.space.name}"
                  + (f", preset {preset}" if preset else "") + "; each way verified, then timed")
-    measured = measure(search, seconds=seconds, ks=ks, modes=modes, cohorts=cohorts, report=report)
+    measured = measure(search.plan_inputs(), seconds=seconds, ks=ks, modes=modes, cohorts=cohorts, report=report)
     return measured, search.machine_plan()  # planned now: from the measurement just saved
 
 

@@ -41,7 +41,9 @@ from typing import Any, Callable, Sequence
 from headsearch.machine.measured import (
     COHORT, PROCESSES, Measurement, Way, WayResult, bench_key, cpu_name, key_inputs, save_measurement,
 )
-from headsearch.machine.plan import MAX_PER_GPU, MEMORY_FRACTION, GpuInfo, trial_bytes, visible_gpus, worker_seat
+from headsearch.machine.plan import (
+    MAX_PER_GPU, MEMORY_FRACTION, GpuInfo, PlanInputs, trial_bytes, visible_gpus, worker_seat,
+)
 
 GPU_MODES = ("off", "graphs", "reduce-overhead")
 GPU_KS = (2, 4, 8)
@@ -87,13 +89,12 @@ def gpu_ks(training_bytes: int, gpu: GpuInfo) -> list[int]:
     return [k for k in GPU_KS if k <= min(by_memory, MAX_PER_GPU)] or [1]
 
 
-def bench(search: Any, *, seconds: float | None = None, ks: Sequence[int] | None = None,
+def bench(inputs: PlanInputs, *, seconds: float | None = None, ks: Sequence[int] | None = None,
           modes: Sequence[str] | None = None, cohorts: bool = True,
           report: Callable[[WayResult], None] | None = None, save: bool = True) -> Measurement:
-    """Measure the ways `search` (a `headsearch.search.runner.Search`: its task, base config, data and device)
-    can run its trials on this machine; save the measurement in headsearch's cache unless `save` is False,
-    after each way, so that a bench stopped part-way keeps what it measured. `report(result)` hears each way
-    as it is measured.
+    """Measure the ways the search `inputs` describe (its task, base config, data and device) can run its trials
+    on this machine; save the measurement in headsearch's cache unless `save` is False, after each way, so that
+    a bench stopped part-way keeps what it measured. `report(result)` hears each way as it is measured.
 
     Narrowing (a GPU's full bench is twelve ways of K processes that each compile, capture and verify:
     8-15 minutes): `ks`, the K tried (default: GPU_KS within memory, CPU_COHORTS on a CPU); `modes`, the step
@@ -105,32 +106,32 @@ def bench(search: Any, *, seconds: float | None = None, ks: Sequence[int] | None
     from headsearch.training.fastpath import resolve_mode
 
     started = time.perf_counter()
-    visible = [] if search.settings.device == "cpu" else visible_gpus()
+    visible = [] if inputs.settings.device == "cpu" else visible_gpus()
     on_gpu = bool(visible)
     seconds = seconds or default_seconds(on_gpu)
     cores = os.cpu_count() or 1
     gpu = GpuInfo.of(0) if on_gpu else None
     if ks is None and on_gpu:
-        mode = resolve_mode(search.base.train, search.task, torch.device("cuda"))
-        ks = gpu_ks(trial_bytes(search.step_footprint(), mode), gpu)
+        mode = resolve_mode(inputs.base.train, inputs.task, torch.device("cuda"))
+        ks = gpu_ks(trial_bytes(inputs.step_footprint(), mode), gpu)
     ks = CPU_COHORTS if ks is None else ks
     modes = tuple(modes or GPU_MODES)
     unknown = [m for m in modes if m not in GPU_MODES]
     if unknown:
         raise ValueError(f"unknown step modes {unknown}: use {', '.join(GPU_MODES)}")
     has_mps = on_gpu and mps_available()
-    stacks = cohorts and search.stacks()
+    stacks = cohorts and inputs.stacks
     results: list[WayResult] = []
     device = gpu.name if on_gpu else cpu_name()
-    inputs = key_inputs(device, torch.__version__, search.base)
+    what = key_inputs(device, torch.__version__, inputs.base)
 
     def measurement() -> Measurement:
-        return Measurement(bench_key(inputs), datetime.date.today().isoformat(), device, torch.__version__,
-                           search.task.name, tuple(results), round(time.perf_counter() - started, 1), inputs)
+        return Measurement(bench_key(what), datetime.date.today().isoformat(), device, torch.__version__,
+                           inputs.task.name, tuple(results), round(time.perf_counter() - started, 1), what)
 
     def measure(way: Way) -> WayResult:
-        cfg = with_compile(search.task, search.base, way.step_mode)
-        jobs = [Job(search.task.name, cfg, search.source, way, visible[0] if on_gpu else None, seconds)] * (
+        cfg = with_compile(inputs.task, inputs.base, way.step_mode)
+        jobs = [Job(inputs.task.name, cfg, inputs.source, way, visible[0] if on_gpu else None, seconds)] * (
             1 if way.kind == COHORT else way.k)
         with managed_mps(way.mps) as mps:
             if way.mps and not mps.active:

@@ -37,7 +37,7 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from headsearch.errors import ConfigError
 from headsearch.machine.fairtime import Seat
@@ -104,6 +104,21 @@ class GpuInfo:
 
 
 @dataclass(frozen=True)
+class PlanInputs:
+    """What the plan (and `headsearch bench`) read of a search, built by the search (`Search.plan_inputs`): its
+    settings (device, workers, trials_per_gpu, cohort, compile, trials), task, base config, whether that base can
+    stack its trials into cohorts, its data source, and `step_footprint()`, the base config's training footprint
+    (headsearch.models.size), computed only when asked: it may load the data."""
+
+    settings: Any  # the SearchSettings
+    task: Any
+    base: Any  # the RunConfig every trial starts from
+    stacks: bool
+    source: Any  # the DataSource
+    step_footprint: Callable[[], Any]
+
+
+@dataclass(frozen=True)
 class Plan:
     """The worker processes of a search on this machine and how their trials run."""
 
@@ -156,13 +171,13 @@ def trials_per_gpu_for(step_flops: int | None, training_bytes: int, gpu: GpuInfo
     return k, why
 
 
-def machine_measurement(search: Any, visible: Sequence[str], gpu: "GpuInfo | None" = None) -> Measurement | None:
-    """The saved `headsearch bench` measurement for this search's base config on this machine (its first
+def machine_measurement(base: Any, visible: Sequence[str], gpu: "GpuInfo | None" = None) -> Measurement | None:
+    """The saved `headsearch bench` measurement for the search's base config `base` on this machine (its first
     visible GPU, or its CPU), if any."""
     import torch
 
     device = (gpu or GpuInfo.of(0)).name if visible else cpu_name()
-    return load_measurement(bench_key(key_inputs(device, torch.__version__, search.base)))
+    return load_measurement(bench_key(key_inputs(device, torch.__version__, base)))
 
 
 def share_cores(n_processes: int) -> int:
@@ -204,26 +219,26 @@ def trial_bytes(footprint: Any, mode: Any) -> int:
     return footprint.captured_training_bytes if graphs else footprint.training_bytes
 
 
-def plan_search(search: Any, visible: list[str] | None = None, gpu: GpuInfo | None = None,
+def plan_search(inputs: PlanInputs, visible: list[str] | None = None, gpu: GpuInfo | None = None,
                 cpu_cores: int | None = None, measurement: Measurement | None | bool = True) -> Plan:
-    """The plan of `search` (a `headsearch.search.runner.Search`) on this machine: the user's flags, else
+    """The plan of the search `inputs` describe on this machine: the user's flags, else
     the saved measurement of this machine (`measurement`: True reads it from the cache; tests pass one,
     or None for none), else the rule. `visible`, `gpu` and `cpu_cores` default to what the machine has."""
     import torch
 
     from headsearch.training.fastpath import resolve_mode
 
-    s = search.settings
+    s = inputs.settings
     if visible is None:
         visible = [] if s.device == "cpu" else visible_gpus()
     device = torch.device("cuda" if visible else "cpu")
-    mode = resolve_mode(search.base.train, search.task, device)  # once: the plan line's, the memory rule's
+    mode = resolve_mode(inputs.base.train, inputs.task, device)  # once: the plan line's, the memory rule's
     step_mode = mode.describe()
     flag = "--workers" if s.workers else "--trials-per-gpu" if s.trials_per_gpu else None
-    stacks = search.stacks()
+    stacks = inputs.stacks
     if s.cohort is not None and s.cohort > 1 and not stacks:
-        why = (search.task.stack_refusal(search.base) if search.task.stack_refusal else
-               f"task {search.task.name} trains its trials one at a time")
+        why = (inputs.task.stack_refusal(inputs.base) if inputs.task.stack_refusal else
+               f"task {inputs.task.name} trains its trials one at a time")
         raise ConfigError(f"--cohort {s.cohort}: {why}; leave --cohort out (or give 1)")
     if s.cohort is not None and s.cohort > 1:  # asked for: this many together in each worker (one per GPU by default)
         devices = worker_devices(process_count(s, len(visible)) if flag else max(1, len(visible)), visible)
@@ -234,14 +249,14 @@ def plan_search(search: Any, visible: list[str] | None = None, gpu: GpuInfo | No
         return Plan(tuple(devices), math.ceil(len(devices) / len(visible)) if visible else None, flag, step_mode,
                     mps=shares_a_gpu(devices))
     if measurement is True:
-        measurement = machine_measurement(search, visible, gpu)
+        measurement = machine_measurement(inputs.base, visible, gpu)
     choice = measurement.choice(cohorts=stacks and s.cohort is None) if measurement else None
     if choice is not None:
-        return measured_plan(search, measurement, choice, visible, device, mode)
+        return measured_plan(inputs, measurement, choice, visible, device, mode)
     if not visible:
         return Plan((None,), None, "default: one worker", step_mode, mps=False, basis=RULE)
     # The rule: K processes per GPU with the fast path (CUDA graphs) and MPS: what was measured fastest on a GPU.
-    footprint = search.step_footprint()
+    footprint = inputs.step_footprint()
     per_gpu, why = trials_per_gpu_for(footprint.step_flops if footprint else None, trial_bytes(footprint, mode),
                                       gpu or GpuInfo.of(0), cpu_cores or os.cpu_count() or 1,
                                       math.ceil(s.trials / len(visible)))
@@ -249,7 +264,7 @@ def plan_search(search: Any, visible: list[str] | None = None, gpu: GpuInfo | No
     return Plan(tuple(devices), per_gpu, why, step_mode, mps=shares_a_gpu(devices), basis=RULE)
 
 
-def measured_plan(search: Any, m: Measurement, choice: WayResult, visible: Sequence[str], device: Any,
+def measured_plan(inputs: PlanInputs, m: Measurement, choice: WayResult, visible: Sequence[str], device: Any,
                   mode: Any) -> Plan:
     """The plan that runs `choice`, the fastest way `headsearch bench` verified here, capped by the budget.
     `mode`: the base config's step mode on `device`, resolved again only when the way's compile replaces it."""
@@ -262,10 +277,10 @@ def measured_plan(search: Any, m: Measurement, choice: WayResult, visible: Seque
         devices = tuple(visible) if visible else (None,)
         return Plan(devices, way.k if visible else None, why, "stacked, eager", mps=False, cohort=way.k, basis=basis,
                     threads=way.threads)
-    per_device = max(1, min(way.k, math.ceil(search.settings.trials / max(1, len(visible)))))
-    compile_mode = way.step_mode if search.settings.compile is None else None
+    per_device = max(1, min(way.k, math.ceil(inputs.settings.trials / max(1, len(visible)))))
+    compile_mode = way.step_mode if inputs.settings.compile is None else None
     if compile_mode is not None:
-        mode = resolve_mode(dataclasses.replace(search.base.train, compile=compile_mode), search.task, device)
+        mode = resolve_mode(dataclasses.replace(inputs.base.train, compile=compile_mode), inputs.task, device)
     devices = worker_devices(per_device * max(1, len(visible)), visible)  # without GPUs: per_device on the CPU
     return Plan(tuple(devices), per_device if visible else None, why, mode.describe(),
                 mps=way.mps and shares_a_gpu(devices), basis=basis, compile=compile_mode,

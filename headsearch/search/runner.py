@@ -24,7 +24,7 @@ from typing import Any, Sequence
 from headsearch.config import RunConfig
 from headsearch.errors import ConfigError
 from headsearch.machine.fairtime import Seat
-from headsearch.machine.plan import Plan, plan_search
+from headsearch.machine.plan import Plan, PlanInputs, plan_search
 from headsearch.search.architectures import SpaceArchitectures
 from headsearch.search.backends import DataCache, machine_backend
 from headsearch.search.cost_sampler import COST_AWARE, candidates, cost_aware_sampler
@@ -216,8 +216,12 @@ class Search:
     def machine_plan(self) -> Plan:
         """How this machine runs the search (workers, trials per GPU, step mode, MPS): headsearch.machine.plan."""
         if self._plan is None:
-            self.use_plan(plan_search(self))
+            self.use_plan(plan_search(self.plan_inputs()))
         return self._plan
+
+    def plan_inputs(self) -> PlanInputs:
+        """What the plan and `headsearch bench` read of this search (headsearch.machine.plan.PlanInputs)."""
+        return PlanInputs(self.settings, self.task, self.base, self.stacks(), self.source, self.step_footprint)
 
     def use_plan(self, plan: Plan) -> None:
         """Run as `plan` says; a step mode it chose (a measurement's) becomes the trials' `train.compile`
