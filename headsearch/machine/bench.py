@@ -66,20 +66,12 @@ class Job:
     seconds: float
 
 
-def default_seconds(on_gpu: bool) -> float:
-    return 10.0 if on_gpu else 6.0
-
-
 def cpu_ways(cores: int, cohort_ks: Sequence[int]) -> list[Way]:
     """A CPU's ways: W workers x cores / W threads (W = 1, 2, 4, ... up to the cores), and cohorts of each of
     `cohort_ks` in one worker with every thread (none where the task does not stack)."""
     workers = [w for w in (2 ** i for i in range(8)) if w <= max(1, cores)]
     ways = [Way(PROCESSES, w, "off", threads=max(1, cores // w)) for w in workers]
     return ways + [Way(COHORT, k, "off", threads=max(1, cores)) for k in cohort_ks]
-
-
-def process_ways(mode: str, ks: Sequence[int], mps: bool) -> list[Way]:
-    return [Way(PROCESSES, k, mode, mps=m) for k in ks for m in ((False, True) if mps else (False,))]
 
 
 def gpu_ks(training_bytes: int, gpu: GpuInfo) -> list[int]:
@@ -108,7 +100,7 @@ def bench(inputs: PlanInputs, *, seconds: float | None = None, ks: Sequence[int]
     started = time.perf_counter()
     visible = [] if inputs.settings.device == "cpu" else visible_gpus()
     on_gpu = bool(visible)
-    seconds = seconds or default_seconds(on_gpu)
+    seconds = seconds or (10.0 if on_gpu else 6.0)
     cores = os.cpu_count() or 1
     gpu = GpuInfo.of(0) if on_gpu else None
     if ks is None and on_gpu:
@@ -152,8 +144,9 @@ def bench(inputs: PlanInputs, *, seconds: float | None = None, ks: Sequence[int]
         # One process in each step mode first: K processes then run the fastest mode verified.
         alone = [r for r in map(measure, (Way(PROCESSES, 1, mode) for mode in modes)) if r.verified]
         best = max(alone, key=lambda r: r.samples_per_s).way.step_mode if alone else "off"
-        for way in process_ways(best, [k for k in ks if 1 < k <= cores], has_mps):
-            measure(way)
+        for k in (k for k in ks if 1 < k <= cores):
+            for mps in (False, True) if has_mps else (False,):
+                measure(Way(PROCESSES, k, best, mps=mps))
         for k in ks if stacks else ():
             measure(Way(COHORT, k, "off"))
     m = measurement()
@@ -227,10 +220,6 @@ def _job_main(job: Job, barrier, queue) -> None:
     queue.put(figures)
 
 
-def _endless(bound) -> Any:
-    return itertools.chain.from_iterable(bound.train_batches(epoch) for epoch in itertools.count(1))
-
-
 def measure_process(job: Job, barrier, device) -> dict:
     """One trial's steps in the job's step mode on `device`: warmed up (compiled, captured and verified), then timed."""
     from headsearch.tasks import get_task
@@ -245,9 +234,9 @@ def measure_process(job: Job, barrier, device) -> dict:
     if steps.mode.name != job.way.step_mode:  # it fell back: the mode asked for failed or mismatched
         barrier.abort()
         return {"mismatch": note or f"ran as {steps.mode.name}"}
-    batches = _endless(bound)
-    samples, start, end = _timed(lambda: steps.step(next(batches)), device, job.seconds, barrier)
-    return {"samples": samples, "trials": 1, "start": start, "end": end, "compile_seconds": compile_seconds}
+    batches = itertools.chain.from_iterable(bound.train_batches(epoch) for epoch in itertools.count(1))  # endless
+    figures = _timed(lambda: steps.step(next(batches)), device, job.seconds, barrier)
+    return {**figures, "trials": 1, "compile_seconds": compile_seconds}
 
 
 def measure_cohort(job: Job, barrier, device) -> dict:
@@ -255,6 +244,7 @@ def measure_cohort(job: Job, barrier, device) -> dict:
     from headsearch.models.cohort import soft_width
     from headsearch.tasks import get_task
     from headsearch.training.cohort import Cohort
+    from headsearch.training.runtime import steps_per_epoch
 
     task, cfg, k = get_task(job.task), job.cfg, job.way.k
     bound = task.setup(cfg, job.source, device)
@@ -273,21 +263,10 @@ def measure_cohort(job: Job, barrier, device) -> dict:
         return {"mismatch": f"a cohort slot's losses {_fmt(stacked)} differ from the same trial alone {_fmt(solo)}"}
     cohort.step_losses = None
     compile_seconds = time.perf_counter() - started
-    spe = min(steps_per_epoch_of(cohort), 8)
-
-    def chunk() -> int:
-        _, _, n = cohort.train_steps(spe)
-        return n * k
-
-    samples, start, end = _timed(chunk, device, job.seconds, barrier)
-    return {"samples": samples, "trials": k, "start": start, "end": end, "compile_seconds": round(compile_seconds, 2)}
-
-
-def steps_per_epoch_of(cohort: Any) -> int:
-    from headsearch.training.runtime import steps_per_epoch
-
     slot = cohort.slots[cohort.occupied[0]]
-    return steps_per_epoch(slot.bound, slot.cfg.train)
+    spe = min(steps_per_epoch(slot.bound, slot.cfg.train), 8)
+    figures = _timed(lambda: cohort.train_steps(spe)[2] * k, device, job.seconds, barrier)  # samples of all k slots
+    return {**figures, "trials": k, "compile_seconds": round(compile_seconds, 2)}
 
 
 def solo_losses(task: Any, cfg: Any, bound: Any, device: Any, n: int) -> list[float]:
@@ -313,9 +292,9 @@ def _fmt(values: Sequence[float]) -> str:
     return "[" + ", ".join(f"{v:.5g}" for v in values) + "]"
 
 
-def _timed(step: Callable[[], int], device: Any, seconds: float, barrier) -> tuple[int, float, float]:
-    """SETTLE_STEPS untimed calls, then (after every process of the way is ready) calls for `seconds`:
-    (samples, start, end) on the system-wide monotonic clock, the device synchronised at both ends."""
+def _timed(step: Callable[[], int], device: Any, seconds: float, barrier) -> dict:
+    """SETTLE_STEPS untimed calls, then (after every process of the way is ready) calls for `seconds`: the figures
+    samples, start and end, on the system-wide monotonic clock, the device synchronised at both ends."""
     from headsearch.training.steps import synchronize
 
     for _ in range(SETTLE_STEPS):
@@ -327,4 +306,4 @@ def _timed(step: Callable[[], int], device: Any, seconds: float, barrier) -> tup
     while time.monotonic() - start < seconds:
         samples += step()
     synchronize(device)
-    return samples, start, time.monotonic()
+    return {"samples": samples, "start": start, "end": time.monotonic()}

@@ -22,7 +22,7 @@ from functools import cached_property
 from typing import Any
 
 from headsearch.config import stable_key
-from headsearch.machine.measured import cpu_name
+from headsearch.machine.measured import cpu_name, key_inputs
 
 # Training fields that change how long an epoch takes (the learning rate and the like do not).
 SPEED_FIELDS = ("batch_size", "amp", "compile", "channels_last", "grad_clip", "optimizer", "max_steps_per_epoch")
@@ -44,12 +44,9 @@ def alone_key(cfg: Any, device: Any, threads: int | None = None, step_mode: str 
     that fell back to eager steps must not lend its time to runs whose compiled steps are faster."""
     import torch
 
-    train = cfg.train.to_dict()
-    speed = {k: train[k] for k in SPEED_FIELDS}
+    what = {**key_inputs(device_model(device), torch.__version__, cfg, SPEED_FIELDS), "threads": threads}
     if step_mode is not None:
-        speed["compile"] = step_mode
-    what = {"task": cfg.task, "arch": cfg.arch.to_dict(), "data": cfg.data.to_dict() if hasattr(cfg.data, "to_dict") else cfg.data,
-            "train": speed, "device": device_model(device), "threads": threads, "torch": torch.__version__}
+        what["train"]["compile"] = step_mode
     return hashlib.sha256(stable_key(what).encode()).hexdigest()[:20]
 
 

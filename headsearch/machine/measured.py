@@ -63,9 +63,6 @@ class WayResult:
     per_trial: float = 0.0
     compile_seconds: float = 0.0
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "WayResult":
         return cls(**{**d, "way": Way(**d["way"])})
@@ -91,11 +88,8 @@ class Measurement:
         return max(verified, key=lambda r: r.samples_per_s) if verified else None
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["results"] = [r.to_dict() for r in self.results]
         choice = self.choice()
-        d["choice"] = choice.to_dict() if choice else None
-        return d
+        return {**asdict(self), "choice": asdict(choice) if choice else None}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Measurement":
@@ -110,12 +104,13 @@ def cpu_name() -> str:
     return f"cpu {platform.machine()} x{os.cpu_count()}"
 
 
-def key_inputs(device: str, torch_version: str, cfg: Any) -> dict[str, Any]:
-    """What a measurement's speed depends on, for the run config `cfg` (the search's base config)."""
+def key_inputs(device: str, torch_version: str, cfg: Any, fields: tuple[str, ...] = STEP_COST_FIELDS) -> dict[str, Any]:
+    """What a measurement's speed depends on, for the run config `cfg` (the search's base config): the training
+    `fields` that change a step's cost (or, for the fair clock's `alone_key`, an epoch's)."""
     train = cfg.train.to_dict()
     return {"device": device, "torch": torch_version, "task": cfg.task, "arch": cfg.arch.to_dict(),
             "data": cfg.data.to_dict() if hasattr(cfg.data, "to_dict") else cfg.data,
-            "train": {k: train[k] for k in STEP_COST_FIELDS}}
+            "train": {k: train[k] for k in fields}}
 
 
 def bench_key(inputs: dict[str, Any]) -> str:

@@ -288,16 +288,12 @@ def _someone_elses_mps(kinds: dict[str, list[MpsProcess]]) -> MpsStatus | None:
     return None
 
 
-def _first_line(text: str | bytes | None) -> str:
+def _line(text: str | bytes | None, index: int = 0) -> str:
+    """Line `index` of what a process said (0: the first, -1: the last), "" when it said nothing."""
     if isinstance(text, bytes):
         text = text.decode(errors="replace")
     lines = (text or "").strip().splitlines()
-    return lines[0] if lines else ""
-
-
-def _last_line(text: bytes | None) -> str:
-    lines = (text or b"").decode(errors="replace").strip().splitlines()
-    return lines[-1] if lines else ""
+    return lines[index] if lines else ""
 
 
 def _daemon_env(values: dict[str, str]) -> dict[str, str]:
@@ -321,7 +317,7 @@ def _start_daemon(binary: str, env: dict[str, str], timeout: float) -> str | Non
     except OSError as e:
         return f"{CONTROL_BINARY} -d could not run ({e.strerror or e})"
     if done.returncode != 0:
-        said = _first_line(done.stderr) or _first_line(done.stdout)
+        said = _line(done.stderr) or _line(done.stdout)
         return f"{CONTROL_BINARY} -d exited with code {done.returncode}" + (f": {said}" if said else "")
     return None
 
@@ -386,7 +382,7 @@ def cuda_client_probe(env: dict[str, str], timeout: float = PROBE_TIMEOUT) -> st
     if done.returncode == 0:
         return None
     # The script prints the error on stdout; stderr's last line is what a crash (or torch's import) left.
-    said = _first_line(done.stdout) or _last_line(done.stderr)
+    said = _line(done.stdout) or _line(done.stderr, -1)
     return f"a CUDA client failed under the daemon (exit code {done.returncode})" + (f": {said}" if said else "")
 
 
@@ -397,7 +393,7 @@ def _probe_failure(probe: Callable[[dict[str, str]], str | None], env: dict[str,
         said = probe(env)
     except Exception as e:  # any error of a probe handed in: the search still runs, without MPS
         return f"the client probe raised {type(e).__name__}: {e}"
-    return None if said is None else (_first_line(said) or "a CUDA client did not get through the daemon")
+    return None if said is None else (_line(said) or "a CUDA client did not get through the daemon")
 
 
 @contextlib.contextmanager

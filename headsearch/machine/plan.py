@@ -34,6 +34,7 @@ i mod #GPUs, named as CUDA_VISIBLE_DEVICES names it.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 from dataclasses import dataclass
@@ -69,13 +70,9 @@ def visible_gpus() -> list[str]:
             return [str(i) for i in range(torch.cuda.device_count())]
         except Exception:
             return []
-    ids = []
-    for name in (v.strip() for v in listed.split(",")):
-        if name.startswith("-"):  # CUDA ignores an invalid ID and all after it ("-1" hides every GPU)
-            break
-        if name:
-            ids.append(name)
-    return ids
+    # CUDA ignores an invalid ID and all after it ("-1" hides every GPU)
+    names = itertools.takewhile(lambda name: not name.startswith("-"), (v.strip() for v in listed.split(",")))
+    return [name for name in names if name]
 
 
 def worker_devices(n_workers: int, visible: Sequence[str]) -> list[str | None]:
@@ -235,22 +232,18 @@ def plan_search(inputs: PlanInputs, visible: list[str] | None = None, gpu: GpuIn
     mode = resolve_mode(inputs.base.train, inputs.task, device)  # once: the plan line's, the memory rule's
     step_mode = mode.describe()
     flag = "--workers" if s.workers else "--trials-per-gpu" if s.trials_per_gpu else None
-    stacks = inputs.stacks
-    if s.cohort is not None and s.cohort > 1 and not stacks:
+    cohort = s.cohort if s.cohort is not None and s.cohort > 1 else 1  # --cohort K: K together in each worker
+    if cohort > 1 and not inputs.stacks:
         why = (inputs.task.stack_refusal(inputs.base) if inputs.task.stack_refusal else
                f"task {inputs.task.name} trains its trials one at a time")
         raise ConfigError(f"--cohort {s.cohort}: {why}; leave --cohort out (or give 1)")
-    if s.cohort is not None and s.cohort > 1:  # asked for: this many together in each worker (one per GPU by default)
+    if flag or cohort > 1:  # the user's count (a cohort without one: one worker per GPU)
         devices = worker_devices(process_count(s, len(visible)) if flag else max(1, len(visible)), visible)
-        return Plan(tuple(devices), s.cohort * math.ceil(len(devices) / len(visible)) if visible else None, "--cohort",
-                    step_mode, mps=shares_a_gpu(devices), cohort=s.cohort)
-    if flag:
-        devices = worker_devices(process_count(s, len(visible)), visible)
-        return Plan(tuple(devices), math.ceil(len(devices) / len(visible)) if visible else None, flag, step_mode,
-                    mps=shares_a_gpu(devices))
+        return Plan(tuple(devices), cohort * math.ceil(len(devices) / len(visible)) if visible else None,
+                    "--cohort" if cohort > 1 else flag, step_mode, mps=shares_a_gpu(devices), cohort=cohort)
     if measurement is True:
         measurement = machine_measurement(inputs.base, visible, gpu)
-    choice = measurement.choice(cohorts=stacks and s.cohort is None) if measurement else None
+    choice = measurement.choice(cohorts=inputs.stacks and s.cohort is None) if measurement else None
     if choice is not None:
         return measured_plan(inputs, measurement, choice, visible, device, mode)
     if not visible:
