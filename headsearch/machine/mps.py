@@ -203,12 +203,9 @@ def mps_daemon_running() -> bool:
 def headsearch_folder(pipe_dir: str | None) -> Path | None:
     """The temporary folder of a daemon headsearch started, from the daemon's pipe directory
     (`<tmp>/headsearch-mps-*/pipe`); None for any other pipe directory."""
-    if not pipe_dir:
-        return None
-    path = Path(pipe_dir)
-    if path.is_absolute() and path.name == "pipe" and path.parent.name.startswith(FOLDER_PREFIX):
-        return path.parent
-    return None
+    path = Path(pipe_dir or ".")  # none: not absolute
+    ours = path.is_absolute() and path.name == "pipe" and path.parent.name.startswith(FOLDER_PREFIX)
+    return path.parent if ours else None
 
 
 def _write_owner(folder: Path, proc_root: Path = PROC) -> None:
