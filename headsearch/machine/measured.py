@@ -63,10 +63,6 @@ class WayResult:
     per_trial: float = 0.0
     compile_seconds: float = 0.0
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "WayResult":
-        return cls(**{**d, "way": Way(**d["way"])})
-
 
 @dataclass(frozen=True)
 class Measurement:
@@ -94,7 +90,8 @@ class Measurement:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Measurement":
         d = {k: v for k, v in d.items() if k != "choice"}
-        return cls(**{**d, "results": tuple(WayResult.from_dict(r) for r in d["results"])})
+        results = tuple(WayResult(**{**r, "way": Way(**r["way"])}) for r in d["results"])
+        return cls(**{**d, "results": results})
 
 
 def cpu_name() -> str:
