@@ -101,6 +101,17 @@ def _check_call(epoch: int, curve: Mapping[int, float]) -> None:
         raise ValueError(f"the curve has no value at epoch {epoch} (it has epochs {sorted(curve)})")
 
 
+def best_so_far(curve: Mapping[int, float], epoch: int, direction: str, finite: bool = True) -> float:
+    """The curve's best value up to `epoch` (max when maximizing), NaN left out, and infinities too when `finite`;
+    NaN when there is none."""
+    vals = [float(v) for e, v in curve.items() if e <= epoch and not math.isnan(float(v))]
+    if finite:
+        vals = [v for v in vals if math.isfinite(v)]
+    if not vals:
+        return math.nan
+    return max(vals) if direction == "maximize" else min(vals)
+
+
 def _values_at(epoch: int, others: Sequence[Mapping[int, float]]) -> list[float]:
     return [float(o[epoch]) for o in others if epoch in o]
 
@@ -179,18 +190,11 @@ class PercentileRule:
         previous = max((e for e in curve if e < epoch), default=-1)
         return previous < nearest_lower
 
-    def _best_so_far(self, epoch: int, curve: Mapping[int, float]) -> float:
-        vals = np.asarray([float(v) for e, v in curve.items() if e <= epoch], dtype=float)
-        vals = vals[~np.isnan(vals)]
-        if vals.size == 0:
-            return math.nan
-        return float(vals.max() if self.direction == "maximize" else vals.min())
-
     def decide(
         self, epoch: int, curve: Mapping[int, float], others: Sequence[Mapping[int, float]]
     ) -> PruneDecision:
         _check_call(epoch, curve)
-        value = self._best_so_far(epoch, curve)
+        value = best_so_far(curve, epoch, self.direction, finite=False)
         at = _values_at(epoch, others)
         n = len(at)
 
@@ -302,12 +306,7 @@ class RungRule:
 
     def is_rung(self, epoch: int) -> bool:
         """Whether `epoch` is ``min_epochs * reduction_factor**k`` for some k >= 0 (one of `rung_epochs`)."""
-        if epoch < self.min_epochs or epoch % self.min_epochs:
-            return False
-        q = epoch // self.min_epochs
-        while q % self.reduction_factor == 0:
-            q //= self.reduction_factor
-        return q == 1
+        return epoch in rung_epochs(self.min_epochs, self.reduction_factor, epoch + 1)
 
     def _better(self, a: float, b: float) -> bool:
         """a strictly better than b; NaN is worse than anything and never better."""
@@ -336,9 +335,7 @@ class RungRule:
         k = -(-(n + 1) // self.reduction_factor)  # ceil((n + 1) / r)
         better = [v for v in at if self._better(v, value)]
         rest = [v for v in at if not self._better(v, value)]
-        key = (lambda v: (math.isnan(v), -v)) if self.direction == "maximize" else (
-            lambda v: (math.isnan(v), v)
-        )
+        key = lambda v: (math.isnan(v), -v if self.direction == "maximize" else v)  # noqa: E731
         ranking = sorted(better, key=key) + [value] + sorted(rest, key=key)
         threshold = ranking[k - 1]
         return PruneDecision(len(better) >= k, self.rule, epoch, value, float(threshold), n)

@@ -202,11 +202,8 @@ def _db_lock(url: str, key: int, mysql: bool, kind: str = "budget lock", patient
             yield hold
         finally:
             try:
-                if mysql:
-                    released = conn.execute(sa.text("SELECT RELEASE_LOCK(:k)"), {"k": str(key)}).scalar()
-                else:
-                    released = conn.execute(sa.text("SELECT pg_advisory_unlock(:k)"), {"k": key}).scalar()
-                if not released:
+                unlock = "SELECT RELEASE_LOCK(:k)" if mysql else "SELECT pg_advisory_unlock(:k)"
+                if not conn.execute(sa.text(unlock), {"k": str(key) if mysql else key}).scalar():
                     hold.lose("its database session no longer held it")
             except sa.exc.DBAPIError as e:
                 hold.lose(f"the database ended its session ({_db_error_line(e)}), which released the lock then")
