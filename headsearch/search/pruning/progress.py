@@ -12,7 +12,7 @@ from optuna.trial import TrialState
 
 from headsearch.errors import ConfigError
 from headsearch.search.hypervolume import dominates, hypervolume
-from headsearch.search.pruning.rules import PruneDecision, RungRule, _check_call, _direction, _int, best_so_far
+from headsearch.search.pruning.rules import PruneDecision, RungRule, _check_call, _direction, _int, _repr, best_so_far
 from headsearch.search.ranks import spearman
 
 # The quantities a multi-objective trial's objectives are known by before it ends (`ParetoRule`'s kinds).
@@ -213,9 +213,8 @@ class ParetoRule:
         self.noise = None if noise is None else _nonnegative("noise", noise)
 
     def __repr__(self) -> str:
-        return (f"ParetoRule(direction={self.direction!r}, kinds={list(self.kinds)}, min_epochs={self.min_epochs},"
-                f" reduction_factor={self.reduction_factor}, n_startup_trials={self.n_startup_trials},"
-                f" n_warmup_epochs={self.n_warmup_epochs}, noise_margin={self.noise_margin}, noise={self.noise})")
+        return _repr(self, "direction", "kinds", "min_epochs", "reduction_factor", "n_startup_trials",
+                     "n_warmup_epochs", "noise_margin", "noise")
 
     def point(self, epoch: int, p: Progress) -> list[float] | None:
         """The trial's point at `epoch`, every coordinate minimised; None when a quantity is not known."""
@@ -322,8 +321,7 @@ class MultiMetricRule:
         self.n_warmup_epochs = _int("n_warmup_epochs", n_warmup_epochs, 0)
 
     def __repr__(self) -> str:
-        return (f"MultiMetricRule(direction={self.direction!r}, kinds={list(self.kinds)}, base={self.base!r},"
-                f" n_startup_trials={self.n_startup_trials}, n_warmup_epochs={self.n_warmup_epochs})")
+        return _repr(self, "direction", "kinds", "base", "n_startup_trials", "n_warmup_epochs")
 
     def point(self, epoch: int, p: Progress) -> list[float] | None:
         return progress_point(self.kinds, self.direction, epoch, p)

@@ -48,16 +48,15 @@ class PruneDecision:
     def reason(self) -> dict[str, Any]:
         """All fields as a JSON-able dict (for ``user_attrs["pruned"]``); NaN and inf become None. The fields of
         the rules on several objectives (`ahead`, `point`, `margin`) only where a rule set them."""
+        def json_able(x: Any) -> Any:
+            return None if isinstance(x, float) and not math.isfinite(x) else x
+
         out: dict[str, Any] = {}
         for f in fields(self):
             v = getattr(self, f.name)
             if f.name in ("ahead", "point", "margin") and v == f.default:
                 continue
-            if isinstance(v, float) and not math.isfinite(v):
-                v = None
-            if isinstance(v, tuple):
-                v = [None if isinstance(x, float) and not math.isfinite(x) else x for x in v]
-            out[f.name] = v
+            out[f.name] = [json_able(x) for x in v] if isinstance(v, tuple) else json_able(v)
         return out
 
 
@@ -110,6 +109,13 @@ def best_so_far(curve: Mapping[int, float], epoch: int, direction: str, finite: 
     if not vals:
         return math.nan
     return max(vals) if direction == "maximize" else min(vals)
+
+
+def _repr(rule: Any, *names: str) -> str:
+    """``Class(name=value, ...)``: `rule`'s attributes `names`, as its constructor takes them (a tuple as a list)."""
+    values = {name: getattr(rule, name) for name in names}
+    shown = [f"{name}={list(v) if isinstance(v, tuple) else v!r}" for name, v in values.items()]
+    return f"{type(rule).__name__}({', '.join(shown)})"
 
 
 def _values_at(epoch: int, others: Sequence[Mapping[int, float]]) -> list[float]:
@@ -177,11 +183,7 @@ class PercentileRule:
         self.interval_epochs = _int("interval_epochs", interval_epochs, 1)
 
     def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(direction={self.direction!r}, percentile={self.percentile}, "
-            f"n_startup_trials={self.n_startup_trials}, n_warmup_epochs={self.n_warmup_epochs}, "
-            f"interval_epochs={self.interval_epochs})"
-        )
+        return _repr(self, "direction", "percentile", "n_startup_trials", "n_warmup_epochs", "interval_epochs")
 
     def _is_check_epoch(self, epoch: int, curve: Mapping[int, float]) -> bool:
         # Optuna's _is_first_in_interval_step with n_warmup_steps = W + 1.
@@ -299,10 +301,7 @@ class RungRule:
         self.n_startup_trials = _int("n_startup_trials", n_startup_trials, 0)
 
     def __repr__(self) -> str:
-        return (
-            f"RungRule(direction={self.direction!r}, min_epochs={self.min_epochs}, "
-            f"reduction_factor={self.reduction_factor}, n_startup_trials={self.n_startup_trials})"
-        )
+        return _repr(self, "direction", "min_epochs", "reduction_factor", "n_startup_trials")
 
     def is_rung(self, epoch: int) -> bool:
         """Whether `epoch` is ``min_epochs * reduction_factor**k`` for some k >= 0 (one of `rung_epochs`)."""

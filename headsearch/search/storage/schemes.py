@@ -33,10 +33,6 @@ def _nothing(url: str) -> None:
     return None
 
 
-def _no_schema_lock(url: str) -> ContextManager[Any]:
-    return contextlib.nullcontext()
-
-
 # How a dead worker's RUNNING trial is found on a storage, and so failed and retried (`StorageScheme.liveness`).
 LIVENESS = {
     "heartbeats": "`open` gives Optuna's RDBStorage (`open_rdb_storage`), whose running trials record heartbeats",
@@ -76,7 +72,7 @@ class StorageScheme:
     open: Callable[[str, int | None, int], Any]
     liveness: str
     budget_lock: Callable[[str, str], ContextManager[LockHold]]
-    schema_lock: Callable[[str], ContextManager[Any]] = _no_schema_lock
+    schema_lock: Callable[[str], ContextManager[Any]] = contextlib.nullcontext
     normalize: Callable[[str], str] = _same
     absolute: Callable[[str], str] = _same
     check: Callable[[str], None] = _nothing
@@ -261,12 +257,8 @@ def open_rdb_storage(url: str, heartbeat: int | None, max_retry: int):
         return RDBStorage(url, **kwargs)
 
 
-def _budget_lock_key(study_name: str) -> int:
-    return zlib.crc32(f"headsearch:{study_name}".encode())
-
-
 def _db_budget_lock(url: str, study_name: str) -> ContextManager[LockHold]:
-    return _db_lock(url, _budget_lock_key(study_name), is_mysql(url))
+    return _db_lock(url, zlib.crc32(f"headsearch:{study_name}".encode()), is_mysql(url))
 
 
 # The schema lock's key: PostgreSQL's advisory lock takes it as is; MySQL's GET_LOCK named str(key), like the budget's.
@@ -423,10 +415,6 @@ def _open_redis_journal(url: str, heartbeat: int | None, max_retry: int):
     return JournalStorage(JournalRedisBackend(redis_url_with_timeouts(url)))
 
 
-def _redis_budget_lock(url: str, study_name: str) -> ContextManager[LockHold]:
-    return _redis_lock(url, f"headsearch:budget:{study_name}")
-
-
 # -- the built-in rows, in the order their URLs are tried (and listed) -------------------------------------
 
 register_storage(StorageScheme(
@@ -450,5 +438,5 @@ register_storage(StorageScheme(
     file=_journal_file, liveness="leases"))
 register_storage(StorageScheme(
     name="redis", example="redis://HOST:PORT", claims=lambda url: url.startswith("redis://"),
-    open=_open_redis_journal, budget_lock=_redis_budget_lock, driver="pip install 'headsearch[redis]' (redis)",
+    open=_open_redis_journal, budget_lock=_redis_lock, driver="pip install 'headsearch[redis]' (redis)",
     liveness="leases"))

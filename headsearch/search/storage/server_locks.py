@@ -36,11 +36,13 @@ def redis_url_with_timeouts(url: str) -> str:
 
 
 @contextlib.contextmanager
-def _redis_lock(url: str, name: str) -> Iterator[LockHold]:
-    """A Redis lock in the journal's own Redis: it expires LOCK_SILENCE seconds after its last renewal. A Redis
-    that does not answer within REDIS_TIMEOUT seconds is one HeadsearchError line."""
+def _redis_lock(url: str, study_name: str) -> Iterator[LockHold]:
+    """The budget lock of study `study_name` in the journal's own Redis (`headsearch:budget:STUDY`): it expires
+    LOCK_SILENCE seconds after its last renewal. A Redis that does not answer within REDIS_TIMEOUT seconds is one
+    HeadsearchError line."""
     import redis
 
+    name = f"headsearch:budget:{study_name}"
     client = redis.Redis.from_url(redis_url_with_timeouts(url))
     hold = LockHold(f"{name} in {url}")
     # thread_local=False: the renewing thread must see the token the acquiring thread got.
@@ -166,9 +168,11 @@ def _db_acquire(engine, mysql: bool, key: int, shown: str, patient: bool):
             else:
                 conn.execute(sa.text("SELECT pg_advisory_lock(:k)"), {"k": key})
             return conn
-        except sa.exc.DBAPIError as e:
+        except BaseException as e:
             with contextlib.suppress(Exception):
                 conn.close()
+            if not isinstance(e, sa.exc.DBAPIError):
+                raise
             if not (e.connection_invalidated or isinstance(e, sa.exc.OperationalError)):
                 raise HeadsearchError(f"{shown}: {_db_error_line(e)}") from None
             losses += 1
@@ -178,10 +182,6 @@ def _db_acquire(engine, mysql: bool, key: int, shown: str, patient: bool):
                     f" waited for the lock (last: {_db_error_line(e)}): check the server (restarts, killed sessions)") from None
             _log.warning("headsearch: the database ended the session waiting for the %s (%s):"
                          " waiting again on a new one", shown, _db_error_line(e))
-        except BaseException:
-            with contextlib.suppress(Exception):
-                conn.close()
-            raise
 
 
 @contextlib.contextmanager
