@@ -37,9 +37,8 @@ def redis_url_with_timeouts(url: str) -> str:
 
 @contextlib.contextmanager
 def _redis_lock(url: str, study_name: str) -> Iterator[LockHold]:
-    """The budget lock of study `study_name` in the journal's own Redis (`headsearch:budget:STUDY`): it expires
-    LOCK_SILENCE seconds after its last renewal. A Redis that does not answer within REDIS_TIMEOUT seconds is one
-    HeadsearchError line."""
+    """The budget lock `headsearch:budget:STUDY` in the journal's own Redis: it expires LOCK_SILENCE seconds after
+    its last renewal. A Redis that does not answer within REDIS_TIMEOUT seconds is one HeadsearchError line."""
     import redis
 
     name = f"headsearch:budget:{study_name}"
