@@ -12,7 +12,7 @@ from optuna.trial import TrialState
 
 from headsearch.errors import ConfigError
 from headsearch.search.hypervolume import dominates, hypervolume
-from headsearch.search.pruning.rules import PruneDecision, RungRule, _check_call, _direction, _int
+from headsearch.search.pruning.rules import PruneDecision, RungRule, _check_call, _direction, _int, _repr, best_so_far
 from headsearch.search.ranks import spearman
 
 # The quantities a multi-objective trial's objectives are known by before it ends (`ParetoRule`'s kinds).
@@ -41,14 +41,6 @@ def progress_of(trial: Any) -> Progress:
     a = trial.user_attrs
     finished = trial.state == TrialState.COMPLETE and "duplicate_of" not in a
     return Progress(dict(trial.intermediate_values), a.get("params"), a.get("epoch_seconds_alone"), trial.number, finished)
-
-
-def best_so_far(curve: Mapping[int, float], epoch: int, direction: str) -> float:
-    """The curve's best finite value up to `epoch` (max when maximizing); NaN when there is none."""
-    vals = [float(v) for e, v in curve.items() if e <= epoch and math.isfinite(float(v))]
-    if not vals:
-        return math.nan
-    return max(vals) if direction == "maximize" else min(vals)
 
 
 # `ParetoRule(min_epochs="auto")`: the first rung is the earliest epoch whose ranks predict the final ones.
@@ -118,11 +110,8 @@ def progress_point(kinds: Sequence[str | None], direction: str, epoch: int, p: P
     out = []
     for kind in kinds:
         if kind == "quality":
-            vals = [float(v) for e, v in p.curve.items() if e <= epoch and not math.isnan(float(v))]
-            if not vals:
-                out.append(math.inf)
-                continue
-            out.append(-max(vals) if direction == "maximize" else min(vals))
+            best = best_so_far(p.curve, epoch, direction, finite=False)
+            out.append(math.inf if math.isnan(best) else -best if direction == "maximize" else best)
         elif kind == "time":
             if p.epoch_seconds is None:
                 return None
@@ -224,9 +213,8 @@ class ParetoRule:
         self.noise = None if noise is None else _nonnegative("noise", noise)
 
     def __repr__(self) -> str:
-        return (f"ParetoRule(direction={self.direction!r}, kinds={list(self.kinds)}, min_epochs={self.min_epochs},"
-                f" reduction_factor={self.reduction_factor}, n_startup_trials={self.n_startup_trials},"
-                f" n_warmup_epochs={self.n_warmup_epochs}, noise_margin={self.noise_margin}, noise={self.noise})")
+        return _repr(self, "direction", "kinds", "min_epochs", "reduction_factor", "n_startup_trials",
+                     "n_warmup_epochs", "noise_margin", "noise")
 
     def point(self, epoch: int, p: Progress) -> list[float] | None:
         """The trial's point at `epoch`, every coordinate minimised; None when a quantity is not known."""
@@ -333,8 +321,7 @@ class MultiMetricRule:
         self.n_warmup_epochs = _int("n_warmup_epochs", n_warmup_epochs, 0)
 
     def __repr__(self) -> str:
-        return (f"MultiMetricRule(direction={self.direction!r}, kinds={list(self.kinds)}, base={self.base!r},"
-                f" n_startup_trials={self.n_startup_trials}, n_warmup_epochs={self.n_warmup_epochs})")
+        return _repr(self, "direction", "kinds", "base", "n_startup_trials", "n_warmup_epochs")
 
     def point(self, epoch: int, p: Progress) -> list[float] | None:
         return progress_point(self.kinds, self.direction, epoch, p)

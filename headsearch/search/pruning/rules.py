@@ -48,16 +48,15 @@ class PruneDecision:
     def reason(self) -> dict[str, Any]:
         """All fields as a JSON-able dict (for ``user_attrs["pruned"]``); NaN and inf become None. The fields of
         the rules on several objectives (`ahead`, `point`, `margin`) only where a rule set them."""
+        def json_able(x: Any) -> Any:
+            return None if isinstance(x, float) and not math.isfinite(x) else x
+
         out: dict[str, Any] = {}
         for f in fields(self):
             v = getattr(self, f.name)
             if f.name in ("ahead", "point", "margin") and v == f.default:
                 continue
-            if isinstance(v, float) and not math.isfinite(v):
-                v = None
-            if isinstance(v, tuple):
-                v = [None if isinstance(x, float) and not math.isfinite(x) else x for x in v]
-            out[f.name] = v
+            out[f.name] = [json_able(x) for x in v] if isinstance(v, tuple) else json_able(v)
         return out
 
 
@@ -99,6 +98,24 @@ def _check_call(epoch: int, curve: Mapping[int, float]) -> None:
         raise ValueError(f"epochs are numbered from 1, got epoch={epoch!r}")
     if epoch not in curve:
         raise ValueError(f"the curve has no value at epoch {epoch} (it has epochs {sorted(curve)})")
+
+
+def best_so_far(curve: Mapping[int, float], epoch: int, direction: str, finite: bool = True) -> float:
+    """The curve's best value up to `epoch` (max when maximizing), NaN left out, and infinities too when `finite`;
+    NaN when there is none."""
+    vals = [float(v) for e, v in curve.items() if e <= epoch and not math.isnan(float(v))]
+    if finite:
+        vals = [v for v in vals if math.isfinite(v)]
+    if not vals:
+        return math.nan
+    return max(vals) if direction == "maximize" else min(vals)
+
+
+def _repr(rule: Any, *names: str) -> str:
+    """``Class(name=value, ...)``: `rule`'s attributes `names`, as its constructor takes them (a tuple as a list)."""
+    values = {name: getattr(rule, name) for name in names}
+    shown = [f"{name}={list(v) if isinstance(v, tuple) else v!r}" for name, v in values.items()]
+    return f"{type(rule).__name__}({', '.join(shown)})"
 
 
 def _values_at(epoch: int, others: Sequence[Mapping[int, float]]) -> list[float]:
@@ -166,11 +183,7 @@ class PercentileRule:
         self.interval_epochs = _int("interval_epochs", interval_epochs, 1)
 
     def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(direction={self.direction!r}, percentile={self.percentile}, "
-            f"n_startup_trials={self.n_startup_trials}, n_warmup_epochs={self.n_warmup_epochs}, "
-            f"interval_epochs={self.interval_epochs})"
-        )
+        return _repr(self, "direction", "percentile", "n_startup_trials", "n_warmup_epochs", "interval_epochs")
 
     def _is_check_epoch(self, epoch: int, curve: Mapping[int, float]) -> bool:
         # Optuna's _is_first_in_interval_step with n_warmup_steps = W + 1.
@@ -179,18 +192,11 @@ class PercentileRule:
         previous = max((e for e in curve if e < epoch), default=-1)
         return previous < nearest_lower
 
-    def _best_so_far(self, epoch: int, curve: Mapping[int, float]) -> float:
-        vals = np.asarray([float(v) for e, v in curve.items() if e <= epoch], dtype=float)
-        vals = vals[~np.isnan(vals)]
-        if vals.size == 0:
-            return math.nan
-        return float(vals.max() if self.direction == "maximize" else vals.min())
-
     def decide(
         self, epoch: int, curve: Mapping[int, float], others: Sequence[Mapping[int, float]]
     ) -> PruneDecision:
         _check_call(epoch, curve)
-        value = self._best_so_far(epoch, curve)
+        value = best_so_far(curve, epoch, self.direction, finite=False)
         at = _values_at(epoch, others)
         n = len(at)
 
@@ -295,19 +301,11 @@ class RungRule:
         self.n_startup_trials = _int("n_startup_trials", n_startup_trials, 0)
 
     def __repr__(self) -> str:
-        return (
-            f"RungRule(direction={self.direction!r}, min_epochs={self.min_epochs}, "
-            f"reduction_factor={self.reduction_factor}, n_startup_trials={self.n_startup_trials})"
-        )
+        return _repr(self, "direction", "min_epochs", "reduction_factor", "n_startup_trials")
 
     def is_rung(self, epoch: int) -> bool:
         """Whether `epoch` is ``min_epochs * reduction_factor**k`` for some k >= 0 (one of `rung_epochs`)."""
-        if epoch < self.min_epochs or epoch % self.min_epochs:
-            return False
-        q = epoch // self.min_epochs
-        while q % self.reduction_factor == 0:
-            q //= self.reduction_factor
-        return q == 1
+        return epoch in rung_epochs(self.min_epochs, self.reduction_factor, epoch + 1)
 
     def _better(self, a: float, b: float) -> bool:
         """a strictly better than b; NaN is worse than anything and never better."""
@@ -336,9 +334,7 @@ class RungRule:
         k = -(-(n + 1) // self.reduction_factor)  # ceil((n + 1) / r)
         better = [v for v in at if self._better(v, value)]
         rest = [v for v in at if not self._better(v, value)]
-        key = (lambda v: (math.isnan(v), -v)) if self.direction == "maximize" else (
-            lambda v: (math.isnan(v), v)
-        )
+        key = lambda v: (math.isnan(v), -v if self.direction == "maximize" else v)  # noqa: E731
         ranking = sorted(better, key=key) + [value] + sorted(rest, key=key)
         threshold = ranking[k - 1]
         return PruneDecision(len(better) >= k, self.rule, epoch, value, float(threshold), n)

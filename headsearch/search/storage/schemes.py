@@ -28,16 +28,9 @@ def _same(url: str) -> str:
     return url
 
 
-def _nothing_to_check(url: str) -> None:
+def _nothing(url: str) -> None:
+    """No check to make (`StorageScheme.check`), no file (`StorageScheme.file`)."""
     return None
-
-
-def _no_file(url: str) -> Path | None:
-    return None
-
-
-def _no_schema_lock(url: str) -> ContextManager[Any]:
-    return contextlib.nullcontext()
 
 
 # How a dead worker's RUNNING trial is found on a storage, and so failed and retried (`StorageScheme.liveness`).
@@ -79,11 +72,11 @@ class StorageScheme:
     open: Callable[[str, int | None, int], Any]
     liveness: str
     budget_lock: Callable[[str, str], ContextManager[LockHold]]
-    schema_lock: Callable[[str], ContextManager[Any]] = _no_schema_lock
+    schema_lock: Callable[[str], ContextManager[Any]] = contextlib.nullcontext
     normalize: Callable[[str], str] = _same
     absolute: Callable[[str], str] = _same
-    check: Callable[[str], None] = _nothing_to_check
-    file: Callable[[str], Path | None] = _no_file
+    check: Callable[[str], None] = _nothing
+    file: Callable[[str], Path | None] = _nothing
     driver: str = "install the database driver for it"
 
     def artifact_dir(self, url: str) -> Path:
@@ -247,33 +240,25 @@ def open_rdb_storage(url: str, heartbeat: int | None, max_retry: int):
     import optuna
     from optuna.storages import RDBStorage
 
-    kwargs = {}
-    if heartbeat:
-        kwargs = dict(heartbeat_interval=heartbeat, grace_period=3 * heartbeat)
-        if "heartbeat_stale_trial_callback" in inspect.signature(RDBStorage.__init__).parameters:
-            from optuna.storages import RetryHeartbeatStaleTrialCallback  # Optuna >= 4.9
-
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-                kwargs["heartbeat_stale_trial_callback"] = RetryHeartbeatStaleTrialCallback(max_retry=max_retry)
-        else:
-            from optuna.storages import RetryFailedTrialCallback
-
-            with warnings.catch_warnings():  # "experimental" up to Optuna 4.0
-                warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-                kwargs["failed_trial_callback"] = RetryFailedTrialCallback(max_retry=max_retry)
     with warnings.catch_warnings():
         # Heartbeats are "experimental" in Optuna's words; we rely on them knowingly.
         warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+        kwargs = {}
+        if heartbeat:
+            kwargs = dict(heartbeat_interval=heartbeat, grace_period=3 * heartbeat)
+            if "heartbeat_stale_trial_callback" in inspect.signature(RDBStorage.__init__).parameters:
+                from optuna.storages import RetryHeartbeatStaleTrialCallback  # Optuna >= 4.9
+
+                kwargs["heartbeat_stale_trial_callback"] = RetryHeartbeatStaleTrialCallback(max_retry=max_retry)
+            else:
+                from optuna.storages import RetryFailedTrialCallback  # "experimental" up to Optuna 4.0
+
+                kwargs["failed_trial_callback"] = RetryFailedTrialCallback(max_retry=max_retry)
         return RDBStorage(url, **kwargs)
 
 
-def _budget_lock_key(study_name: str) -> int:
-    return zlib.crc32(f"headsearch:{study_name}".encode())
-
-
 def _db_budget_lock(url: str, study_name: str) -> ContextManager[LockHold]:
-    return _db_lock(url, _budget_lock_key(study_name), is_mysql(url))
+    return _db_lock(url, zlib.crc32(f"headsearch:{study_name}".encode()), is_mysql(url))
 
 
 # The schema lock's key: PostgreSQL's advisory lock takes it as is; MySQL's GET_LOCK named str(key), like the budget's.
@@ -345,27 +330,18 @@ def _sqlite_budget_lock(url: str, study_name: str) -> ContextManager[LockHold]:
     return _flock(db)
 
 
-def _postgresql_url(url: str) -> str:
-    """`postgresql://` means psycopg (v3) to SQLAlchemy 2.1: psycopg2 instead when that is what is installed."""
+def _driver_url(url: str, schemes: tuple[str, ...], default: str, fallback: str) -> str:
+    """`url` under its scheme's first spelling (`schemes`), with the driver `fallback` when that is what is
+    installed and the driver SQLAlchemy means by the scheme (the module `default`) is not: `postgresql://` means
+    psycopg (v3) to SQLAlchemy 2.1 (psycopg2 instead), `mysql://` mysqlclient (MySQLdb; PyMySQL instead)."""
     import importlib.util
 
     scheme, sep, rest = url.partition("://")
-    if scheme in ("postgresql", "postgres") and sep:
-        if importlib.util.find_spec("psycopg") is None and importlib.util.find_spec("psycopg2") is not None:
-            return f"postgresql+psycopg2://{rest}"
-        return f"postgresql://{rest}"
-    return url
-
-
-def _mysql_url(url: str) -> str:
-    """`mysql://` means mysqlclient (MySQLdb) to SQLAlchemy: PyMySQL instead when that is what is installed."""
-    import importlib.util
-
-    scheme, sep, rest = url.partition("://")
-    if scheme == "mysql" and sep:
-        if importlib.util.find_spec("MySQLdb") is None and importlib.util.find_spec("pymysql") is not None:
-            return f"mysql+pymysql://{rest}"
-    return url
+    if scheme not in schemes or not sep:
+        return url
+    if importlib.util.find_spec(default) is None and importlib.util.find_spec(fallback) is not None:
+        return f"{schemes[0]}+{fallback}://{rest}"
+    return f"{schemes[0]}://{rest}"
 
 
 # -- Optuna's JournalStorage: on a file, in Redis ----------------------------------------------------------
@@ -439,10 +415,6 @@ def _open_redis_journal(url: str, heartbeat: int | None, max_retry: int):
     return JournalStorage(JournalRedisBackend(redis_url_with_timeouts(url)))
 
 
-def _redis_budget_lock(url: str, study_name: str) -> ContextManager[LockHold]:
-    return _redis_lock(url, f"headsearch:budget:{study_name}")
-
-
 # -- the built-in rows, in the order their URLs are tried (and listed) -------------------------------------
 
 register_storage(StorageScheme(
@@ -452,11 +424,13 @@ register_storage(StorageScheme(
 register_storage(StorageScheme(
     name="postgresql", example="postgresql://USER@HOST/DB",
     claims=lambda url: _base_scheme(url) in ("postgresql", "postgres"),
-    open=open_rdb_storage, budget_lock=_db_budget_lock, schema_lock=_db_open_lock, normalize=_postgresql_url,
+    open=open_rdb_storage, budget_lock=_db_budget_lock, schema_lock=_db_open_lock,
+    normalize=lambda url: _driver_url(url, ("postgresql", "postgres"), "psycopg", "psycopg2"),
     driver="pip install 'headsearch[postgres]' (psycopg2)", liveness="heartbeats"))
 register_storage(StorageScheme(
     name="mysql", example="mysql://USER@HOST/DB", claims=is_mysql,
-    open=open_rdb_storage, budget_lock=_db_budget_lock, schema_lock=_db_open_lock, normalize=_mysql_url,
+    open=open_rdb_storage, budget_lock=_db_budget_lock, schema_lock=_db_open_lock,
+    normalize=lambda url: _driver_url(url, ("mysql",), "MySQLdb", "pymysql"),
     driver="pip install pymysql", liveness="heartbeats"))
 register_storage(StorageScheme(
     name="journal", example="journal:FILE.log", claims=lambda url: _journal_file(url) is not None,
@@ -464,5 +438,5 @@ register_storage(StorageScheme(
     file=_journal_file, liveness="leases"))
 register_storage(StorageScheme(
     name="redis", example="redis://HOST:PORT", claims=lambda url: url.startswith("redis://"),
-    open=_open_redis_journal, budget_lock=_redis_budget_lock, driver="pip install 'headsearch[redis]' (redis)",
+    open=_open_redis_journal, budget_lock=_redis_lock, driver="pip install 'headsearch[redis]' (redis)",
     liveness="leases"))

@@ -36,11 +36,12 @@ def redis_url_with_timeouts(url: str) -> str:
 
 
 @contextlib.contextmanager
-def _redis_lock(url: str, name: str) -> Iterator[LockHold]:
-    """A Redis lock in the journal's own Redis: it expires LOCK_SILENCE seconds after its last renewal. A Redis
-    that does not answer within REDIS_TIMEOUT seconds is one HeadsearchError line."""
+def _redis_lock(url: str, study_name: str) -> Iterator[LockHold]:
+    """The budget lock `headsearch:budget:STUDY` in the journal's own Redis: it expires LOCK_SILENCE seconds after
+    its last renewal. A Redis that does not answer within REDIS_TIMEOUT seconds is one HeadsearchError line."""
     import redis
 
+    name = f"headsearch:budget:{study_name}"
     client = redis.Redis.from_url(redis_url_with_timeouts(url))
     hold = LockHold(f"{name} in {url}")
     # thread_local=False: the renewing thread must see the token the acquiring thread got.
@@ -166,9 +167,11 @@ def _db_acquire(engine, mysql: bool, key: int, shown: str, patient: bool):
             else:
                 conn.execute(sa.text("SELECT pg_advisory_lock(:k)"), {"k": key})
             return conn
-        except sa.exc.DBAPIError as e:
+        except BaseException as e:
             with contextlib.suppress(Exception):
                 conn.close()
+            if not isinstance(e, sa.exc.DBAPIError):
+                raise
             if not (e.connection_invalidated or isinstance(e, sa.exc.OperationalError)):
                 raise HeadsearchError(f"{shown}: {_db_error_line(e)}") from None
             losses += 1
@@ -178,10 +181,6 @@ def _db_acquire(engine, mysql: bool, key: int, shown: str, patient: bool):
                     f" waited for the lock (last: {_db_error_line(e)}): check the server (restarts, killed sessions)") from None
             _log.warning("headsearch: the database ended the session waiting for the %s (%s):"
                          " waiting again on a new one", shown, _db_error_line(e))
-        except BaseException:
-            with contextlib.suppress(Exception):
-                conn.close()
-            raise
 
 
 @contextlib.contextmanager
@@ -202,11 +201,8 @@ def _db_lock(url: str, key: int, mysql: bool, kind: str = "budget lock", patient
             yield hold
         finally:
             try:
-                if mysql:
-                    released = conn.execute(sa.text("SELECT RELEASE_LOCK(:k)"), {"k": str(key)}).scalar()
-                else:
-                    released = conn.execute(sa.text("SELECT pg_advisory_unlock(:k)"), {"k": key}).scalar()
-                if not released:
+                unlock = "SELECT RELEASE_LOCK(:k)" if mysql else "SELECT pg_advisory_unlock(:k)"
+                if not conn.execute(sa.text(unlock), {"k": str(key) if mysql else key}).scalar():
                     hold.lose("its database session no longer held it")
             except sa.exc.DBAPIError as e:
                 hold.lose(f"the database ended its session ({_db_error_line(e)}), which released the lock then")
