@@ -172,14 +172,11 @@ def progress_kinds(objectives: Sequence[Mapping[str, Any]], primary: str | None)
 
 def primary_direction(study, meta: Mapping[str, Any]) -> str:
     """The direction of the study's primary metric: its objective's, else its task's."""
-    from headsearch.search.report import _metric_direction
+    from headsearch.search.rungcheck import primary_direction as known_direction
 
-    primary = meta.get("primary_metric")
-    for o in meta.get("objectives") or []:
-        if o.get("name") == primary and o.get("direction") in ("maximize", "minimize"):
-            return o["direction"]
-    direction = _metric_direction(meta.get("task"), primary)
+    direction = known_direction(meta)
     if direction is None:
+        primary = meta.get("primary_metric")
         raise HeadsearchError(f"study {study.study_name}: the direction of its primary metric {primary!r} is not"
                               " recorded: it was not written by `headsearch run`")
     return direction

@@ -255,13 +255,8 @@ def candidates(archs, seconds: dict[str, float]) -> list[Candidate]:
     epoch seconds from `seconds` (by config key), each with its features."""
     from optuna.trial import FixedTrial
 
-    from headsearch.errors import ConfigError
-
-    listing = archs.listing()
-    if listing is None:
-        raise ConfigError(f"the cost-aware sampler needs a space it can list; space {archs.definition.space.name} has a continuous range")
     out = []
-    for key, params in listing.items():
+    for key, params in archs.listing().items():
         cfg = archs.sample_config(FixedTrial(params), archs.definition.device)
         out.append(Candidate(key, dict(params), arch_features(cfg), float(seconds[key])))
     return out
@@ -269,12 +264,8 @@ def candidates(archs, seconds: dict[str, float]) -> list[Candidate]:
 
 def cost_aware_sampler(definition, costs: list[Candidate], seed: int) -> CostAwareSampler:
     """The sampler of a search (its `SearchDefinition`) over the architectures' `costs`: quality x time, as
-    `headsearch run`'s default objectives."""
-    from headsearch.errors import ConfigError
-
+    `headsearch run`'s default objectives (`costs.check_cost_search` refused any other search before)."""
     names = [o.name for o in definition.objectives]
     primary = definition.task.primary
-    if len(names) != 2 or primary.name not in names or "time" not in names:
-        raise ConfigError(f"the cost-aware sampler searches {primary.name} x time (objectives {', '.join(names)})")
     return CostAwareSampler(costs, quality=names.index(primary.name), time=names.index("time"),
                             maximize=primary.direction == "maximize", epochs=definition.base.train.epochs, seed=seed)

@@ -184,14 +184,10 @@ def write_dashboard_notes(study) -> NotesWritten:
     """Write the notes (see the module docstring) into `study`'s storage. ImportError without optuna-dashboard."""
     from optuna_dashboard import save_note
 
-    from headsearch.errors import HeadsearchError
-    from headsearch.search.audit import primary_direction
+    from headsearch.search.rungcheck import primary_direction
 
     meta = study.user_attrs.get("headsearch") or {}
-    try:
-        direction = primary_direction(study, meta)
-    except HeadsearchError:
-        direction = None
+    direction = primary_direction(meta)
     storage, study_id = study_storage(study)
     attrs = storage.get_study_system_attrs(study_id)
     ours = dict(attrs.get(NOTES_KEY) or {})

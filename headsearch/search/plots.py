@@ -72,9 +72,9 @@ def write_plots(study, report: StudyReport, out_dir: Path) -> tuple[list[Path], 
     prefix = out_dir / _safe(report.study)
     paths: list[Path] = []
     if len(report.objectives) >= 2:
-        paths.append(_pareto(study, report, prefix))
+        paths.append(_pareto(report, prefix))
     else:
-        paths.append(_history(study, report, prefix))
+        paths.append(_history(report, prefix))
     curves = _curve_rows(study, report)  # read once, drawn twice
     paths.append(_curves(curves, prefix))
     paths.append(_importances(report, prefix))
@@ -145,19 +145,12 @@ def plotly_figures(study, report: StudyReport, curves=None) -> dict[str, Any]:
 
 # -- data -----------------------------------------------------------------------------------
 
-def _complete_points(study, report: StudyReport) -> list[dict[str, Any]]:
-    """Complete trials (duplicates left out: they sit on their twin's point)."""
-    from optuna.trial import TrialState
-
+def _complete_points(report: StudyReport) -> list[dict[str, Any]]:
+    """Complete trials (duplicates left out: they sit on their twin's point), from the report's rows."""
     front = {r.number: r.duplicates for r in report.front}
-    pts = []
-    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-        if t.values is None or t.user_attrs.get("duplicate_of") is not None:
-            continue
-        dups = front.get(t.number, [])
-        pts.append({"number": t.number, "values": list(t.values), "arch": t.user_attrs.get("arch", ""),
-                    "front": t.number in front, "label": str(t.number) + "".join(f"={d}" for d in dups)})
-    return pts
+    return [{"number": r.number, "values": [r.values[o.name] for o in report.objectives], "arch": r.arch,
+             "front": r.number in front, "label": str(r.number) + "".join(f"={d}" for d in front.get(r.number, []))}
+            for r in report.trials if r.state == "complete" and r.duplicate_of is None]
 
 
 LABEL_WIDTH = 45  # characters of an axis label per line: the time axis's label is longer than a figure is tall
@@ -189,9 +182,9 @@ def _save_html(fig, path: Path, div_id: str) -> Path:
 
 # -- the Pareto front -----------------------------------------------------------------------
 
-def _pareto(study, report: StudyReport, prefix: Path) -> Path:
+def _pareto(report: StudyReport, prefix: Path) -> Path:
     ox, oy = report.objectives[0], report.objectives[1]
-    pts = _complete_points(study, report)
+    pts = _complete_points(report)
     title = f"{report.study}: Pareto front ({ox.name} vs {oy.name}, {len(pts)} complete trials, duplicates merged)"
     more = len(report.objectives) > 2
     if more:
@@ -221,10 +214,10 @@ def _pareto(study, report: StudyReport, prefix: Path) -> Path:
     return _save_png(fig, prefix.with_name(prefix.name + "-pareto-front.png"))
 
 
-def _history(study, report: StudyReport, prefix: Path) -> Path:
+def _history(report: StudyReport, prefix: Path) -> Path:
     """One objective: its value per trial, the best highlighted."""
     o = report.objectives[0]
-    pts = _complete_points(study, report)
+    pts = _complete_points(report)
     title = f"{report.study}: {o.name} per complete trial (best highlighted)"
     fig = _figure()
     ax = fig.add_subplot()

@@ -24,8 +24,7 @@ from headsearch.jsonsafe import json_safe
 from headsearch.search.costs import study_cost_summary
 from headsearch.search.hypervolume import dominates, front_indices, hypervolume, minimised, scale_minimised
 from headsearch.search.objectives import Objective, directions_of, objectives_of
-from headsearch.search.ranks import metric_direction as _metric_direction  # the name audit.py imports from here
-from headsearch.search.ranks import spearman
+from headsearch.search.ranks import metric_direction, spearman
 from headsearch.search.record import was_trained
 from headsearch.search.snapshot import count_states, trial_state
 from headsearch.search.storage import check_sqlite_file, journal_path, open_storage, sqlite_path
@@ -292,7 +291,7 @@ def param_importances(study, objectives: list[Objective]) -> list[Importance]:
         sign = -1.0 if obj.direction == "maximize" else 1.0
         if len(complete) < 2:
             imp.error = f"needs at least 2 complete trials ({len(complete)} so far)"
-        elif len({json_key(t.params) for t in complete}) < 2:
+        elif len({stable_key(t.params) for t in complete}) < 2:
             imp.error = "every complete trial has the same parameters"
         elif len({t.values[i] for t in complete}) < 2:
             imp.error = f"{obj.name} is the same ({complete[0].values[i]:.4g}) in every complete trial"
@@ -320,10 +319,6 @@ def importance_evaluator():
     from optuna.importance import PedAnovaImportanceEvaluator
 
     return PedAnovaImportanceEvaluator()
-
-
-def json_key(x: Any) -> str:
-    return stable_key(x)
 
 
 def pruning_savings(trials, default_epochs: int | None) -> Savings:
@@ -404,7 +399,7 @@ def summarize(storage_url: str, study_name: str | None = None, *, study=None) ->
     objectives = objectives_of(study)
     trials = study.get_trials(deepcopy=False)
     primary = meta.get("primary_metric")
-    primary_direction = _metric_direction(meta.get("task"), primary)
+    primary_direction = metric_direction(meta.get("task"), primary)
 
     rows = []
     for t in trials:

@@ -90,9 +90,8 @@ def make_sampler(name: str, *, seed: int, trials: int, trial_index: int = 0, cur
     about to start (counted under the budget lock), so workers started anywhere propose different
     points and a search replays the same way. `curve_direction`: in a study of several objectives, the
     direction of the curve headsearch records as intermediate values (the primary metric), which TPE
-    needs to rank pruned trials (`CurveDirection`). A name without a row is refused, never sampled at random."""
-    if name not in SAMPLERS:
-        raise ConfigError(f"unknown sampler {name!r}: use one of {', '.join(SAMPLERS)}")
+    needs to rank pruned trials (`CurveDirection`). A name without a row is refused (KeyError; `--sampler` is
+    checked once, in `headsearch.search.settings`), never sampled at random."""
     if SAMPLERS[name] is None:
         raise ValueError("the cost-aware sampler needs the measured costs: Search.make_sampler builds it")
     return SAMPLERS[name](seed * 100_003 + trial_index, trials, curve_direction)

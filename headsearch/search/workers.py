@@ -179,8 +179,6 @@ def stop_workers(procs, grace: float = 5.0, patience: float = 60.0) -> None:
     """After Ctrl-C: a terminal's Ctrl-C reached the workers too (one process group), so give them `grace`
     seconds to record their running trial as failed and exit; send SIGINT to any still running (the
     parent alone was interrupted, e.g. by `kill -INT`), wait `patience` seconds, then terminate the rest."""
-    import signal
-
     deadline = time.monotonic() + grace
     for p in procs:
         p.join(timeout=max(0.0, deadline - time.monotonic()))
