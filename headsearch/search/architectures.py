@@ -9,7 +9,7 @@ import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from headsearch.config import RunConfig
+from headsearch.config import RunConfig, is_run_config, load_yaml
 from headsearch.errors import ConfigError
 from headsearch.search.record import arch_summary, config_key, holds_architecture
 from headsearch.tasks import apply_overrides
@@ -87,8 +87,6 @@ class SpaceArchitectures:
         """The space's parameters that give `config` (a YAML path or mapping: architecture fields, or a run
         config whose `arch` is taken) on the base config: what `enqueue` puts first. ConfigError, naming
         the config, when the space cannot be listed or does not hold that architecture."""
-        from headsearch.config import is_run_config, load_yaml
-
         s = self.definition
         name = str(config) if isinstance(config, (str, Path)) else "the config"
         d = load_yaml(Path(config)) if isinstance(config, (str, Path)) else config

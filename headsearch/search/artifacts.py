@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from headsearch.io import write_atomic
-from headsearch.search.storage import artifact_dir
+from headsearch.search.storage import absolute_url, artifact_dir, open_storage
 from headsearch.search.study import StudyStorage
 
 TRIAL_LINK = "study.json"  # in a trial's run directory: {"storage", "study", "trial"}
@@ -92,8 +92,6 @@ def upload_plots(study, paths: Sequence[Path], artifact_dir: Path, stored: Study
 
 def write_trial_link(run_dir: Path, storage_url: str, study_name: str, number: int) -> None:
     """Record in a trial's run directory which study and trial it belongs to (read by `upload_to_trial`)."""
-    from headsearch.search.storage import absolute_url
-
     write_atomic(Path(run_dir) / TRIAL_LINK, json.dumps(
         {"storage": absolute_url(storage_url), "study": study_name, "trial": number}) + "\n")
 
@@ -113,8 +111,6 @@ def upload_to_trial(run_dir: Path, paths: Sequence[Path]) -> str | None:
         return None
     import optuna
     from optuna.artifacts import FileSystemArtifactStore, upload_artifact
-
-    from headsearch.search.storage import open_storage
 
     info = json.loads(info_path.read_text())
     storage = open_storage(info["storage"], heartbeat=None)

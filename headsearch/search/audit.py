@@ -30,6 +30,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from optuna.trial import TrialState
+
 from headsearch.errors import HeadsearchError
 from headsearch.jsonsafe import json_safe
 from headsearch.search.pruning import (RULES, Progress, PrunerOptions, judges_progress, make_curve_pruner, progress_of,
@@ -202,8 +204,6 @@ def rungs_of(pruner, last: int) -> tuple[int | None, int | None, list[int] | Non
 def trained_trials(study, default_epochs: int | None) -> list[_Trained]:
     """The trials that trained (COMPLETE, not duplicates; PRUNED, not rejected), by trial number; an older
     study's COMPLETE duplicate (user_attr ``duplicate_of``) rides along with its twin."""
-    from optuna.trial import TrialState
-
     twins: dict[int, list[int]] = {}
     kept = []
     for t in sorted(study.get_trials(deepcopy=False), key=lambda t: t.number):
@@ -380,8 +380,6 @@ def _key(name: str, pruner) -> tuple:
 
 
 def _compares_pruned(name: str) -> bool:
-    from optuna.trial import TrialState
-
     rule = RULES.get(name)
     return rule is None or not rule.compares or TrialState.PRUNED in rule.compares
 

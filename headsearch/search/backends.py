@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from headsearch.config import RunConfig
-from headsearch.training.cohort import SlotEnd
+from headsearch.training.cohort import Cohort, SlotEnd
 from headsearch.training.trainer import TrainResult
 
 if TYPE_CHECKING:
@@ -142,7 +142,5 @@ def machine_backend(definition: "SearchDefinition", seat: "Seat", cohort_size: i
     shared under the seat's hold on the device's lock)."""
     if cohort_size <= 1:
         return SoloBackend(seat.device)
-    from headsearch.training.cohort import Cohort
-
     return Cohort(definition.task, cohort_size, seat.device, soft_columns=soft_columns(definition), share=seat.share)
 

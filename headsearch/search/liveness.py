@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 import uuid
+import warnings
 import zlib
 from pathlib import Path
 from typing import Any, Callable
@@ -81,17 +82,16 @@ class _Notice:
         print(line, file=sys.stderr, flush=True)
 
 
-def patient(storage, url: str, patience: float | None = None, say: Callable[[str], None] | None = None):
+def patient(storage, url: str, patience: float | None = None):
     """`storage` (an Optuna storage object, changed in place and returned) whose calls are tried again while
     the storage cannot be reached, for up to `patience` seconds (`storage_patience()`), then raise
     StorageUnavailable. Its class becomes a subclass of its own, so Optuna treats it exactly as before
     (an RDBStorage still gets Optuna's cache, heartbeats still count as heartbeats)."""
     patience = storage_patience() if patience is None else patience
-    say = say or _Notice()
     # A journal's calls are retried at its backend's reads and appends (retrying a whole storage call would
     # append its records twice); a database's at each storage call (each is one transaction).
     backend = inner_backend(storage)
-    _make_patient(backend if backend is not None else storage, url, patience, say)
+    _make_patient(backend if backend is not None else storage, url, patience, _Notice())
     return storage
 
 
@@ -231,8 +231,6 @@ def finished_trial_error() -> type[Exception]:
 
 def retry_callback(max_retry: int = 2):
     """Optuna's callback that re-enqueues a failed trial as WAITING (at most `max_retry` times)."""
-    import warnings
-
     import optuna
 
     with warnings.catch_warnings():

@@ -18,6 +18,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from optuna.trial import TrialState
+
 from headsearch.search.optuna_private import TrialNoteTarget, note_body, study_storage
 from headsearch.search.pruning import rule_rungs, rung_epochs
 
@@ -146,8 +148,6 @@ def plan_line(meta: Mapping[str, Any]) -> str:
 
 def study_note(study, meta: Mapping[str, Any]) -> str:
     """The study's Markdown note: the pruning plan and what pruning saved."""
-    from optuna.trial import TrialState
-
     from headsearch.search.report import pruning_savings
 
     trials = study.get_trials(deepcopy=False)
@@ -169,8 +169,6 @@ def _count(n: int, noun: str) -> str:
 
 
 def _pruned_by_headsearch(t) -> bool:
-    from optuna.trial import TrialState
-
     return t.state == TrialState.PRUNED and "rejected" not in t.user_attrs and isinstance(t.user_attrs.get("pruned"), dict)
 
 

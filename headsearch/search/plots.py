@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import re
 import textwrap
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from headsearch.errors import HeadsearchError
 from headsearch.search.objectives import axis_label
-from headsearch.search.report import StudyReport, importance_evaluator
+from headsearch.search.report import StudyReport, importance_evaluator, trial_state
 
 GREY = "#b0b0b0"
 FRONT = "#d62728"
@@ -108,8 +109,6 @@ def publish_plots(study, report: StudyReport, out_dir: Path, artifact_dir: Path,
 def plotly_figures(study, report: StudyReport, curves=None) -> dict[str, Any]:
     """The interactive figures, by graph-object id (a valid HTML id: the dashboard keys them by it);
     `curves`: `_curve_rows` of the study, when the caller has them already."""
-    import warnings
-
     import optuna.visualization as ov
 
     objectives = report.objectives
@@ -258,22 +257,21 @@ def _anytime(report: StudyReport, prefix: Path) -> Path:
 
 # -- the rung check -------------------------------------------------------------------------
 
-def _rung_text(report: StudyReport) -> tuple[str, str]:
-    """The rung figure's title and y label (`headsearch.search.rungcheck`)."""
+def _rung_rows(report: StudyReport) -> tuple[list, list, str, str]:
+    """The rung figure's rows with a rho, those at a rung, its title and y label (`headsearch.search.rungcheck`)."""
+    rows = [r for r in report.rung_check if r.rho is not None]
     n = max(r.n for r in report.rung_check)
     metric = report.primary_metric or "value"
     title = (f"{report.study}: do early ranks predict final ones? ({n} trials that ran to the end)\n"
              f"Spearman's rho of each epoch's best {metric} so far with the final {metric}; rungs marked")
-    return title, f"Spearman's rho with the final {metric}"
+    return rows, [r for r in rows if r.is_rung], title, f"Spearman's rho with the final {metric}"
 
 
 def _rungs(report: StudyReport, prefix: Path) -> Path:
     """Spearman's rho against epoch, the pruner's rungs marked: a rung where rho is low prunes by chance."""
     from matplotlib.ticker import MaxNLocator
 
-    rows = [r for r in report.rung_check if r.rho is not None]
-    rungs = [r for r in rows if r.is_rung]
-    title, ylabel = _rung_text(report)
+    rows, rungs, title, ylabel = _rung_rows(report)
     fig = _figure((7.5, 4.5))
     ax = fig.add_subplot()
     ax.axhline(0.0, color=GREY, lw=1)
@@ -297,9 +295,7 @@ def _rungs_figure(report: StudyReport):
     """The rung check as a plotly figure (for the dashboard and the HTML file)."""
     import plotly.graph_objects as go
 
-    rows = [r for r in report.rung_check if r.rho is not None]
-    rungs = [r for r in rows if r.is_rung]
-    title, ylabel = _rung_text(report)
+    rows, rungs, title, ylabel = _rung_rows(report)
     g = go.Figure()
     g.add_trace(go.Scatter(x=[r.epoch for r in rows], y=[r.rho for r in rows], mode="lines+markers", name="every epoch",
                            hovertext=[f"epoch {r.epoch}: rho {r.rho:.3f} over {r.n} trials" for r in rows], hoverinfo="text"))
@@ -316,8 +312,6 @@ def _rungs_figure(report: StudyReport):
 
 def _curve_rows(study, report: StudyReport) -> tuple[list[dict[str, Any]], str, str]:
     """Each trial's intermediate values (duplicates left out), the title and the y label."""
-    from headsearch.search.report import trial_state
-
     metric = report.primary_metric or "intermediate value"
     direction = next((o.direction for o in report.objectives if o.name == report.primary_metric), None)
     curves = []

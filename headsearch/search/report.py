@@ -13,8 +13,10 @@ Opening a study never creates anything: a sqlite or journal URL must name an exi
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import math
 import sqlite3
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -279,8 +281,6 @@ def param_importances(study, objectives: list[Objective]) -> list[Importance]:
     they matter for reaching the best values of `target`, which it takes as lower-is-better: a
     maximised objective is negated here.
     """
-    import warnings
-
     import optuna
     from optuna.trial import TrialState
 
@@ -360,8 +360,6 @@ def anytime_curve(trials, directions: Sequence[str]) -> list[AnytimePoint]:
     complete. Every objective is minimised and scaled to [0, 1] over the study's complete trials, the
     reference point 10% beyond the worst (as the simulator scores a replay). A study with no complete
     trial has no curve."""
-    import datetime
-
     from optuna.trial import TrialState
 
     latest = datetime.datetime.max

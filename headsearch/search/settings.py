@@ -6,6 +6,7 @@ dashes; a repeatable option (`repeat`) is its field's name in the singular, one 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
 import math
 import typing
@@ -295,8 +296,6 @@ def load_callback(spec: str):
     """`module:attr` (attr may be dotted) imported: an Optuna callback `(study, FrozenTrial) -> None`, as
     `study.optimize(callbacks=...)` takes (optuna-integration's W&B and MLflow callbacks are such objects).
     A spec, so that spawned workers import it too. One-line ConfigError when it cannot be loaded."""
-    import importlib
-
     module_name, colon, attr = spec.partition(":")
     if not colon or not module_name or not attr:
         raise ConfigError(f"--callback {spec}: write module:attr, e.g. my_trackers:wandb_callback")

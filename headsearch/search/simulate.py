@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from headsearch.config import RunConfig
-from headsearch.search.cost_sampler import COST_AWARE
+from headsearch.search.cost_sampler import COST_AWARE, candidates
 from headsearch.errors import ConfigError
 from headsearch.search.hypervolume import front_indices, hypervolume, scale_minimised
 from headsearch.search.table import arch_key, overrides_of
@@ -198,8 +198,6 @@ def table_candidates(search, table: dict[str, Any]) -> list:
     import torch
     from optuna.trial import FixedTrial
 
-    from headsearch.search.cost_sampler import candidates
-
     rows = {arch_key(a["overrides"]): a for a in table["architectures"]}
     seconds = {}
     for key, params in (search.archs.listing() or {}).items():
@@ -225,7 +223,7 @@ def measuring_seconds(table: dict[str, Any]) -> float:
     return sum(statistics.fmean(r["epoch_seconds"] for r in a["runs"]) * timed / steps for a in table["architectures"])
 
 
-def replay(search, table: dict[str, Any], *, workers: int = 1, table_seed: int | None = None, truth=None) -> Replay:
+def replay(search, table: dict[str, Any], *, workers: int = 1, truth=None) -> Replay:
     """Run `search` (from `simulation_search`) against `table` with `workers` slots; score its front."""
     import optuna
 
@@ -238,17 +236,14 @@ def replay(search, table: dict[str, Any], *, workers: int = 1, table_seed: int |
     study = optuna.create_study(storage=storage, directions=search.directions, sampler=search.make_sampler(0),
                                 pruner=search.make_pruner()[0])
     search.adopt(study, storage)
-    cohort = TableCohort(table, workers, random.Random(seed if table_seed is None else table_seed))
+    cohort = TableCohort(table, workers, random.Random(seed))
     if search.sampler_name() == COST_AWARE:  # the costs are measured before the first trial starts
         cohort.now = measuring_seconds(table)
     search.run(study, cohort)
     trials = study.get_trials(deepcopy=False)
     counts = count_states(trials)
-    front_keys = []
-    for t in study.best_trials if len(search.objectives) > 1 else [study.best_trial]:
-        key = arch_key(overrides_of(t.user_attrs["config"], table["base_config"]))
-        if key not in front_keys:
-            front_keys.append(key)
+    front = study.best_trials if len(search.objectives) > 1 else [study.best_trial]
+    front_keys = list(dict.fromkeys(arch_key(overrides_of(t.user_attrs["config"], table["base_config"])) for t in front))
     truth = truth or true_points(table, [o.name for o in search.objectives], search.directions)
     hv, recall = score(front_keys, truth)
     rows = [{"number": t.number, "arch": t.user_attrs.get("arch"), "state": t.state.name, "epochs": len(t.intermediate_values),

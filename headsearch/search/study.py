@@ -7,6 +7,7 @@ fields of `EXECUTION_ONLY`, which change how a trial runs and not what it comput
 """
 from __future__ import annotations
 
+import importlib.util
 import re
 import warnings
 from typing import Any, Mapping, Sequence
@@ -42,8 +43,6 @@ def release(version: str) -> tuple[int, ...]:
 
 def check_sampler(name: str, n_objectives: int) -> None:
     """Refuse, in one line and before any study exists, a sampler the installed Optuna cannot run."""
-    import importlib.util
-
     import optuna
 
     if name == "gp" and importlib.util.find_spec("scipy") is None:  # Optuna's GPSampler fits with SciPy
@@ -67,22 +66,19 @@ def _tpe(seed: int, trials: int, curve_direction: str | None):
     return CurveDirection(tpe, curve_direction) if curve_direction else tpe
 
 
-def _gp(seed: int, trials: int, curve_direction: str | None):
-    import optuna
+def _seeded(sampler: str):
+    """The builder of Optuna's sampler class `sampler`, given the seed alone."""
+    def build(seed: int, trials: int, curve_direction: str | None):
+        import optuna
 
-    return optuna.samplers.GPSampler(seed=seed)
-
-
-def _random(seed: int, trials: int, curve_direction: str | None):
-    import optuna
-
-    return optuna.samplers.RandomSampler(seed=seed)
+        return getattr(optuna.samplers, sampler)(seed=seed)
+    return build
 
 
 # The samplers by name: a row each, built by `make_sampler`. "cost", the cost-aware sampler
 # (`headsearch.search.cost_sampler`), has no builder here: `Search.make_sampler` builds it from the costs
 # measured before training (`headsearch.search.costs`).
-SAMPLERS = {"nsga2": _nsga2, "tpe": _tpe, "random": _random, "gp": _gp, "cost": None}
+SAMPLERS = {"nsga2": _nsga2, "tpe": _tpe, "random": _seeded("RandomSampler"), "gp": _seeded("GPSampler"), "cost": None}
 
 
 def make_sampler(name: str, *, seed: int, trials: int, trial_index: int = 0, curve_direction: str | None = None):

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import random
+import statistics
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -49,8 +51,6 @@ def table_search(task: str, space: str, *, seeds: int, preset: str | None = None
     """The table's comparison: (Search, ConfigGrid) over every architecture of `space` (or a seeded sample of
     `sample` of them) x seeds 0..seeds-1, with no pruning, every run with the `--set` overrides `sets` (a cheaper
     epoch, say). Nothing is trained or written yet."""
-    import random
-
     from headsearch.search.compare import Candidate, ConfigGrid, check_seeds
     from headsearch.search.runner import Search, SearchSettings, arch_summary
     from headsearch.tasks import resolve_config
@@ -160,8 +160,6 @@ def seconds_of(table: dict[str, Any]) -> float:
 
 def summary_rows(table: dict[str, Any]) -> Sequence[dict[str, Any]]:
     """Per architecture: mean final validation metric over seeds, mean epoch seconds, params, seeds."""
-    import statistics
-
     rows = []
     for a in table["architectures"]:
         finals = [r["curve"][-1] for r in a["runs"]]

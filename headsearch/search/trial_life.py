@@ -13,6 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
+import optuna
+import torch
+from optuna.exceptions import StorageInternalError
+from optuna.trial import TrialState
+
 from headsearch.analysis.tracking import diversity_callbacks
 from headsearch.config import RunConfig
 from headsearch.errors import ConfigError, Diverged
@@ -74,8 +79,6 @@ class TrialLife:
     def begin(self, study, trial, callbacks: Sequence) -> "TrialRun | str":
         """A trial's config, run directory, pruning and fair clock, or the name of the state it ended in
         already ("REJECTED": an invalid config)."""
-        from optuna.trial import TrialState
-
         s = self.definition
         trial.set_user_attr("worker", worker_name())
         try:
@@ -139,10 +142,6 @@ class TrialLife:
 
     def _tell(self, study, run: TrialRun, result, error: BaseException | None, callbacks: Sequence,
               reraise: bool) -> str:
-        import optuna
-        import torch
-        from optuna.trial import TrialState
-
         s, trial, pruning = self.definition, run.trial, run.pruning
         state, values = TrialState.FAIL, None
         if error is None:
@@ -192,8 +191,6 @@ class TrialLife:
 def with_storage_retries(write, attempts: int = 5, wait: float = 0.2):
     """`write()`, tried again (after `wait`, doubling) when the storage fails transiently (Optuna's
     StorageInternalError: e.g. SQLite locked by another reader); the last failure is raised."""
-    from optuna.exceptions import StorageInternalError
-
     for attempt in range(attempts):
         try:
             return write()

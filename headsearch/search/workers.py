@@ -10,6 +10,7 @@ Imports go one way: plan <- runner <- workers (this module starts workers that r
 from __future__ import annotations
 
 import contextlib
+import multiprocessing as mp
 import os
 import signal
 import sys
@@ -116,8 +117,6 @@ def measure_costs_first(search, poll: Callable[[], None] | None = None, every: f
     study = search.open()
     if len(plan.devices) == 1:
         return search.use_costs(study, on_cost), []
-    import multiprocessing as mp
-
     total = len(search.archs.listing() or {})
     heard = set(stored_costs(study))
     before, measured = len(heard), 0
@@ -212,8 +211,6 @@ def worker_failure(index: int | str, exit_code: int, log_dir: Path) -> WorkerFai
 def run_workers(search, argv: list[str] | None = None) -> list:
     """Start the worker processes of `search` (a `Search`; its plan's devices), each pinned to its GPU;
     return the processes."""
-    import multiprocessing as mp
-
     plan = search.machine_plan()
     ctx = mp.get_context("spawn")
     procs = []
