@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from headsearch.config import RunConfig, is_run_config, load_yaml
 from headsearch.errors import ConfigError
 from headsearch.search.record import arch_summary, config_key, holds_architecture
+from headsearch.search.space import enumerate_params
 from headsearch.tasks import apply_overrides
 from headsearch.training import check_fits
 
@@ -62,8 +63,6 @@ class SpaceArchitectures:
         (`config_key`; e.g. halving from 1 head and uniform 1 head are one architecture). None when the
         space cannot be listed (a continuous range) or is a grid (a comparison's: each point is its own)."""
         from optuna.trial import FixedTrial
-
-        from headsearch.search.space import enumerate_params
 
         if self._listed:
             return self._architectures
@@ -130,10 +129,8 @@ class SpaceArchitectures:
     def holder(self, trials: Sequence, key: str, number: int):
         """A trial other than `number` that holds the architecture `key`: finished (complete, pruned, failed
         for good) or running. Training it again would repeat it."""
-        for t in trials:
-            if t.number != number and holds_architecture(t) and config_key(t.user_attrs.get("config")) == key:
-                return t
-        return None
+        return next((t for t in trials if t.number != number and holds_architecture(t)
+                     and config_key(t.user_attrs.get("config")) == key), None)
 
     def untried_point(self, trials: Sequence, seed_index: int) -> dict[str, Any] | None:
         """The parameters of an architecture of the space that no trial holds, drawn at random (seeded by the

@@ -10,6 +10,8 @@ in search/storage/schemes.py), where `headsearch dashboard` looks for them.
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -47,13 +49,9 @@ def _existing_artifacts(study, stored: StudyStorage) -> list[dict[str, Any]]:
         return [dataclasses.asdict(m) for m in get_all_artifact_meta(study)]
     except (TypeError, KeyError, ValueError):  # a deleted artifact's null record
         pass
-    out = []
-    for key, value in stored.system_attrs().items():
-        if key.startswith(_ARTIFACT_RECORD_PREFIX):
-            meta = json.loads(value) if isinstance(value, str) else value
-            if meta:
-                out.append(meta)
-    return out
+    records = [json.loads(value) if isinstance(value, str) else value
+               for key, value in stored.system_attrs().items() if key.startswith(_ARTIFACT_RECORD_PREFIX)]
+    return [meta for meta in records if meta]
 
 
 def upload_plots(study, paths: Sequence[Path], artifact_dir: Path, stored: StudyStorage) -> list[str]:
@@ -103,9 +101,6 @@ def upload_to_trial(run_dir: Path, paths: Sequence[Path]) -> str | None:
     Optuna keeps artifact records in a trial's attributes, which are frozen once the trial finished,
     so they go to the study, named `trial<N>-<file>`.
     """
-    import shutil
-    import tempfile
-
     info_path = Path(run_dir) / TRIAL_LINK
     if not info_path.is_file():
         return None

@@ -34,8 +34,11 @@ from optuna.trial import TrialState
 
 from headsearch.errors import HeadsearchError
 from headsearch.jsonsafe import json_safe
+from headsearch.search import rungcheck
 from headsearch.search.pruning import (RULES, Progress, PrunerOptions, judges_progress, make_curve_pruner, progress_of,
                                        rung_epochs)
+from headsearch.search.record import was_trained
+from headsearch.search.report import pareto_front
 
 # The rungs (min_epochs, reduction_factor) the audit tries the Pareto rule with: the first rung after 1, 2,
 # 3, 4 or 9 epochs, the top half or third going on. benchmarks/search_quality.py measured these on tables.
@@ -174,9 +177,7 @@ def progress_kinds(objectives: Sequence[Mapping[str, Any]], primary: str | None)
 
 def primary_direction(study, meta: Mapping[str, Any]) -> str:
     """The direction of the study's primary metric: its objective's, else its task's."""
-    from headsearch.search.rungcheck import primary_direction as known_direction
-
-    direction = known_direction(meta)
+    direction = rungcheck.primary_direction(meta)
     if direction is None:
         primary = meta.get("primary_metric")
         raise HeadsearchError(f"study {study.study_name}: the direction of its primary metric {primary!r} is not"
@@ -210,8 +211,7 @@ def trained_trials(study, default_epochs: int | None) -> list[_Trained]:
         a = t.user_attrs
         if t.state == TrialState.COMPLETE and a.get("duplicate_of") is not None:
             twins.setdefault(int(a["duplicate_of"]), []).append(t.number)
-        elif (t.state == TrialState.COMPLETE or (t.state == TrialState.PRUNED and "rejected" not in a)) \
-                and t.intermediate_values:
+        elif was_trained(t) and t.intermediate_values:
             kept.append(t)
     out = []
     for t in kept:
@@ -310,8 +310,6 @@ def pruning_audit(study, rules: Sequence[RuleSpec | str] | None = None) -> Audit
     and no pruning (the baseline the savings are measured against); see the module docstring. Rules judge
     with the study's recorded pruner options (`study_pruner_options`), rungs aside. A rule that is the
     study's own (its pruner with its rungs) is marked `own`."""
-    from headsearch.search.report import pareto_front
-
     meta = study.user_attrs.get("headsearch") or {}
     epochs = meta.get("epochs")
     options, recorded = study_pruner_options(meta)
@@ -398,10 +396,4 @@ def _rule_audit(name: str, pruner, fates: Mapping[int, _Fate], trials: Sequence[
 
 def _differs(fates: Mapping[int, _Fate], trials: Sequence[_Trained]) -> list[int]:
     """The trials whose replayed fate is not the study's: pruned at another epoch, or pruned in one and not the other."""
-    out = []
-    for t in trials:
-        f = fates[t.number]
-        study_stop = max(t.curve) if t.pruned_in_study else None
-        if f.stopped_at != study_stop:
-            out.append(t.number)
-    return out
+    return [t.number for t in trials if fates[t.number].stopped_at != (max(t.curve) if t.pruned_in_study else None)]

@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from headsearch.config import FUSIONS, SKIPS
 from headsearch.search.hypervolume import front_indices
 from headsearch.search.record import config_key, holds_architecture
 
@@ -41,8 +42,6 @@ class Candidate:
 
 def arch_features(cfg) -> tuple[float, ...]:
     """log2 heads per encoder and decoder layer, skip and fusion one-hot: what the quality is predicted from."""
-    from headsearch.config import FUSIONS, SKIPS
-
     a = cfg.arch
     heads = [math.log2(h) for h in list(a.enc_heads) + list(a.dec_heads or [])]
     return tuple(heads + [float(a.skip == s) for s in SKIPS] + [float(a.fusion == f) for f in FUSIONS])
@@ -255,11 +254,9 @@ def candidates(archs, seconds: dict[str, float]) -> list[Candidate]:
     epoch seconds from `seconds` (by config key), each with its features."""
     from optuna.trial import FixedTrial
 
-    out = []
-    for key, params in archs.listing().items():
-        cfg = archs.sample_config(FixedTrial(params), archs.definition.device)
-        out.append(Candidate(key, dict(params), arch_features(cfg), float(seconds[key])))
-    return out
+    device = archs.definition.device
+    return [Candidate(key, dict(params), arch_features(archs.sample_config(FixedTrial(params), device)),
+                      float(seconds[key])) for key, params in archs.listing().items()]
 
 
 def cost_aware_sampler(definition, costs: list[Candidate], seed: int) -> CostAwareSampler:

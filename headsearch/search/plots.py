@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from headsearch.errors import HeadsearchError
+from headsearch.search.artifacts import upload_plots
 from headsearch.search.objectives import axis_label
 from headsearch.search.report import StudyReport, importance_evaluator, trial_state
 
@@ -91,8 +92,6 @@ def write_plots(study, report: StudyReport, out_dir: Path) -> tuple[list[Path], 
 def publish_plots(study, report: StudyReport, out_dir: Path, artifact_dir: Path, stored) -> PublishedPlots:
     """`report --plots`: write the files, upload the PNGs as artifacts, save the figures in the study
     (`stored`: the `StudyStorage` the study was opened on)."""
-    from headsearch.search.artifacts import upload_plots
-
     paths, figures = write_plots(study, report, out_dir)
     pngs = [p for p in paths if p.suffix == ".png"]
     done = PublishedPlots(files=paths, artifacts=dict(zip(pngs, upload_plots(study, pngs, artifact_dir, stored))))
@@ -106,9 +105,9 @@ def publish_plots(study, report: StudyReport, out_dir: Path, artifact_dir: Path,
     return done
 
 
-def plotly_figures(study, report: StudyReport, curves=None) -> dict[str, Any]:
+def plotly_figures(study, report: StudyReport, curves) -> dict[str, Any]:
     """The interactive figures, by graph-object id (a valid HTML id: the dashboard keys them by it);
-    `curves`: `_curve_rows` of the study, when the caller has them already."""
+    `curves`: `_curve_rows` of the study (read once by `write_plots`, drawn here and in its PNG)."""
     import optuna.visualization as ov
 
     objectives = report.objectives
@@ -128,7 +127,7 @@ def plotly_figures(study, report: StudyReport, curves=None) -> dict[str, Any]:
             fig = ov.plot_optimization_history(study, target_name=axis_label(o.name, o.direction))
             fig.update_layout(title=f"{report.study}: {o.name} per trial")
             figures["headsearch-objective"] = fig
-        figures["headsearch-learning-curves"] = _curves_figure(curves or _curve_rows(study, report))
+        figures["headsearch-learning-curves"] = _curves_figure(curves)
         if report.rung_check:
             figures["headsearch-rungs"] = _rungs_figure(report)
         for i, (o, imp) in enumerate(zip(objectives, report.importances)):

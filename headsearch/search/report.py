@@ -12,6 +12,7 @@ Opening a study never creates anything: a sqlite or journal URL must name an exi
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import math
@@ -30,6 +31,7 @@ from headsearch.search.ranks import metric_direction, spearman
 from headsearch.search.record import was_trained
 from headsearch.search.snapshot import count_states, trial_state
 from headsearch.search.storage import check_sqlite_file, journal_path, open_storage, sqlite_path
+from headsearch.search.study import StudyStorage
 
 if TYPE_CHECKING:
     from headsearch.search.rungcheck import RungCorrelation
@@ -47,11 +49,8 @@ def open_existing_storage(url: str):
             raise HeadsearchError(f"storage {url}: no database file {db}: {where}")
         check_sqlite_file(url, db)
         try:
-            con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-            try:
+            with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as con:
                 tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-            finally:
-                con.close()
         except sqlite3.Error as e:
             raise HeadsearchError(f"storage {url}: {db} is not a SQLite database ({e}): {where}") from None
         if "studies" not in tables:
@@ -75,8 +74,6 @@ def load_study(storage_url: str, study_name: str | None):
 def load_study_stored(storage_url: str, study_name: str | None):
     """`load_study`, and the study's `StudyStorage` (the storage object it was loaded from)."""
     import optuna
-
-    from headsearch.search.study import StudyStorage
 
     storage = open_existing_storage(storage_url)
     try:

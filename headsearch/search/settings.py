@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from headsearch.environment import check_environment
 from headsearch.errors import ConfigError
+from headsearch.io import folder_problem
 from headsearch.search.storage import DEFAULT_STORAGE
 
 MAX_COHORT = 64
@@ -259,8 +260,6 @@ def check_settings(s: SearchSettings) -> None:
 
 def check_run_root(root: Path, study: str | None = None) -> None:
     """The trials' run directories go under `root`/`study`: it must be (or become) a writable folder."""
-    from headsearch.io import folder_problem
-
     if problem := folder_problem(root, "the trials' run directories"):
         raise ConfigError(f"--run-root {root}{problem}")
     if study and (Path(root) / study).exists() and not (Path(root) / study).is_dir():

@@ -29,6 +29,8 @@ from headsearch.config import RunConfig
 from headsearch.search.cost_sampler import COST_AWARE, candidates
 from headsearch.errors import ConfigError
 from headsearch.search.hypervolume import front_indices, hypervolume, scale_minimised
+from headsearch.search.objectives import MINIMIZE, Objective
+from headsearch.search.snapshot import count_states
 from headsearch.search.table import arch_key, overrides_of
 from headsearch.training.trainer import EpochRecord, TrainResult
 
@@ -63,6 +65,20 @@ def table_row(table: dict[str, Any], rows: dict[str, Any], cfg: RunConfig) -> di
         raise ConfigError(f"the search sampled an architecture the table does not hold ({key}): build the table"
                           " for this space, task and preset with `headsearch table`")
     return rows[key]
+
+
+def run_result(table: dict[str, Any], arch: dict[str, Any], run: dict[str, Any]) -> TrainResult:
+    """One of `arch`'s runs in `table` (a row and one of its seeds) as the `TrainResult` its training would give:
+    the best epoch the earliest of the best values, times from the run's epoch seconds."""
+    curve, seconds = run["curve"], run["epoch_seconds"]
+    maximize = table["direction"] == "maximize"
+    best = max(range(len(curve)), key=lambda i: (curve[i] if maximize else -curve[i], -i)) + 1
+    metric = table["primary_metric"]
+    return TrainResult(status="completed", primary_metric=metric, params=arch["params"], epochs_run=len(curve),
+                       best_epoch=best, best_value=curve[best - 1], best_train_seconds=best * seconds,
+                       epoch_seconds_alone=seconds, best_seconds_alone=best * seconds,
+                       train_seconds=len(curve) * seconds, best_metrics={metric: curve[best - 1]},
+                       test_metrics=dict(run.get("test") or {}))
 
 
 class TableCohort:
@@ -127,18 +143,7 @@ class TableCohort:
             self._schedule(slot)
             return []
         del self.slots[slot]
-        return [TableEnd(slot, s.tag, self._result(s), None)]
-
-    def _result(self, s: _Slot) -> TrainResult:
-        curve, seconds = s.run["curve"], s.run["epoch_seconds"]
-        maximize = self.table["direction"] == "maximize"
-        best = max(range(len(curve)), key=lambda i: (curve[i] if maximize else -curve[i], -i)) + 1
-        metric = self.table["primary_metric"]
-        return TrainResult(status="completed", primary_metric=metric, params=s.row["params"], epochs_run=len(curve),
-                           best_epoch=best, best_value=curve[best - 1], best_train_seconds=best * seconds,
-                           epoch_seconds_alone=seconds, best_seconds_alone=best * seconds,
-                           train_seconds=len(curve) * seconds, best_metrics={metric: curve[best - 1]},
-                           test_metrics=dict(s.run.get("test") or {}))
+        return [TableEnd(slot, s.tag, run_result(self.table, s.row, s.run), None)]
 
     def interrupt(self) -> list[TableEnd]:
         ends = [TableEnd(i, s.tag, TrainResult(status="interrupted", primary_metric="", params=0), None)
@@ -227,8 +232,6 @@ def replay(search, table: dict[str, Any], *, workers: int = 1, truth=None) -> Re
     """Run `search` (from `simulation_search`) against `table` with `workers` slots; score its front."""
     import optuna
 
-    from headsearch.search.snapshot import count_states
-
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     seed = search.settings.seed
     storage = optuna.storages.InMemoryStorage()
@@ -243,7 +246,8 @@ def replay(search, table: dict[str, Any], *, workers: int = 1, truth=None) -> Re
     trials = study.get_trials(deepcopy=False)
     counts = count_states(trials)
     front = study.best_trials if len(search.objectives) > 1 else [study.best_trial]
-    front_keys = list(dict.fromkeys(arch_key(overrides_of(t.user_attrs["config"], table["base_config"])) for t in front))
+    front_keys = list(dict.fromkeys(arch_key(overrides_of(t.user_attrs["config"], table["base_config"]))
+                                    for t in front))
     truth = truth or true_points(table, [o.name for o in search.objectives], search.directions)
     hv, recall = score(front_keys, truth)
     rows = [{"number": t.number, "arch": t.user_attrs.get("arch"), "state": t.state.name, "epochs": len(t.intermediate_values),
@@ -269,14 +273,8 @@ class Truth:
 
 def arch_values(arch: dict[str, Any], names: Sequence[str], table: dict[str, Any]) -> list[float]:
     """An architecture's objective values, the mean over its seeds of what a search would record."""
-    maximize = table["direction"] == "maximize"
-    per_run = []
-    for r in arch["runs"]:
-        curve = r["curve"]
-        best = max(range(len(curve)), key=lambda i: (curve[i] if maximize else -curve[i], -i)) + 1
-        v = {table["primary_metric"]: curve[best - 1], "time": best * r["epoch_seconds"], "epochs": float(best),
-             "params": float(arch["params"])}
-        per_run.append([v[n] for n in names])
+    # Each run's TrainResult read as the search reads a trial's objectives (the direction plays no part in a value).
+    per_run = [[Objective(n, MINIMIZE).value(run_result(table, arch, r)) for n in names] for r in arch["runs"]]
     return [statistics.fmean(col) for col in zip(*per_run)]
 
 

@@ -24,6 +24,8 @@ from typing import Callable, Sequence
 from headsearch.errors import HeadsearchError
 from headsearch.io import write_atomic
 from headsearch.machine.plan import Plan, worker_seat
+from headsearch.search.cost_sampler import COST_AWARE
+from headsearch.search.costs import ArchCost, CostSummary, stored_costs
 from headsearch.search.runner import Search
 from headsearch.search.settings import SearchSettings
 
@@ -108,9 +110,6 @@ def measure_costs_first(search, poll: Callable[[], None] | None = None, every: f
     (`headsearch.search.costs`): in this process when the plan has one worker, else in one process on the
     first worker's GPU before the workers (and MPS) start, its progress read from the study. Returns
     (`CostSummary` or None for another sampler, [the measuring process's `WorkerFailure`] or [])."""
-    from headsearch.search.cost_sampler import COST_AWARE
-    from headsearch.search.costs import ArchCost, CostSummary, stored_costs
-
     if search.sampler_name() != COST_AWARE:
         return None, []
     plan = search.machine_plan()
