@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from headsearch.config import RunConfig
+from headsearch.training import train_bound
 from headsearch.training.cohort import Cohort, SlotEnd
 from headsearch.training.trainer import TrainResult
 
@@ -64,8 +65,6 @@ class SoloBackend:
 
     def train_epoch(self) -> list[SlotEnd]:
         """Train the trial in the slot to its end; the exception that ended it, if one did, is handed back."""
-        from headsearch.training import train_bound
-
         p, self._pending = self._pending, None
         result, error = None, None
         try:

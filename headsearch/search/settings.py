@@ -18,6 +18,7 @@ from headsearch.environment import check_environment
 from headsearch.errors import ConfigError
 from headsearch.io import folder_problem
 from headsearch.search.storage import DEFAULT_STORAGE
+from headsearch.search.study import SAMPLERS
 
 MAX_COHORT = 64
 
@@ -63,8 +64,6 @@ def _number(low: float, high: float = math.inf, above: bool = False) -> Callable
 
 
 def _known_sampler(name: Any) -> bool:
-    from headsearch.search.study import SAMPLERS
-
     if name not in SAMPLERS:
         raise ConfigError(f"unknown sampler {name!r}: use one of {', '.join(SAMPLERS)}")
     return True

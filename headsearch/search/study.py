@@ -14,6 +14,7 @@ from typing import Any, Mapping, Sequence
 
 from headsearch.config import stable_key
 from headsearch.errors import ConfigError, HeadsearchError
+from headsearch.search.liveness import TrialLeases, patient
 from headsearch.search.storage import open_storage, storage_scheme
 
 # How a trial runs, not what it computes: a study may be resumed with --compile on or off.
@@ -211,8 +212,6 @@ def open_study(storage_url: str, heartbeat: int | None, study_name: str, *, metr
     finished trials around the same `RDBStorage`; writes go straight to the database either way. The storage
     is patient (headsearch.search.liveness): an unreachable storage is waited for up to `patience` seconds."""
     import optuna
-
-    from headsearch.search.liveness import TrialLeases, patient
 
     storage = patient(open_storage(storage_url, heartbeat), storage_url, patience)
     study = optuna.create_study(storage=storage, study_name=study_name, directions=list(directions),

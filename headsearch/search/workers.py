@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 
 from headsearch.errors import HeadsearchError
 from headsearch.io import write_atomic
+from headsearch.machine.mps import managed_mps
 from headsearch.machine.plan import Plan, worker_seat
 from headsearch.search.cost_sampler import COST_AWARE
 from headsearch.search.costs import ArchCost, CostSummary, stored_costs
@@ -73,8 +74,6 @@ def run_search(search, callbacks: Sequence = (), argv: list[str] | None = None,
     With the cost-aware sampler every architecture's cost is measured first (`measure_costs_first`;
     `on_cost(done, total, ArchCost)` hears each one) and the plan line says what that took.
     Returns the worker processes that failed (none in process: errors raise there)."""
-    from headsearch.machine.mps import managed_mps
-
     plan = search.machine_plan()
     costs, failures = measure_costs_first(search, poll, every, on_cost)
     if failures:
