@@ -9,6 +9,7 @@ in search/storage/schemes.py), where `headsearch dashboard` looks for them.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import tempfile
@@ -41,8 +42,6 @@ def _existing_artifacts(study, stored: StudyStorage) -> list[dict[str, Any]]:
     `get_all_artifact_meta` raises (Optuna 4.0 to 5.0). Then the records are read here instead, through the
     storage's public `get_study_system_attrs` (`stored`: the storage the study was opened on), skipping the nulls.
     """
-    import dataclasses
-
     from optuna.artifacts import get_all_artifact_meta
 
     try:
