@@ -252,21 +252,20 @@ def replay_rule(pruner, trials: Sequence[_Trained], compares_pruned: bool = True
 def _first_prune(pruner, t: _Trained, earlier, compares_pruned: bool) -> int | None:
     """The first epoch `pruner` prunes `t` at, judged at each epoch it ran but its last; None: kept."""
     progress_rule = judges_progress(pruner)
+
+    def judged(s: _Trained, curve: dict[int, float]):
+        """What the rule is handed of trial `s` with `curve`: its progress (`judges_progress`), else the curve alone."""
+        return dataclasses.replace(s.progress, curve=curve) if progress_rule else curve
+
     # Each earlier trial as the replay left it: its curve up to where it stopped (or where the study's record ends).
-    visible = [(s, f.seen_until(s), _cut(s.curve, f.seen_until(s))) for s, f in earlier
+    visible = [(f.seen_until(s), judged(s, _cut(s.curve, f.seen_until(s)))) for s, f in earlier
                if compares_pruned or f.stopped_at is None]
-    if progress_rule:
-        visible = [(s, until, dataclasses.replace(s.progress, curve=c)) for s, until, c in visible]
     mine: dict[int, float] = {}
     for epoch in sorted(t.curve):
         mine[epoch] = t.curve[epoch]
         if epoch >= t.last:
             break
-        others = [seen for _, until, seen in visible if until >= epoch]
-        if progress_rule:
-            decision = pruner.decide(epoch, dataclasses.replace(t.progress, curve=dict(mine)), others)
-        else:
-            decision = pruner.decide(epoch, dict(mine), others)
+        decision = pruner.decide(epoch, judged(t, dict(mine)), [seen for until, seen in visible if until >= epoch])
         if decision.prune:
             return epoch
     return None

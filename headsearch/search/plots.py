@@ -72,11 +72,7 @@ def write_plots(study, report: StudyReport, out_dir: Path) -> tuple[list[Path], 
         raise HeadsearchError(f"--plots {out_dir} is a file: pass a folder")
     out_dir.mkdir(parents=True, exist_ok=True)
     prefix = out_dir / _safe(report.study)
-    paths: list[Path] = []
-    if len(report.objectives) >= 2:
-        paths.append(_pareto(report, prefix))
-    else:
-        paths.append(_history(report, prefix))
+    paths: list[Path] = [_pareto(report, prefix) if len(report.objectives) >= 2 else _history(report, prefix)]
     curves = _curve_rows(study, report)  # read once, drawn twice
     paths.append(_curves(curves, prefix))
     paths.append(_importances(report, prefix))
