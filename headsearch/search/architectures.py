@@ -9,6 +9,9 @@ import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+import optuna
+from optuna.trial import FixedTrial
+
 from headsearch.config import RunConfig, is_run_config, load_yaml
 from headsearch.errors import ConfigError
 from headsearch.search.record import arch_summary, config_key, holds_architecture
@@ -42,8 +45,6 @@ class SpaceArchitectures:
         """Sample the space at random (in memory, no study is touched) until one architecture passes
         `sample_config`; if none of `samples` does, no study should be created: say why, with the
         commonest reason."""
-        import optuna
-
         s = self.definition
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         scratch = optuna.create_study(directions=s.directions, sampler=optuna.samplers.RandomSampler(seed=s.settings.seed))
@@ -62,8 +63,6 @@ class SpaceArchitectures:
         """Every distinct valid config of the space, as {config key: the first parameters that give it}
         (`config_key`; e.g. halving from 1 head and uniform 1 head are one architecture). None when the
         space cannot be listed (a continuous range) or is a grid (a comparison's: each point is its own)."""
-        from optuna.trial import FixedTrial
-
         if self._listed:
             return self._architectures
         self._listed = True

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
+import optuna
+from optuna.trial import FixedTrial
 
 from headsearch.config import FUSIONS, SKIPS
 from headsearch.search.hypervolume import front_indices
@@ -141,7 +143,7 @@ def non_dominated(points: Sequence[tuple[float, float]]) -> list[tuple[float, fl
 
 # -- the sampler ----------------------------------------------------------------------------------
 
-class CostAwareSampler:
+class CostAwareSampler(optuna.samplers.BaseSampler):
     """An Optuna sampler over a listed space whose architectures' epoch seconds are known (`candidates`).
 
     Each new trial gets the parameters of one architecture no trial holds or runs: while fewer than
@@ -152,8 +154,6 @@ class CostAwareSampler:
 
     def __init__(self, candidates: Sequence[Candidate], *, quality: int, time: int, maximize: bool, epochs: int,
                  seed: int = 0):
-        import optuna
-
         self.candidates = {c.key: c for c in candidates}
         self.quality, self.time, self.sign, self.epochs = quality, time, 1.0 if maximize else -1.0, epochs
         self.rng = random.Random(seed)
@@ -166,12 +166,6 @@ class CostAwareSampler:
 
     def sample_relative(self, study, trial, search_space):
         return {}
-
-    def before_trial(self, study, trial) -> None:
-        pass
-
-    def after_trial(self, study, trial, state, values) -> None:
-        pass
 
     def reseed_rng(self) -> None:
         self.fallback.reseed_rng()
@@ -240,10 +234,8 @@ class CostAwareSampler:
         points += [scaled(c.cost * self.epochs, m) for c, m in zip(pending, mu[: len(pending)])]  # believed
         front = non_dominated(points)
         reference = (1.0 + REFERENCE_MARGIN, -REFERENCE_MARGIN)
-        scores = []
-        for c, m, s in zip(free, mu[len(pending):], sd[len(pending):]):
-            cost, quality = scaled(c.cost * self.epochs, m)
-            scores.append((ehvi(cost, quality, s / span, front, reference), -c.cost, self.rng.random(), c.key))
+        scores = [(ehvi(*scaled(c.cost * self.epochs, m), s / span, front, reference), -c.cost, self.rng.random(),
+                   c.key) for c, m, s in zip(free, mu[len(pending):], sd[len(pending):])]
         return self.candidates[max(scores)[3]]
 
 
@@ -252,8 +244,6 @@ class CostAwareSampler:
 def candidates(archs, seconds: dict[str, float]) -> list[Candidate]:
     """The architectures of `archs` (a `SpaceArchitectures`: its `listing`, config key -> parameters) with their
     epoch seconds from `seconds` (by config key), each with its features."""
-    from optuna.trial import FixedTrial
-
     device = archs.definition.device
     return [Candidate(key, dict(params), arch_features(archs.sample_config(FixedTrial(params), device)),
                       float(seconds[key])) for key, params in archs.listing().items()]

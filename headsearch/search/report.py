@@ -19,7 +19,11 @@ import math
 import sqlite3
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
+
+import optuna
+from optuna.importance import PedAnovaImportanceEvaluator
+from optuna.trial import TrialState
 
 from headsearch.config import stable_key
 from headsearch.errors import HeadsearchError
@@ -29,12 +33,10 @@ from headsearch.search.hypervolume import dominates, front_indices, hypervolume,
 from headsearch.search.objectives import Objective, directions_of, objectives_of
 from headsearch.search.ranks import metric_direction, spearman
 from headsearch.search.record import was_trained
+from headsearch.search.rungcheck import RungCorrelation, check_rungs
 from headsearch.search.snapshot import count_states, trial_state
 from headsearch.search.storage import check_sqlite_file, journal_path, open_storage, sqlite_path
 from headsearch.search.study import StudyStorage
-
-if TYPE_CHECKING:
-    from headsearch.search.rungcheck import RungCorrelation
 
 
 # -- opening a study without creating anything ----------------------------------------------
@@ -73,8 +75,6 @@ def load_study(storage_url: str, study_name: str | None):
 
 def load_study_stored(storage_url: str, study_name: str | None):
     """`load_study`, and the study's `StudyStorage` (the storage object it was loaded from)."""
-    import optuna
-
     storage = open_existing_storage(storage_url)
     try:
         names = study_names(storage)
@@ -233,8 +233,6 @@ def trial_note(t, state: str, primary_direction: str | None) -> str:
 
 def pareto_front(study) -> list:
     """Study.best_trials (several objectives) or [best_trial] (one); checked to be non-dominated."""
-    from optuna.trial import TrialState
-
     complete = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.values is not None]
     if not complete:
         return []
@@ -278,9 +276,6 @@ def param_importances(study, objectives: list[Objective]) -> list[Importance]:
     they matter for reaching the best values of `target`, which it takes as lower-is-better: a
     maximised objective is negated here.
     """
-    import optuna
-    from optuna.trial import TrialState
-
     complete = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.values is not None]
     out = []
     for i, obj in enumerate(objectives):
@@ -313,8 +308,6 @@ def param_importances(study, objectives: list[Objective]) -> list[Importance]:
 def importance_evaluator():
     """PED-ANOVA (Watanabe et al. 2023), named rather than left to Optuna's default: that is PED-ANOVA from
     Optuna 5 but fANOVA, which needs scikit-learn, before it (Optuna 3.6 to 4.x have PED-ANOVA too)."""
-    from optuna.importance import PedAnovaImportanceEvaluator
-
     return PedAnovaImportanceEvaluator()
 
 
@@ -357,8 +350,6 @@ def anytime_curve(trials, directions: Sequence[str]) -> list[AnytimePoint]:
     complete. Every objective is minimised and scaled to [0, 1] over the study's complete trials, the
     reference point 10% beyond the worst (as the simulator scores a replay). A study with no complete
     trial has no curve."""
-    from optuna.trial import TrialState
-
     latest = datetime.datetime.max
     trained = sorted((t for t in trials if was_trained(t)), key=lambda t: (t.datetime_complete or latest, t.number))
     complete = [t for t in trained if t.state == TrialState.COMPLETE and t.values is not None]
@@ -409,8 +400,6 @@ def summarize(storage_url: str, study_name: str | None = None, *, study=None) ->
     settings = {k: meta[k] for k in ("sampler", "pruner", "seed", "trials", "data", "run_root") if k in meta}
     if "space" in meta:
         settings["space"] = meta["space"].get("name")
-    from headsearch.search.rungcheck import check_rungs  # here: rungcheck imports optuna (through pruning)
-
     rung_check, rung_warning = check_rungs(trials, meta)
     costs = study_cost_summary(study)
     return StudyReport(
@@ -428,8 +417,6 @@ def summarize(storage_url: str, study_name: str | None = None, *, study=None) ->
 
 def diversity_correlations(trials, objectives) -> dict[str, dict[str, float | None]]:
     """How each tracked diversity scalar (docs/design.md §5) relates to each objective across complete trials."""
-    from optuna.trial import TrialState
-
     done = [t for t in trials if t.state == TrialState.COMPLETE and t.user_attrs.get("diversity")
             and "duplicate_of" not in t.user_attrs]
     if not done:

@@ -25,6 +25,10 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import optuna
+import torch
+from optuna.trial import FixedTrial
+
 from headsearch.config import RunConfig
 from headsearch.search.cost_sampler import COST_AWARE, candidates
 from headsearch.errors import ConfigError
@@ -125,8 +129,6 @@ class TableCohort:
         heapq.heappush(self.events, (self.now + self.slots[slot].run["epoch_seconds"], self._order, slot))
 
     def train_epoch(self) -> list[TableEnd]:
-        import optuna
-
         self.now, _, slot = heapq.heappop(self.events)
         s = self.slots[slot]
         s.epoch += 1
@@ -201,9 +203,6 @@ def simulation_search(table: dict[str, Any], *, space: str, trials: int, sampler
 
 def table_candidates(search, table: dict[str, Any]) -> list:
     """The space's architectures with the table's epoch seconds (the mean over its seeds) as their measured cost."""
-    import torch
-    from optuna.trial import FixedTrial
-
     rows = {arch_key(a["overrides"]): a for a in table["architectures"]}
     seconds = {}
     for key, params in (search.archs.listing() or {}).items():
@@ -229,8 +228,6 @@ def measuring_seconds(table: dict[str, Any]) -> float:
 
 def replay(search, table: dict[str, Any], *, workers: int = 1, truth=None) -> Replay:
     """Run `search` (from `simulation_search`) against `table` with `workers` slots; score its front."""
-    import optuna
-
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     seed = search.settings.seed
     storage = optuna.storages.InMemoryStorage()

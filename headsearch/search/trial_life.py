@@ -151,13 +151,12 @@ class TrialLife:
         elif isinstance(error, optuna.TrialPruned):
             trial.set_user_attr("epochs_run", len(pruning.curve))
             state = TrialState.PRUNED
-        elif isinstance(error, Diverged):
-            trial.set_user_attr("fail_reason", str(error))
+        elif isinstance(error, (Diverged, torch.cuda.OutOfMemoryError)):
+            out_of_memory = isinstance(error, torch.cuda.OutOfMemoryError)
+            trial.set_user_attr("fail_reason", "out of GPU memory" if out_of_memory else str(error))
             trial.set_user_attr("epochs_run", len(pruning.curve))
-        elif isinstance(error, torch.cuda.OutOfMemoryError):
-            trial.set_user_attr("fail_reason", "out of GPU memory")
-            trial.set_user_attr("epochs_run", len(pruning.curve))
-            torch.cuda.empty_cache()
+            if out_of_memory:
+                torch.cuda.empty_cache()
         else:
             reason = "interrupted (Ctrl-C)" if isinstance(error, KeyboardInterrupt) else f"{type(error).__name__}: {error}"
             # Retried: after Ctrl-C another process (a dashboard, a poller) may hold SQLite's lock for a moment,
