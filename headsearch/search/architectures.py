@@ -9,9 +9,13 @@ import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from headsearch.config import RunConfig
+import optuna
+from optuna.trial import FixedTrial
+
+from headsearch.config import RunConfig, is_run_config, load_yaml
 from headsearch.errors import ConfigError
 from headsearch.search.record import arch_summary, config_key, holds_architecture
+from headsearch.search.space import enumerate_params
 from headsearch.tasks import apply_overrides
 from headsearch.training import check_fits
 
@@ -41,8 +45,6 @@ class SpaceArchitectures:
         """Sample the space at random (in memory, no study is touched) until one architecture passes
         `sample_config`; if none of `samples` does, no study should be created: say why, with the
         commonest reason."""
-        import optuna
-
         s = self.definition
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         scratch = optuna.create_study(directions=s.directions, sampler=optuna.samplers.RandomSampler(seed=s.settings.seed))
@@ -61,10 +63,6 @@ class SpaceArchitectures:
         """Every distinct valid config of the space, as {config key: the first parameters that give it}
         (`config_key`; e.g. halving from 1 head and uniform 1 head are one architecture). None when the
         space cannot be listed (a continuous range) or is a grid (a comparison's: each point is its own)."""
-        from optuna.trial import FixedTrial
-
-        from headsearch.search.space import enumerate_params
-
         if self._listed:
             return self._architectures
         self._listed = True
@@ -87,8 +85,6 @@ class SpaceArchitectures:
         """The space's parameters that give `config` (a YAML path or mapping: architecture fields, or a run
         config whose `arch` is taken) on the base config: what `enqueue` puts first. ConfigError, naming
         the config, when the space cannot be listed or does not hold that architecture."""
-        from headsearch.config import is_run_config, load_yaml
-
         s = self.definition
         name = str(config) if isinstance(config, (str, Path)) else "the config"
         d = load_yaml(Path(config)) if isinstance(config, (str, Path)) else config
@@ -132,10 +128,8 @@ class SpaceArchitectures:
     def holder(self, trials: Sequence, key: str, number: int):
         """A trial other than `number` that holds the architecture `key`: finished (complete, pruned, failed
         for good) or running. Training it again would repeat it."""
-        for t in trials:
-            if t.number != number and holds_architecture(t) and config_key(t.user_attrs.get("config")) == key:
-                return t
-        return None
+        return next((t for t in trials if t.number != number and holds_architecture(t)
+                     and config_key(t.user_attrs.get("config")) == key), None)
 
     def untried_point(self, trials: Sequence, seed_index: int) -> dict[str, Any] | None:
         """The parameters of an architecture of the space that no trial holds, drawn at random (seeded by the

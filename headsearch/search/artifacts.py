@@ -9,12 +9,15 @@ in search/storage/schemes.py), where `headsearch dashboard` looks for them.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
 from headsearch.io import write_atomic
-from headsearch.search.storage import artifact_dir
+from headsearch.search.storage import absolute_url, artifact_dir, open_storage
 from headsearch.search.study import StudyStorage
 
 TRIAL_LINK = "study.json"  # in a trial's run directory: {"storage", "study", "trial"}
@@ -39,21 +42,15 @@ def _existing_artifacts(study, stored: StudyStorage) -> list[dict[str, Any]]:
     `get_all_artifact_meta` raises (Optuna 4.0 to 5.0). Then the records are read here instead, through the
     storage's public `get_study_system_attrs` (`stored`: the storage the study was opened on), skipping the nulls.
     """
-    import dataclasses
-
     from optuna.artifacts import get_all_artifact_meta
 
     try:
         return [dataclasses.asdict(m) for m in get_all_artifact_meta(study)]
     except (TypeError, KeyError, ValueError):  # a deleted artifact's null record
         pass
-    out = []
-    for key, value in stored.system_attrs().items():
-        if key.startswith(_ARTIFACT_RECORD_PREFIX):
-            meta = json.loads(value) if isinstance(value, str) else value
-            if meta:
-                out.append(meta)
-    return out
+    records = [json.loads(value) if isinstance(value, str) else value
+               for key, value in stored.system_attrs().items() if key.startswith(_ARTIFACT_RECORD_PREFIX)]
+    return [meta for meta in records if meta]
 
 
 def upload_plots(study, paths: Sequence[Path], artifact_dir: Path, stored: StudyStorage) -> list[str]:
@@ -92,8 +89,6 @@ def upload_plots(study, paths: Sequence[Path], artifact_dir: Path, stored: Study
 
 def write_trial_link(run_dir: Path, storage_url: str, study_name: str, number: int) -> None:
     """Record in a trial's run directory which study and trial it belongs to (read by `upload_to_trial`)."""
-    from headsearch.search.storage import absolute_url
-
     write_atomic(Path(run_dir) / TRIAL_LINK, json.dumps(
         {"storage": absolute_url(storage_url), "study": study_name, "trial": number}) + "\n")
 
@@ -105,16 +100,11 @@ def upload_to_trial(run_dir: Path, paths: Sequence[Path]) -> str | None:
     Optuna keeps artifact records in a trial's attributes, which are frozen once the trial finished,
     so they go to the study, named `trial<N>-<file>`.
     """
-    import shutil
-    import tempfile
-
     info_path = Path(run_dir) / TRIAL_LINK
     if not info_path.is_file():
         return None
     import optuna
     from optuna.artifacts import FileSystemArtifactStore, upload_artifact
-
-    from headsearch.search.storage import open_storage
 
     info = json.loads(info_path.read_text())
     storage = open_storage(info["storage"], heartbeat=None)

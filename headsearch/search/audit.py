@@ -30,10 +30,15 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from optuna.trial import TrialState
+
 from headsearch.errors import HeadsearchError
 from headsearch.jsonsafe import json_safe
+from headsearch.search import rungcheck
 from headsearch.search.pruning import (RULES, Progress, PrunerOptions, judges_progress, make_curve_pruner, progress_of,
                                        rung_epochs)
+from headsearch.search.record import was_trained
+from headsearch.search.report import pareto_front
 
 # The rungs (min_epochs, reduction_factor) the audit tries the Pareto rule with: the first rung after 1, 2,
 # 3, 4 or 9 epochs, the top half or third going on. benchmarks/search_quality.py measured these on tables.
@@ -172,14 +177,9 @@ def progress_kinds(objectives: Sequence[Mapping[str, Any]], primary: str | None)
 
 def primary_direction(study, meta: Mapping[str, Any]) -> str:
     """The direction of the study's primary metric: its objective's, else its task's."""
-    from headsearch.search.report import _metric_direction
-
-    primary = meta.get("primary_metric")
-    for o in meta.get("objectives") or []:
-        if o.get("name") == primary and o.get("direction") in ("maximize", "minimize"):
-            return o["direction"]
-    direction = _metric_direction(meta.get("task"), primary)
+    direction = rungcheck.primary_direction(meta)
     if direction is None:
+        primary = meta.get("primary_metric")
         raise HeadsearchError(f"study {study.study_name}: the direction of its primary metric {primary!r} is not"
                               " recorded: it was not written by `headsearch run`")
     return direction
@@ -205,16 +205,13 @@ def rungs_of(pruner, last: int) -> tuple[int | None, int | None, list[int] | Non
 def trained_trials(study, default_epochs: int | None) -> list[_Trained]:
     """The trials that trained (COMPLETE, not duplicates; PRUNED, not rejected), by trial number; an older
     study's COMPLETE duplicate (user_attr ``duplicate_of``) rides along with its twin."""
-    from optuna.trial import TrialState
-
     twins: dict[int, list[int]] = {}
     kept = []
     for t in sorted(study.get_trials(deepcopy=False), key=lambda t: t.number):
         a = t.user_attrs
         if t.state == TrialState.COMPLETE and a.get("duplicate_of") is not None:
             twins.setdefault(int(a["duplicate_of"]), []).append(t.number)
-        elif (t.state == TrialState.COMPLETE or (t.state == TrialState.PRUNED and "rejected" not in a)) \
-                and t.intermediate_values:
+        elif was_trained(t) and t.intermediate_values:
             kept.append(t)
     out = []
     for t in kept:
@@ -255,21 +252,20 @@ def replay_rule(pruner, trials: Sequence[_Trained], compares_pruned: bool = True
 def _first_prune(pruner, t: _Trained, earlier, compares_pruned: bool) -> int | None:
     """The first epoch `pruner` prunes `t` at, judged at each epoch it ran but its last; None: kept."""
     progress_rule = judges_progress(pruner)
+
+    def judged(s: _Trained, curve: dict[int, float]):
+        """What the rule is handed of trial `s` with `curve`: its progress (`judges_progress`), else the curve alone."""
+        return dataclasses.replace(s.progress, curve=curve) if progress_rule else curve
+
     # Each earlier trial as the replay left it: its curve up to where it stopped (or where the study's record ends).
-    visible = [(s, f.seen_until(s), _cut(s.curve, f.seen_until(s))) for s, f in earlier
+    visible = [(f.seen_until(s), judged(s, _cut(s.curve, f.seen_until(s)))) for s, f in earlier
                if compares_pruned or f.stopped_at is None]
-    if progress_rule:
-        visible = [(s, until, dataclasses.replace(s.progress, curve=c)) for s, until, c in visible]
     mine: dict[int, float] = {}
     for epoch in sorted(t.curve):
         mine[epoch] = t.curve[epoch]
         if epoch >= t.last:
             break
-        others = [seen for _, until, seen in visible if until >= epoch]
-        if progress_rule:
-            decision = pruner.decide(epoch, dataclasses.replace(t.progress, curve=dict(mine)), others)
-        else:
-            decision = pruner.decide(epoch, dict(mine), others)
+        decision = pruner.decide(epoch, judged(t, dict(mine)), [seen for until, seen in visible if until >= epoch])
         if decision.prune:
             return epoch
     return None
@@ -313,8 +309,6 @@ def pruning_audit(study, rules: Sequence[RuleSpec | str] | None = None) -> Audit
     and no pruning (the baseline the savings are measured against); see the module docstring. Rules judge
     with the study's recorded pruner options (`study_pruner_options`), rungs aside. A rule that is the
     study's own (its pruner with its rungs) is marked `own`."""
-    from headsearch.search.report import pareto_front
-
     meta = study.user_attrs.get("headsearch") or {}
     epochs = meta.get("epochs")
     options, recorded = study_pruner_options(meta)
@@ -383,8 +377,6 @@ def _key(name: str, pruner) -> tuple:
 
 
 def _compares_pruned(name: str) -> bool:
-    from optuna.trial import TrialState
-
     rule = RULES.get(name)
     return rule is None or not rule.compares or TrialState.PRUNED in rule.compares
 
@@ -403,10 +395,4 @@ def _rule_audit(name: str, pruner, fates: Mapping[int, _Fate], trials: Sequence[
 
 def _differs(fates: Mapping[int, _Fate], trials: Sequence[_Trained]) -> list[int]:
     """The trials whose replayed fate is not the study's: pruned at another epoch, or pruned in one and not the other."""
-    out = []
-    for t in trials:
-        f = fates[t.number]
-        study_stop = max(t.curve) if t.pruned_in_study else None
-        if f.stopped_at != study_stop:
-            out.append(t.number)
-    return out
+    return [t.number for t in trials if fates[t.number].stopped_at != (max(t.curve) if t.pruned_in_study else None)]

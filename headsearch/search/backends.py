@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from headsearch.config import RunConfig
-from headsearch.training.cohort import SlotEnd
+from headsearch.training import train_bound
+from headsearch.training.cohort import Cohort, SlotEnd
 from headsearch.training.trainer import TrainResult
 
 if TYPE_CHECKING:
@@ -64,8 +65,6 @@ class SoloBackend:
 
     def train_epoch(self) -> list[SlotEnd]:
         """Train the trial in the slot to its end; the exception that ended it, if one did, is handed back."""
-        from headsearch.training import train_bound
-
         p, self._pending = self._pending, None
         result, error = None, None
         try:
@@ -142,7 +141,5 @@ def machine_backend(definition: "SearchDefinition", seat: "Seat", cohort_size: i
     shared under the seat's hold on the device's lock)."""
     if cohort_size <= 1:
         return SoloBackend(seat.device)
-    from headsearch.training.cohort import Cohort
-
     return Cohort(definition.task, cohort_size, seat.device, soft_columns=soft_columns(definition), share=seat.share)
 

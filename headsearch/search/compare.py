@@ -21,11 +21,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from optuna.trial import TrialState
+
 from headsearch.analysis.stats import bootstrap_ci, mean_std, paired_difference
 from headsearch.config import RunConfig
 from headsearch.errors import ConfigError
+from headsearch.io import write_atomic
+from headsearch.jsonsafe import json_safe
+from headsearch.search.export import data_flag
 from headsearch.search.hypervolume import front_indices, minimised
 from headsearch.search.record import config_key, holds_point
+from headsearch.search.report import load_study, pareto_front
+from headsearch.tasks import apply_overrides, flag_overrides, get_task, resolve_config
 from headsearch.tasks.registry import parse_sets  # noqa: F401  (re-exported: compare's --set)
 from headsearch.tasks.registry import task_reference
 
@@ -47,8 +54,6 @@ def resolve_candidates(specs: Sequence[str], task, *, preset: str | None = None,
     """The configs named on the command line: YAML paths (an architecture or a full run config, read as
     `headsearch train --config` reads it), `study:NAME:TRIAL` or `study:NAME:pareto` (from `storage`).
     `epochs` and then `sets` (`parse_sets`) override every one of them."""
-    from headsearch.tasks import flag_overrides, resolve_config
-
     if not specs:
         raise ConfigError("give at least two configs to compare (YAML paths, study:NAME:TRIAL or study:NAME:pareto)")
     flags = flag_overrides(epochs=epochs)
@@ -72,11 +77,6 @@ def resolve_candidates(specs: Sequence[str], task, *, preset: str | None = None,
 
 
 def _study_candidates(spec: str, task, storage: str | None, flags: dict) -> list[Candidate]:
-    from optuna.trial import TrialState
-
-    from headsearch.search.report import load_study, pareto_front
-    from headsearch.tasks import apply_overrides, resolve_config
-
     parts = spec[len(STUDY_PREFIX):].rsplit(":", 1)
     if len(parts) != 2 or not parts[0] or not parts[1]:
         raise ConfigError(f"config {spec}: write study:NAME:TRIAL (a trial number) or study:NAME:pareto")
@@ -188,10 +188,9 @@ def run_metrics(trial, objectives) -> dict[str, float]:
     (the fair time among them) and parameters."""
     a = trial.user_attrs
     m: dict[str, float] = {}
-    for k, v in (a.get("val_metrics") or {}).items():
-        m[f"val_{k}"] = float(v)
-    for k, v in (a.get("test_metrics") or {}).items():
-        m[f"test_{k}"] = float(v)
+    for split in ("val", "test"):
+        for k, v in (a.get(f"{split}_metrics") or {}).items():
+            m[f"{split}_{k}"] = float(v)
     for o in objectives:
         v = o.trial_value(trial)
         if v is not None and f"val_{o.name}" not in m:
@@ -207,8 +206,6 @@ def comparison(study, grid: ConfigGrid, task, objectives) -> dict[str, Any]:
     {"configs": [{name, config, runs: [{seed, metrics, run_dir, trial, curve}], mean, std}], "differences": [{a, b,
     metric, mean_diff, ci95, p_value, n, distinguishable}], "best": {...}, "seeds", "missing"}; `curve`: epoch -> the validation
     primary metric (the trial's intermediate values)."""
-    from optuna.trial import TrialState
-
     by_point: dict[tuple[int, int], Any] = {}
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
         i, s = t.params.get("config"), t.params.get("seed")
@@ -268,27 +265,19 @@ def robust_search(storage: str, study_name: str | None, seeds: int, *, run_root:
                   workers: int | None = None, cohort: int | None = None):
     """`report --robust N`: the comparison that retrains study `study_name`'s Pareto front with seeds 0..N-1,
     on the search's own task and data (its `headsearch` attributes). Returns (Search, ConfigGrid)."""
-    from headsearch.search.export import data_flag
-    from headsearch.search.report import load_study
-    from headsearch.search.runner import Search, SearchSettings
-    from headsearch.tasks import get_task
-
     check_seeds(seeds, "--robust")
     study = load_study(storage, study_name)
     meta = study.user_attrs.get("headsearch") or {}
     if not meta.get("task"):
         raise ConfigError(f"study {study.study_name} was not written by `headsearch run`: it names no task")
     task = get_task(meta["task"])
-    cands = resolve_candidates([f"{STUDY_PREFIX}{study.study_name}:pareto"], task, storage=storage, allow_one=True)
     data = meta.get("data")
     data_dir = data_file = None
     if data and data != "download":
         data_dir, data_file = (data, None) if data_flag(data) == "--data-dir" else (None, data)
-    settings = SearchSettings(task=task.name, space=ConfigGrid(tuple(cands), seeds), trials=len(cands) * seeds,
-                              sampler="random", pruner="none", storage=storage, study=f"{study.study_name}-robust",
-                              data_dir=data_dir, data_file=data_file, run_root=run_root, device=device,
-                              workers=workers, cohort=cohort)
-    return Search(settings), settings.space
+    return comparison_search([f"{STUDY_PREFIX}{study.study_name}:pareto"], task.name, seeds=seeds, storage=storage,
+                             run_root=run_root, study=f"{study.study_name}-robust", data_dir=data_dir,
+                             data_file=data_file, workers=workers, cohort=cohort, device=device, allow_one=True)
 
 
 def best_config(configs: list[dict], differences: list[dict], task) -> dict[str, Any] | None:
@@ -320,9 +309,6 @@ def _num(v: float) -> float | None:
 def write_comparison(result: dict[str, Any], out_dir: Path) -> list[Path]:
     """comparison.json and, when matplotlib is there, curves.png (the validation curves with a band per
     config) into `out_dir`; each file whole or absent. Returns the paths written."""
-    from headsearch.io import write_atomic
-    from headsearch.jsonsafe import json_safe
-
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise ConfigError(f"--out {out_dir} is a file: pass a folder")
@@ -352,14 +338,15 @@ def comparison_search(configs: Sequence[str], task: str, *, seeds: int, storage:
                       preset: str | None = None, epochs: int | None = None,
                       sets: dict[str, dict[str, Any]] | None = None, study: str | None = None,
                       data_dir: str | None = None, data_file: str | None = None, workers: int | None = None,
-                      cohort: int | None = None, device: str = "auto"):
+                      cohort: int | None = None, device: str = "auto", allow_one: bool = False):
     """The comparison's search (every config x seeds 0..N-1 as a grid, no pruning; its settings checked, its
-    data loadable) and its grid: (Search, ConfigGrid). Nothing is written yet."""
+    data loadable) and its grid: (Search, ConfigGrid). Nothing is written yet. `allow_one`: one config is
+    enough (`robust_search`: a Pareto front of one)."""
     from headsearch.search.runner import Search, SearchSettings
-    from headsearch.tasks import get_task
 
     check_seeds(seeds)
-    cands = resolve_candidates(list(configs), get_task(task), preset=preset, epochs=epochs, storage=storage, sets=sets)
+    cands = resolve_candidates(list(configs), get_task(task), preset=preset, epochs=epochs, storage=storage, sets=sets,
+                               allow_one=allow_one)
     grid = ConfigGrid(tuple(cands), seeds)
     settings = SearchSettings(
         task=task, space=grid, trials=grid.points, sampler="random", pruner="none", storage=storage,

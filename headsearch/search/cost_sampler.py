@@ -20,7 +20,10 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
+import optuna
+from optuna.trial import FixedTrial
 
+from headsearch.config import FUSIONS, SKIPS
 from headsearch.search.hypervolume import front_indices
 from headsearch.search.record import config_key, holds_architecture
 
@@ -41,8 +44,6 @@ class Candidate:
 
 def arch_features(cfg) -> tuple[float, ...]:
     """log2 heads per encoder and decoder layer, skip and fusion one-hot: what the quality is predicted from."""
-    from headsearch.config import FUSIONS, SKIPS
-
     a = cfg.arch
     heads = [math.log2(h) for h in list(a.enc_heads) + list(a.dec_heads or [])]
     return tuple(heads + [float(a.skip == s) for s in SKIPS] + [float(a.fusion == f) for f in FUSIONS])
@@ -142,7 +143,7 @@ def non_dominated(points: Sequence[tuple[float, float]]) -> list[tuple[float, fl
 
 # -- the sampler ----------------------------------------------------------------------------------
 
-class CostAwareSampler:
+class CostAwareSampler(optuna.samplers.BaseSampler):
     """An Optuna sampler over a listed space whose architectures' epoch seconds are known (`candidates`).
 
     Each new trial gets the parameters of one architecture no trial holds or runs: while fewer than
@@ -153,8 +154,6 @@ class CostAwareSampler:
 
     def __init__(self, candidates: Sequence[Candidate], *, quality: int, time: int, maximize: bool, epochs: int,
                  seed: int = 0):
-        import optuna
-
         self.candidates = {c.key: c for c in candidates}
         self.quality, self.time, self.sign, self.epochs = quality, time, 1.0 if maximize else -1.0, epochs
         self.rng = random.Random(seed)
@@ -167,12 +166,6 @@ class CostAwareSampler:
 
     def sample_relative(self, study, trial, search_space):
         return {}
-
-    def before_trial(self, study, trial) -> None:
-        pass
-
-    def after_trial(self, study, trial, state, values) -> None:
-        pass
 
     def reseed_rng(self) -> None:
         self.fallback.reseed_rng()
@@ -241,10 +234,8 @@ class CostAwareSampler:
         points += [scaled(c.cost * self.epochs, m) for c, m in zip(pending, mu[: len(pending)])]  # believed
         front = non_dominated(points)
         reference = (1.0 + REFERENCE_MARGIN, -REFERENCE_MARGIN)
-        scores = []
-        for c, m, s in zip(free, mu[len(pending):], sd[len(pending):]):
-            cost, quality = scaled(c.cost * self.epochs, m)
-            scores.append((ehvi(cost, quality, s / span, front, reference), -c.cost, self.rng.random(), c.key))
+        scores = [(ehvi(*scaled(c.cost * self.epochs, m), s / span, front, reference), -c.cost, self.rng.random(),
+                   c.key) for c, m, s in zip(free, mu[len(pending):], sd[len(pending):])]
         return self.candidates[max(scores)[3]]
 
 
@@ -253,28 +244,15 @@ class CostAwareSampler:
 def candidates(archs, seconds: dict[str, float]) -> list[Candidate]:
     """The architectures of `archs` (a `SpaceArchitectures`: its `listing`, config key -> parameters) with their
     epoch seconds from `seconds` (by config key), each with its features."""
-    from optuna.trial import FixedTrial
-
-    from headsearch.errors import ConfigError
-
-    listing = archs.listing()
-    if listing is None:
-        raise ConfigError(f"the cost-aware sampler needs a space it can list; space {archs.definition.space.name} has a continuous range")
-    out = []
-    for key, params in listing.items():
-        cfg = archs.sample_config(FixedTrial(params), archs.definition.device)
-        out.append(Candidate(key, dict(params), arch_features(cfg), float(seconds[key])))
-    return out
+    device = archs.definition.device
+    return [Candidate(key, dict(params), arch_features(archs.sample_config(FixedTrial(params), device)),
+                      float(seconds[key])) for key, params in archs.listing().items()]
 
 
 def cost_aware_sampler(definition, costs: list[Candidate], seed: int) -> CostAwareSampler:
     """The sampler of a search (its `SearchDefinition`) over the architectures' `costs`: quality x time, as
-    `headsearch run`'s default objectives."""
-    from headsearch.errors import ConfigError
-
+    `headsearch run`'s default objectives (`costs.check_cost_search` refused any other search before)."""
     names = [o.name for o in definition.objectives]
     primary = definition.task.primary
-    if len(names) != 2 or primary.name not in names or "time" not in names:
-        raise ConfigError(f"the cost-aware sampler searches {primary.name} x time (objectives {', '.join(names)})")
     return CostAwareSampler(costs, quality=names.index(primary.name), time=names.index("time"),
                             maximize=primary.direction == "maximize", epochs=definition.base.train.epochs, seed=seed)

@@ -12,12 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from optuna.trial import TrialState
 
 from headsearch.errors import HeadsearchError
 from headsearch.io import write_atomic
-from headsearch.search.objectives import CONVERGENCE, Objective, objective_for, objectives_of
+from headsearch.search.objectives import CONVERGENCE, Objective, known_names, objective_for, objectives_of
 from headsearch.search.report import load_study, pareto_front, trial_state
-from headsearch.tasks import resolve_config
+from headsearch.tasks import get_task, resolve_config
 
 
 def export_configs(
@@ -73,8 +74,6 @@ def export_configs(
 
 
 def _one_trial(study, number: int):
-    from optuna.trial import TrialState
-
     trials = study.get_trials(deepcopy=False)
     match = [t for t in trials if t.number == number]
     if not match:
@@ -97,20 +96,15 @@ def _one_trial(study, number: int):
 def _best_on(study, name: str):
     """The complete trial best on an objective of the study (its value), else on a validation metric
     of its task or a convergence objective (their values recorded in the trial)."""
-    from optuna.trial import TrialState
-
     complete = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.values is not None]
     objectives = objectives_of(study)
     meta = study.user_attrs.get("headsearch") or {}
     task = None
     if meta.get("task"):
         try:
-            from headsearch.tasks import get_task
-
             task = get_task(meta["task"])
         except HeadsearchError:
             pass
-    metric_names = [m.name for m in task.metrics] if task is not None else []
     names = [o.name for o in objectives]
     objective: Objective | None
     if name in names:
@@ -120,7 +114,7 @@ def _best_on(study, name: str):
         # A metric of the task (recorded on the validation split), or time/epochs/params.
         objective = objective_for(task, name)
         if objective is None:
-            known = list(dict.fromkeys(names + metric_names + list(CONVERGENCE)))
+            known = list(dict.fromkeys(names + (known_names(task) if task is not None else list(CONVERGENCE))))
             raise HeadsearchError(f"--best {name}: not an objective or metric of study {study.study_name}: use one of {', '.join(known)}")
         key = objective.trial_value
     scored = [(key(t), t) for t in complete]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from headsearch.search.optuna_private import compute_hypervolume
+
 
 def minimised(values: Sequence[float], directions: Sequence[str]) -> list[float]:
     """`values` as a point to minimise: a maximised one negated, any other kept."""
@@ -23,8 +25,6 @@ def front_indices(points: Sequence[Sequence[float]]) -> list[int]:
 
 def hypervolume(points: Sequence[Sequence[float]], reference: Sequence[float]) -> float:
     """Optuna's hypervolume of `points` (minimised) up to `reference`; 0 for no points."""
-    from headsearch.search.optuna_private import compute_hypervolume
-
     return compute_hypervolume(points, reference) if points else 0.0
 
 

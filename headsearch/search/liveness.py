@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 import uuid
+import warnings
 import zlib
 from pathlib import Path
 from typing import Any, Callable
@@ -28,15 +29,12 @@ from typing import Any, Callable
 from headsearch.environment import env_value
 from headsearch.errors import HeadsearchError, cause_chain
 from headsearch.search.optuna_private import PRIVATE_STORAGE_CALLS, inner_backend
+from headsearch.search.storage import storage_scheme
 from headsearch.search.storage.locks import Silence
 
 
 class StorageUnavailable(HeadsearchError):
     """The storage could not be reached for `patience` seconds: the search stops; resuming retries its trials."""
-
-
-def storage_patience() -> float:
-    return env_value("HEADSEARCH_STORAGE_PATIENCE")
 
 
 # The driver errors that mean the server is not there, or not now (not a bad query, not a constraint).
@@ -81,17 +79,16 @@ class _Notice:
         print(line, file=sys.stderr, flush=True)
 
 
-def patient(storage, url: str, patience: float | None = None, say: Callable[[str], None] | None = None):
+def patient(storage, url: str, patience: float | None = None):
     """`storage` (an Optuna storage object, changed in place and returned) whose calls are tried again while
-    the storage cannot be reached, for up to `patience` seconds (`storage_patience()`), then raise
+    the storage cannot be reached, for up to `patience` seconds (HEADSEARCH_STORAGE_PATIENCE), then raise
     StorageUnavailable. Its class becomes a subclass of its own, so Optuna treats it exactly as before
     (an RDBStorage still gets Optuna's cache, heartbeats still count as heartbeats)."""
-    patience = storage_patience() if patience is None else patience
-    say = say or _Notice()
+    patience = env_value("HEADSEARCH_STORAGE_PATIENCE") if patience is None else patience
     # A journal's calls are retried at its backend's reads and appends (retrying a whole storage call would
     # append its records twice); a database's at each storage call (each is one transaction).
     backend = inner_backend(storage)
-    _make_patient(backend if backend is not None else storage, url, patience, say)
+    _make_patient(backend if backend is not None else storage, url, patience, _Notice())
     return storage
 
 
@@ -137,8 +134,6 @@ class TrialLeases:
     alive by changing; `SilenceWatch` judges it."""
 
     def __init__(self, url: str, study_name: str):
-        from headsearch.search.storage import storage_scheme
-
         scheme = storage_scheme(url)
         self.url, self.study_name = scheme.normalize(url), study_name
         self.owner = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -231,8 +226,6 @@ def finished_trial_error() -> type[Exception]:
 
 def retry_callback(max_retry: int = 2):
     """Optuna's callback that re-enqueues a failed trial as WAITING (at most `max_retry` times)."""
-    import warnings
-
     import optuna
 
     with warnings.catch_warnings():

@@ -18,8 +18,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from optuna.trial import TrialState
+
 from headsearch.search.optuna_private import TrialNoteTarget, note_body, study_storage
 from headsearch.search.pruning import rule_rungs, rung_epochs
+from headsearch.search.report import pruned_text, pruning_savings
+from headsearch.search.rungcheck import primary_direction
 
 NOTES_KEY = "headsearch:notes"  # {"study" | "trial:<number>": digest of the note headsearch wrote there}
 
@@ -91,8 +95,6 @@ def point_words(trial, epoch: int, meta: Mapping[str, Any], direction: str | Non
 def pruned_note(trial, meta: Mapping[str, Any], direction: str | None = None) -> str:
     """The Markdown note of a trial headsearch pruned, from its ``user_attrs["pruned"]`` (older records lack
     "ahead" and "margin": those sentences are left out)."""
-    from headsearch.search.report import pruned_text
-
     p = trial.user_attrs.get("pruned") or {}
     epoch, rule = p.get("epoch"), p.get("rule") or meta.get("pruner") or "?"
     if not isinstance(epoch, int):
@@ -146,10 +148,6 @@ def plan_line(meta: Mapping[str, Any]) -> str:
 
 def study_note(study, meta: Mapping[str, Any]) -> str:
     """The study's Markdown note: the pruning plan and what pruning saved."""
-    from optuna.trial import TrialState
-
-    from headsearch.search.report import pruning_savings
-
     trials = study.get_trials(deepcopy=False)
     s = pruning_savings(trials, meta.get("epochs"))
     pruned = [t for t in trials if _pruned_by_headsearch(t)]
@@ -169,8 +167,6 @@ def _count(n: int, noun: str) -> str:
 
 
 def _pruned_by_headsearch(t) -> bool:
-    from optuna.trial import TrialState
-
     return t.state == TrialState.PRUNED and "rejected" not in t.user_attrs and isinstance(t.user_attrs.get("pruned"), dict)
 
 
@@ -184,14 +180,8 @@ def write_dashboard_notes(study) -> NotesWritten:
     """Write the notes (see the module docstring) into `study`'s storage. ImportError without optuna-dashboard."""
     from optuna_dashboard import save_note
 
-    from headsearch.errors import HeadsearchError
-    from headsearch.search.audit import primary_direction
-
     meta = study.user_attrs.get("headsearch") or {}
-    try:
-        direction = primary_direction(study, meta)
-    except HeadsearchError:
-        direction = None
+    direction = primary_direction(meta)
     storage, study_id = study_storage(study)
     attrs = storage.get_study_system_attrs(study_id)
     ours = dict(attrs.get(NOTES_KEY) or {})

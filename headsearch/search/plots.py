@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import re
 import textwrap
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from headsearch.errors import HeadsearchError
+from headsearch.search.artifacts import upload_plots
 from headsearch.search.objectives import axis_label
-from headsearch.search.report import StudyReport, importance_evaluator
+from headsearch.search.report import StudyReport, importance_evaluator, trial_state
 
 GREY = "#b0b0b0"
 FRONT = "#d62728"
@@ -70,11 +72,7 @@ def write_plots(study, report: StudyReport, out_dir: Path) -> tuple[list[Path], 
         raise HeadsearchError(f"--plots {out_dir} is a file: pass a folder")
     out_dir.mkdir(parents=True, exist_ok=True)
     prefix = out_dir / _safe(report.study)
-    paths: list[Path] = []
-    if len(report.objectives) >= 2:
-        paths.append(_pareto(study, report, prefix))
-    else:
-        paths.append(_history(study, report, prefix))
+    paths: list[Path] = [_pareto(report, prefix) if len(report.objectives) >= 2 else _history(report, prefix)]
     curves = _curve_rows(study, report)  # read once, drawn twice
     paths.append(_curves(curves, prefix))
     paths.append(_importances(report, prefix))
@@ -90,8 +88,6 @@ def write_plots(study, report: StudyReport, out_dir: Path) -> tuple[list[Path], 
 def publish_plots(study, report: StudyReport, out_dir: Path, artifact_dir: Path, stored) -> PublishedPlots:
     """`report --plots`: write the files, upload the PNGs as artifacts, save the figures in the study
     (`stored`: the `StudyStorage` the study was opened on)."""
-    from headsearch.search.artifacts import upload_plots
-
     paths, figures = write_plots(study, report, out_dir)
     pngs = [p for p in paths if p.suffix == ".png"]
     done = PublishedPlots(files=paths, artifacts=dict(zip(pngs, upload_plots(study, pngs, artifact_dir, stored))))
@@ -105,11 +101,9 @@ def publish_plots(study, report: StudyReport, out_dir: Path, artifact_dir: Path,
     return done
 
 
-def plotly_figures(study, report: StudyReport, curves=None) -> dict[str, Any]:
+def plotly_figures(study, report: StudyReport, curves) -> dict[str, Any]:
     """The interactive figures, by graph-object id (a valid HTML id: the dashboard keys them by it);
-    `curves`: `_curve_rows` of the study, when the caller has them already."""
-    import warnings
-
+    `curves`: `_curve_rows` of the study (read once by `write_plots`, drawn here and in its PNG)."""
     import optuna.visualization as ov
 
     objectives = report.objectives
@@ -129,7 +123,7 @@ def plotly_figures(study, report: StudyReport, curves=None) -> dict[str, Any]:
             fig = ov.plot_optimization_history(study, target_name=axis_label(o.name, o.direction))
             fig.update_layout(title=f"{report.study}: {o.name} per trial")
             figures["headsearch-objective"] = fig
-        figures["headsearch-learning-curves"] = _curves_figure(curves or _curve_rows(study, report))
+        figures["headsearch-learning-curves"] = _curves_figure(curves)
         if report.rung_check:
             figures["headsearch-rungs"] = _rungs_figure(report)
         for i, (o, imp) in enumerate(zip(objectives, report.importances)):
@@ -145,19 +139,12 @@ def plotly_figures(study, report: StudyReport, curves=None) -> dict[str, Any]:
 
 # -- data -----------------------------------------------------------------------------------
 
-def _complete_points(study, report: StudyReport) -> list[dict[str, Any]]:
-    """Complete trials (duplicates left out: they sit on their twin's point)."""
-    from optuna.trial import TrialState
-
+def _complete_points(report: StudyReport) -> list[dict[str, Any]]:
+    """Complete trials (duplicates left out: they sit on their twin's point), from the report's rows."""
     front = {r.number: r.duplicates for r in report.front}
-    pts = []
-    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-        if t.values is None or t.user_attrs.get("duplicate_of") is not None:
-            continue
-        dups = front.get(t.number, [])
-        pts.append({"number": t.number, "values": list(t.values), "arch": t.user_attrs.get("arch", ""),
-                    "front": t.number in front, "label": str(t.number) + "".join(f"={d}" for d in dups)})
-    return pts
+    return [{"number": r.number, "values": [r.values[o.name] for o in report.objectives], "arch": r.arch,
+             "front": r.number in front, "label": str(r.number) + "".join(f"={d}" for d in front.get(r.number, []))}
+            for r in report.trials if r.state == "complete" and r.duplicate_of is None]
 
 
 LABEL_WIDTH = 45  # characters of an axis label per line: the time axis's label is longer than a figure is tall
@@ -189,9 +176,9 @@ def _save_html(fig, path: Path, div_id: str) -> Path:
 
 # -- the Pareto front -----------------------------------------------------------------------
 
-def _pareto(study, report: StudyReport, prefix: Path) -> Path:
+def _pareto(report: StudyReport, prefix: Path) -> Path:
     ox, oy = report.objectives[0], report.objectives[1]
-    pts = _complete_points(study, report)
+    pts = _complete_points(report)
     title = f"{report.study}: Pareto front ({ox.name} vs {oy.name}, {len(pts)} complete trials, duplicates merged)"
     more = len(report.objectives) > 2
     if more:
@@ -221,10 +208,10 @@ def _pareto(study, report: StudyReport, prefix: Path) -> Path:
     return _save_png(fig, prefix.with_name(prefix.name + "-pareto-front.png"))
 
 
-def _history(study, report: StudyReport, prefix: Path) -> Path:
+def _history(report: StudyReport, prefix: Path) -> Path:
     """One objective: its value per trial, the best highlighted."""
     o = report.objectives[0]
-    pts = _complete_points(study, report)
+    pts = _complete_points(report)
     title = f"{report.study}: {o.name} per complete trial (best highlighted)"
     fig = _figure()
     ax = fig.add_subplot()
@@ -265,22 +252,21 @@ def _anytime(report: StudyReport, prefix: Path) -> Path:
 
 # -- the rung check -------------------------------------------------------------------------
 
-def _rung_text(report: StudyReport) -> tuple[str, str]:
-    """The rung figure's title and y label (`headsearch.search.rungcheck`)."""
+def _rung_rows(report: StudyReport) -> tuple[list, list, str, str]:
+    """The rung figure's rows with a rho, those at a rung, its title and y label (`headsearch.search.rungcheck`)."""
+    rows = [r for r in report.rung_check if r.rho is not None]
     n = max(r.n for r in report.rung_check)
     metric = report.primary_metric or "value"
     title = (f"{report.study}: do early ranks predict final ones? ({n} trials that ran to the end)\n"
              f"Spearman's rho of each epoch's best {metric} so far with the final {metric}; rungs marked")
-    return title, f"Spearman's rho with the final {metric}"
+    return rows, [r for r in rows if r.is_rung], title, f"Spearman's rho with the final {metric}"
 
 
 def _rungs(report: StudyReport, prefix: Path) -> Path:
     """Spearman's rho against epoch, the pruner's rungs marked: a rung where rho is low prunes by chance."""
     from matplotlib.ticker import MaxNLocator
 
-    rows = [r for r in report.rung_check if r.rho is not None]
-    rungs = [r for r in rows if r.is_rung]
-    title, ylabel = _rung_text(report)
+    rows, rungs, title, ylabel = _rung_rows(report)
     fig = _figure((7.5, 4.5))
     ax = fig.add_subplot()
     ax.axhline(0.0, color=GREY, lw=1)
@@ -304,9 +290,7 @@ def _rungs_figure(report: StudyReport):
     """The rung check as a plotly figure (for the dashboard and the HTML file)."""
     import plotly.graph_objects as go
 
-    rows = [r for r in report.rung_check if r.rho is not None]
-    rungs = [r for r in rows if r.is_rung]
-    title, ylabel = _rung_text(report)
+    rows, rungs, title, ylabel = _rung_rows(report)
     g = go.Figure()
     g.add_trace(go.Scatter(x=[r.epoch for r in rows], y=[r.rho for r in rows], mode="lines+markers", name="every epoch",
                            hovertext=[f"epoch {r.epoch}: rho {r.rho:.3f} over {r.n} trials" for r in rows], hoverinfo="text"))
@@ -323,8 +307,6 @@ def _rungs_figure(report: StudyReport):
 
 def _curve_rows(study, report: StudyReport) -> tuple[list[dict[str, Any]], str, str]:
     """Each trial's intermediate values (duplicates left out), the title and the y label."""
-    from headsearch.search.report import trial_state
-
     metric = report.primary_metric or "intermediate value"
     direction = next((o.direction for o in report.objectives if o.name == report.primary_metric), None)
     curves = []

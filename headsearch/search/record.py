@@ -74,7 +74,7 @@ def holds_architecture(t) -> bool:
 def holds_point(t) -> bool:
     """Whether trial `t` holds its grid point (a comparison's config x seed): finished, running, waiting (a
     retry is enqueued for it) or failed for good."""
-    return t.state.name in ("COMPLETE", "PRUNED", "RUNNING", "WAITING") or failed_for_good(t)
+    return counts_toward_budget(t) or failed_for_good(t)
 
 
 def was_trained(t) -> bool:

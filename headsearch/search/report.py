@@ -12,11 +12,18 @@ Opening a study never creates anything: a sqlite or journal URL must name an exi
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import datetime
 import math
 import sqlite3
+import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
+
+import optuna
+from optuna.importance import PedAnovaImportanceEvaluator
+from optuna.trial import TrialState
 
 from headsearch.config import stable_key
 from headsearch.errors import HeadsearchError
@@ -24,14 +31,12 @@ from headsearch.jsonsafe import json_safe
 from headsearch.search.costs import study_cost_summary
 from headsearch.search.hypervolume import dominates, front_indices, hypervolume, minimised, scale_minimised
 from headsearch.search.objectives import Objective, directions_of, objectives_of
-from headsearch.search.ranks import metric_direction as _metric_direction  # the name audit.py imports from here
-from headsearch.search.ranks import spearman
+from headsearch.search.ranks import metric_direction, spearman
 from headsearch.search.record import was_trained
+from headsearch.search.rungcheck import RungCorrelation, check_rungs
 from headsearch.search.snapshot import count_states, trial_state
 from headsearch.search.storage import check_sqlite_file, journal_path, open_storage, sqlite_path
-
-if TYPE_CHECKING:
-    from headsearch.search.rungcheck import RungCorrelation
+from headsearch.search.study import StudyStorage
 
 
 # -- opening a study without creating anything ----------------------------------------------
@@ -46,11 +51,8 @@ def open_existing_storage(url: str):
             raise HeadsearchError(f"storage {url}: no database file {db}: {where}")
         check_sqlite_file(url, db)
         try:
-            con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-            try:
+            with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as con:
                 tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-            finally:
-                con.close()
         except sqlite3.Error as e:
             raise HeadsearchError(f"storage {url}: {db} is not a SQLite database ({e}): {where}") from None
         if "studies" not in tables:
@@ -73,10 +75,6 @@ def load_study(storage_url: str, study_name: str | None):
 
 def load_study_stored(storage_url: str, study_name: str | None):
     """`load_study`, and the study's `StudyStorage` (the storage object it was loaded from)."""
-    import optuna
-
-    from headsearch.search.study import StudyStorage
-
     storage = open_existing_storage(storage_url)
     try:
         names = study_names(storage)
@@ -235,8 +233,6 @@ def trial_note(t, state: str, primary_direction: str | None) -> str:
 
 def pareto_front(study) -> list:
     """Study.best_trials (several objectives) or [best_trial] (one); checked to be non-dominated."""
-    from optuna.trial import TrialState
-
     complete = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.values is not None]
     if not complete:
         return []
@@ -280,11 +276,6 @@ def param_importances(study, objectives: list[Objective]) -> list[Importance]:
     they matter for reaching the best values of `target`, which it takes as lower-is-better: a
     maximised objective is negated here.
     """
-    import warnings
-
-    import optuna
-    from optuna.trial import TrialState
-
     complete = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.values is not None]
     out = []
     for i, obj in enumerate(objectives):
@@ -292,7 +283,7 @@ def param_importances(study, objectives: list[Objective]) -> list[Importance]:
         sign = -1.0 if obj.direction == "maximize" else 1.0
         if len(complete) < 2:
             imp.error = f"needs at least 2 complete trials ({len(complete)} so far)"
-        elif len({json_key(t.params) for t in complete}) < 2:
+        elif len({stable_key(t.params) for t in complete}) < 2:
             imp.error = "every complete trial has the same parameters"
         elif len({t.values[i] for t in complete}) < 2:
             imp.error = f"{obj.name} is the same ({complete[0].values[i]:.4g}) in every complete trial"
@@ -317,13 +308,7 @@ def param_importances(study, objectives: list[Objective]) -> list[Importance]:
 def importance_evaluator():
     """PED-ANOVA (Watanabe et al. 2023), named rather than left to Optuna's default: that is PED-ANOVA from
     Optuna 5 but fANOVA, which needs scikit-learn, before it (Optuna 3.6 to 4.x have PED-ANOVA too)."""
-    from optuna.importance import PedAnovaImportanceEvaluator
-
     return PedAnovaImportanceEvaluator()
-
-
-def json_key(x: Any) -> str:
-    return stable_key(x)
 
 
 def pruning_savings(trials, default_epochs: int | None) -> Savings:
@@ -365,10 +350,6 @@ def anytime_curve(trials, directions: Sequence[str]) -> list[AnytimePoint]:
     complete. Every objective is minimised and scaled to [0, 1] over the study's complete trials, the
     reference point 10% beyond the worst (as the simulator scores a replay). A study with no complete
     trial has no curve."""
-    import datetime
-
-    from optuna.trial import TrialState
-
     latest = datetime.datetime.max
     trained = sorted((t for t in trials if was_trained(t)), key=lambda t: (t.datetime_complete or latest, t.number))
     complete = [t for t in trained if t.state == TrialState.COMPLETE and t.values is not None]
@@ -404,7 +385,7 @@ def summarize(storage_url: str, study_name: str | None = None, *, study=None) ->
     objectives = objectives_of(study)
     trials = study.get_trials(deepcopy=False)
     primary = meta.get("primary_metric")
-    primary_direction = _metric_direction(meta.get("task"), primary)
+    primary_direction = metric_direction(meta.get("task"), primary)
 
     rows = []
     for t in trials:
@@ -419,8 +400,6 @@ def summarize(storage_url: str, study_name: str | None = None, *, study=None) ->
     settings = {k: meta[k] for k in ("sampler", "pruner", "seed", "trials", "data", "run_root") if k in meta}
     if "space" in meta:
         settings["space"] = meta["space"].get("name")
-    from headsearch.search.rungcheck import check_rungs  # here: rungcheck imports optuna (through pruning)
-
     rung_check, rung_warning = check_rungs(trials, meta)
     costs = study_cost_summary(study)
     return StudyReport(
@@ -438,8 +417,6 @@ def summarize(storage_url: str, study_name: str | None = None, *, study=None) ->
 
 def diversity_correlations(trials, objectives) -> dict[str, dict[str, float | None]]:
     """How each tracked diversity scalar (docs/design.md §5) relates to each objective across complete trials."""
-    from optuna.trial import TrialState
-
     done = [t for t in trials if t.state == TrialState.COMPLETE and t.user_attrs.get("diversity")
             and "duplicate_of" not in t.user_attrs]
     if not done:

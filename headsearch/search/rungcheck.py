@@ -28,6 +28,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from optuna.trial import TrialState
+
 from headsearch.search.pruning import rule_rungs, rung_epochs
 from headsearch.search.ranks import metric_direction, spearman
 
@@ -51,8 +53,6 @@ class RungCorrelation:
 def ran_to_the_end(t: Any) -> bool:
     """A trial with a final value to compare with: COMPLETE, trained itself (not a duplicate reusing a twin's
     curve, not a rejected architecture), with a value at its last epoch (`epochs_run` when recorded)."""
-    from optuna.trial import TrialState
-
     a = t.user_attrs
     if t.state != TrialState.COMPLETE or a.get("duplicate_of") is not None or "rejected" in a:
         return False
@@ -199,8 +199,6 @@ class RungWatch:
 
     def warning(self, trials, final: bool = False) -> str | None:
         """The warning when it is first due, else None; `final`: the run's last look, not held back by `every`."""
-        from optuna.trial import TrialState
-
         if self.done:
             return None
         complete = sum(1 for t in trials if t.state == TrialState.COMPLETE)

@@ -12,6 +12,8 @@ import contextlib
 import warnings
 from typing import TYPE_CHECKING, Any, Callable
 
+from optuna.trial import TrialState
+
 from headsearch.config import RunConfig
 from headsearch.errors import ConfigError, HeadsearchError
 from headsearch.search.liveness import SilenceWatch, finished_trial_error, retry_callback
@@ -63,8 +65,6 @@ class Scheduler:
                         continue  # another worker took the last place meanwhile: count again
 
     def _next_trial_once(self, study):
-        from optuna.trial import TrialState
-
         s, trials_wanted = self.definition, self.definition.settings.trials
         while True:
             self.dead.fail(study)  # a dead worker's trial -> FAIL, re-enqueued as WAITING
@@ -133,8 +133,6 @@ class Scheduler:
         counted, holds no architecture) and `_OverBudget` raised. Every worker sees the same order, so whoever
         asked last backs off: a worker paused past its lock's silence limit, a broken lock, a symlinked path
         that got a second lock, an NFS client caching a lock file's time, enqueued trials beyond --trials."""
-        from optuna.trial import TrialState
-
         # Trial ids, not numbers: an id is the storage's order of creation (a database's key, a journal's
         # record), where two trials created at once on a database without the lock could share a number.
         mine = trial_id(trial)
@@ -150,8 +148,6 @@ class Scheduler:
         """`trial`, its config sampled and kept for its beginning; or None when a trial in `trials` holds its
         architecture already: then it is told FAIL with user_attr duplicate_of (neither trained nor counted).
         A config that cannot be built is returned as is (its beginning rejects it and says why)."""
-        from optuna.trial import TrialState
-
         try:
             cfg = self.archs.sample_config(trial, self.definition.device)
         except ConfigError:
@@ -185,8 +181,6 @@ class DeadTrials:
         self._silence: SilenceWatch | None = None  # running trials without a sign of life, as this worker saw them
 
     def fail(self, study) -> None:
-        from optuna.trial import TrialState
-
         store = self.handle.store_of(study)
         if not store.tells_dead_workers:
             return
@@ -212,8 +206,6 @@ class DeadTrials:
 
     def _give_up(self, study, dead_id: int, reason: str) -> None:
         """Tell a dead worker's trial FAIL with `reason` (not counted, holds no architecture) and retry it."""
-        from optuna.trial import TrialState
-
         store = self.handle.store_of(study)
         try:
             store.storage.set_trial_user_attr(dead_id, "fail_reason", reason)

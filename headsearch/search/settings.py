@@ -6,6 +6,7 @@ dashes; a repeatable option (`repeat`) is its field's name in the singular, one 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
 import math
 import typing
@@ -15,7 +16,9 @@ from typing import Any, Callable
 
 from headsearch.environment import check_environment
 from headsearch.errors import ConfigError
+from headsearch.io import folder_problem
 from headsearch.search.storage import DEFAULT_STORAGE
+from headsearch.search.study import SAMPLERS
 
 MAX_COHORT = 64
 
@@ -61,8 +64,6 @@ def _number(low: float, high: float = math.inf, above: bool = False) -> Callable
 
 
 def _known_sampler(name: Any) -> bool:
-    from headsearch.search.study import SAMPLERS
-
     if name not in SAMPLERS:
         raise ConfigError(f"unknown sampler {name!r}: use one of {', '.join(SAMPLERS)}")
     return True
@@ -258,8 +259,6 @@ def check_settings(s: SearchSettings) -> None:
 
 def check_run_root(root: Path, study: str | None = None) -> None:
     """The trials' run directories go under `root`/`study`: it must be (or become) a writable folder."""
-    from headsearch.io import folder_problem
-
     if problem := folder_problem(root, "the trials' run directories"):
         raise ConfigError(f"--run-root {root}{problem}")
     if study and (Path(root) / study).exists() and not (Path(root) / study).is_dir():
@@ -295,8 +294,6 @@ def load_callback(spec: str):
     """`module:attr` (attr may be dotted) imported: an Optuna callback `(study, FrozenTrial) -> None`, as
     `study.optimize(callbacks=...)` takes (optuna-integration's W&B and MLflow callbacks are such objects).
     A spec, so that spawned workers import it too. One-line ConfigError when it cannot be loaded."""
-    import importlib
-
     module_name, colon, attr = spec.partition(":")
     if not colon or not module_name or not attr:
         raise ConfigError(f"--callback {spec}: write module:attr, e.g. my_trackers:wandb_callback")

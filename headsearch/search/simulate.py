@@ -25,11 +25,18 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import optuna
+import torch
+from optuna.trial import FixedTrial
+
 from headsearch.config import RunConfig
-from headsearch.search.cost_sampler import COST_AWARE
+from headsearch.search.cost_sampler import COST_AWARE, candidates
 from headsearch.errors import ConfigError
 from headsearch.search.hypervolume import front_indices, hypervolume, scale_minimised
+from headsearch.search.objectives import MINIMIZE, Objective
+from headsearch.search.snapshot import count_states
 from headsearch.search.table import arch_key, overrides_of
+from headsearch.training.clock import ALONE_SETTLE, ALONE_STEPS
 from headsearch.training.trainer import EpochRecord, TrainResult
 
 REFERENCE = 1.1  # every objective scaled to [0, 1]: the reference point lies 10% beyond the worst
@@ -63,6 +70,20 @@ def table_row(table: dict[str, Any], rows: dict[str, Any], cfg: RunConfig) -> di
         raise ConfigError(f"the search sampled an architecture the table does not hold ({key}): build the table"
                           " for this space, task and preset with `headsearch table`")
     return rows[key]
+
+
+def run_result(table: dict[str, Any], arch: dict[str, Any], run: dict[str, Any]) -> TrainResult:
+    """One of `arch`'s runs in `table` (a row and one of its seeds) as the `TrainResult` its training would give:
+    the best epoch the earliest of the best values, times from the run's epoch seconds."""
+    curve, seconds = run["curve"], run["epoch_seconds"]
+    maximize = table["direction"] == "maximize"
+    best = max(range(len(curve)), key=lambda i: (curve[i] if maximize else -curve[i], -i)) + 1
+    metric = table["primary_metric"]
+    return TrainResult(status="completed", primary_metric=metric, params=arch["params"], epochs_run=len(curve),
+                       best_epoch=best, best_value=curve[best - 1], best_train_seconds=best * seconds,
+                       epoch_seconds_alone=seconds, best_seconds_alone=best * seconds,
+                       train_seconds=len(curve) * seconds, best_metrics={metric: curve[best - 1]},
+                       test_metrics=dict(run.get("test") or {}))
 
 
 class TableCohort:
@@ -108,8 +129,6 @@ class TableCohort:
         heapq.heappush(self.events, (self.now + self.slots[slot].run["epoch_seconds"], self._order, slot))
 
     def train_epoch(self) -> list[TableEnd]:
-        import optuna
-
         self.now, _, slot = heapq.heappop(self.events)
         s = self.slots[slot]
         s.epoch += 1
@@ -127,18 +146,7 @@ class TableCohort:
             self._schedule(slot)
             return []
         del self.slots[slot]
-        return [TableEnd(slot, s.tag, self._result(s), None)]
-
-    def _result(self, s: _Slot) -> TrainResult:
-        curve, seconds = s.run["curve"], s.run["epoch_seconds"]
-        maximize = self.table["direction"] == "maximize"
-        best = max(range(len(curve)), key=lambda i: (curve[i] if maximize else -curve[i], -i)) + 1
-        metric = self.table["primary_metric"]
-        return TrainResult(status="completed", primary_metric=metric, params=s.row["params"], epochs_run=len(curve),
-                           best_epoch=best, best_value=curve[best - 1], best_train_seconds=best * seconds,
-                           epoch_seconds_alone=seconds, best_seconds_alone=best * seconds,
-                           train_seconds=len(curve) * seconds, best_metrics={metric: curve[best - 1]},
-                           test_metrics=dict(s.run.get("test") or {}))
+        return [TableEnd(slot, s.tag, run_result(self.table, s.row, s.run), None)]
 
     def interrupt(self) -> list[TableEnd]:
         ends = [TableEnd(i, s.tag, TrainResult(status="interrupted", primary_metric="", params=0), None)
@@ -195,11 +203,6 @@ def simulation_search(table: dict[str, Any], *, space: str, trials: int, sampler
 
 def table_candidates(search, table: dict[str, Any]) -> list:
     """The space's architectures with the table's epoch seconds (the mean over its seeds) as their measured cost."""
-    import torch
-    from optuna.trial import FixedTrial
-
-    from headsearch.search.cost_sampler import candidates
-
     rows = {arch_key(a["overrides"]): a for a in table["architectures"]}
     seconds = {}
     for key, params in (search.archs.listing() or {}).items():
@@ -212,8 +215,6 @@ def measuring_seconds(table: dict[str, Any]) -> float:
     """What measuring every architecture's cost before training takes (`headsearch.search.costs`) at the table's
     epoch seconds: `measure_alone`'s ALONE_SETTLE + min(ALONE_STEPS, steps per epoch) steps of each, steps per
     epoch from the runs' train_limit and batch size. Its warm-up is not counted: a table does not record it."""
-    from headsearch.training.clock import ALONE_SETTLE, ALONE_STEPS
-
     train, data = table["base_config"]["train"], table["base_config"]["data"]
     if not data.get("train_limit"):
         raise ConfigError("the table's runs name no data.train_limit: the cost measurement's share of an epoch is"
@@ -225,12 +226,8 @@ def measuring_seconds(table: dict[str, Any]) -> float:
     return sum(statistics.fmean(r["epoch_seconds"] for r in a["runs"]) * timed / steps for a in table["architectures"])
 
 
-def replay(search, table: dict[str, Any], *, workers: int = 1, table_seed: int | None = None, truth=None) -> Replay:
+def replay(search, table: dict[str, Any], *, workers: int = 1, truth=None) -> Replay:
     """Run `search` (from `simulation_search`) against `table` with `workers` slots; score its front."""
-    import optuna
-
-    from headsearch.search.snapshot import count_states
-
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     seed = search.settings.seed
     storage = optuna.storages.InMemoryStorage()
@@ -238,17 +235,15 @@ def replay(search, table: dict[str, Any], *, workers: int = 1, table_seed: int |
     study = optuna.create_study(storage=storage, directions=search.directions, sampler=search.make_sampler(0),
                                 pruner=search.make_pruner()[0])
     search.adopt(study, storage)
-    cohort = TableCohort(table, workers, random.Random(seed if table_seed is None else table_seed))
+    cohort = TableCohort(table, workers, random.Random(seed))
     if search.sampler_name() == COST_AWARE:  # the costs are measured before the first trial starts
         cohort.now = measuring_seconds(table)
     search.run(study, cohort)
     trials = study.get_trials(deepcopy=False)
     counts = count_states(trials)
-    front_keys = []
-    for t in study.best_trials if len(search.objectives) > 1 else [study.best_trial]:
-        key = arch_key(overrides_of(t.user_attrs["config"], table["base_config"]))
-        if key not in front_keys:
-            front_keys.append(key)
+    front = study.best_trials if len(search.objectives) > 1 else [study.best_trial]
+    front_keys = list(dict.fromkeys(arch_key(overrides_of(t.user_attrs["config"], table["base_config"]))
+                                    for t in front))
     truth = truth or true_points(table, [o.name for o in search.objectives], search.directions)
     hv, recall = score(front_keys, truth)
     rows = [{"number": t.number, "arch": t.user_attrs.get("arch"), "state": t.state.name, "epochs": len(t.intermediate_values),
@@ -274,14 +269,8 @@ class Truth:
 
 def arch_values(arch: dict[str, Any], names: Sequence[str], table: dict[str, Any]) -> list[float]:
     """An architecture's objective values, the mean over its seeds of what a search would record."""
-    maximize = table["direction"] == "maximize"
-    per_run = []
-    for r in arch["runs"]:
-        curve = r["curve"]
-        best = max(range(len(curve)), key=lambda i: (curve[i] if maximize else -curve[i], -i)) + 1
-        v = {table["primary_metric"]: curve[best - 1], "time": best * r["epoch_seconds"], "epochs": float(best),
-             "params": float(arch["params"])}
-        per_run.append([v[n] for n in names])
+    # Each run's TrainResult read as the search reads a trial's objectives (the direction plays no part in a value).
+    per_run = [[Objective(n, MINIMIZE).value(run_result(table, arch, r)) for n in names] for r in arch["runs"]]
     return [statistics.fmean(col) for col in zip(*per_run)]
 
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from optuna.study import StudyDirection
+from optuna.trial import TrialState
+
 
 @dataclass
 class Snapshot:
@@ -24,8 +27,6 @@ def trial_state(t) -> str:
     PRUNED with user_attr "rejected"; a proposal of an architecture another trial holds, FAIL with
     user_attr "duplicate_of" (never trained, not counted toward --trials); a trial asked when the budget was
     full already (the budget's fence, headsearch.search.runner), FAIL with user_attr "over_budget" (the same)."""
-    from optuna.trial import TrialState
-
     if t.state == TrialState.PRUNED:
         return "rejected" if "rejected" in t.user_attrs else "pruned"
     if t.state == TrialState.FAIL and t.user_attrs.get("duplicate_of") is not None:
@@ -45,9 +46,6 @@ def count_states(trials) -> dict[str, int]:
 
 def snapshot(study, trials=None) -> Snapshot:
     """The study's snapshot; of `trials` (the study's, read already) when given."""
-    from optuna.study import StudyDirection
-    from optuna.trial import TrialState
-
     if trials is None:
         trials = study.get_trials(deepcopy=False)
     snap = Snapshot(count_states(trials))

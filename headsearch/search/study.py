@@ -7,12 +7,14 @@ fields of `EXECUTION_ONLY`, which change how a trial runs and not what it comput
 """
 from __future__ import annotations
 
+import importlib.util
 import re
 import warnings
 from typing import Any, Mapping, Sequence
 
 from headsearch.config import stable_key
 from headsearch.errors import ConfigError, HeadsearchError
+from headsearch.search.liveness import TrialLeases, patient
 from headsearch.search.storage import open_storage, storage_scheme
 
 # How a trial runs, not what it computes: a study may be resumed with --compile on or off.
@@ -42,8 +44,6 @@ def release(version: str) -> tuple[int, ...]:
 
 def check_sampler(name: str, n_objectives: int) -> None:
     """Refuse, in one line and before any study exists, a sampler the installed Optuna cannot run."""
-    import importlib.util
-
     import optuna
 
     if name == "gp" and importlib.util.find_spec("scipy") is None:  # Optuna's GPSampler fits with SciPy
@@ -67,22 +67,19 @@ def _tpe(seed: int, trials: int, curve_direction: str | None):
     return CurveDirection(tpe, curve_direction) if curve_direction else tpe
 
 
-def _gp(seed: int, trials: int, curve_direction: str | None):
-    import optuna
+def _seeded(sampler: str):
+    """The builder of Optuna's sampler class `sampler`, given the seed alone."""
+    def build(seed: int, trials: int, curve_direction: str | None):
+        import optuna
 
-    return optuna.samplers.GPSampler(seed=seed)
-
-
-def _random(seed: int, trials: int, curve_direction: str | None):
-    import optuna
-
-    return optuna.samplers.RandomSampler(seed=seed)
+        return getattr(optuna.samplers, sampler)(seed=seed)
+    return build
 
 
 # The samplers by name: a row each, built by `make_sampler`. "cost", the cost-aware sampler
 # (`headsearch.search.cost_sampler`), has no builder here: `Search.make_sampler` builds it from the costs
 # measured before training (`headsearch.search.costs`).
-SAMPLERS = {"nsga2": _nsga2, "tpe": _tpe, "random": _random, "gp": _gp, "cost": None}
+SAMPLERS = {"nsga2": _nsga2, "tpe": _tpe, "random": _seeded("RandomSampler"), "gp": _seeded("GPSampler"), "cost": None}
 
 
 def make_sampler(name: str, *, seed: int, trials: int, trial_index: int = 0, curve_direction: str | None = None):
@@ -90,9 +87,8 @@ def make_sampler(name: str, *, seed: int, trials: int, trial_index: int = 0, cur
     about to start (counted under the budget lock), so workers started anywhere propose different
     points and a search replays the same way. `curve_direction`: in a study of several objectives, the
     direction of the curve headsearch records as intermediate values (the primary metric), which TPE
-    needs to rank pruned trials (`CurveDirection`). A name without a row is refused, never sampled at random."""
-    if name not in SAMPLERS:
-        raise ConfigError(f"unknown sampler {name!r}: use one of {', '.join(SAMPLERS)}")
+    needs to rank pruned trials (`CurveDirection`). A name without a row is refused (KeyError; `--sampler` is
+    checked once, in `headsearch.search.settings`), never sampled at random."""
     if SAMPLERS[name] is None:
         raise ValueError("the cost-aware sampler needs the measured costs: Search.make_sampler builds it")
     return SAMPLERS[name](seed * 100_003 + trial_index, trials, curve_direction)
@@ -216,8 +212,6 @@ def open_study(storage_url: str, heartbeat: int | None, study_name: str, *, metr
     finished trials around the same `RDBStorage`; writes go straight to the database either way. The storage
     is patient (headsearch.search.liveness): an unreachable storage is waited for up to `patience` seconds."""
     import optuna
-
-    from headsearch.search.liveness import TrialLeases, patient
 
     storage = patient(open_storage(storage_url, heartbeat), storage_url, patience)
     study = optuna.create_study(storage=storage, study_name=study_name, directions=list(directions),

@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import random
+import statistics
 from pathlib import Path
 from typing import Any, Sequence
 
 from headsearch.config import stable_key
 from headsearch.errors import ConfigError
 from headsearch.io import write_atomic
+from headsearch.tasks import resolve_config
 from headsearch.tasks.registry import task_reference
 
 TABLE_FORMAT = "headsearch-table/1"
@@ -49,11 +52,8 @@ def table_search(task: str, space: str, *, seeds: int, preset: str | None = None
     """The table's comparison: (Search, ConfigGrid) over every architecture of `space` (or a seeded sample of
     `sample` of them) x seeds 0..seeds-1, with no pruning, every run with the `--set` overrides `sets` (a cheaper
     epoch, say). Nothing is trained or written yet."""
-    import random
-
     from headsearch.search.compare import Candidate, ConfigGrid, check_seeds
     from headsearch.search.runner import Search, SearchSettings, arch_summary
-    from headsearch.tasks import resolve_config
 
     check_seeds(seeds)
     common = dict(preset=preset, epochs=epochs, data_dir=data_dir, data_file=data_file, storage=storage,
@@ -160,11 +160,6 @@ def seconds_of(table: dict[str, Any]) -> float:
 
 def summary_rows(table: dict[str, Any]) -> Sequence[dict[str, Any]]:
     """Per architecture: mean final validation metric over seeds, mean epoch seconds, params, seeds."""
-    import statistics
-
-    rows = []
-    for a in table["architectures"]:
-        finals = [r["curve"][-1] for r in a["runs"]]
-        rows.append({"arch": a["arch"], "params": a["params"], "seeds": len(a["runs"]),
-                     "final": statistics.fmean(finals), "epoch_seconds": statistics.fmean(r["epoch_seconds"] for r in a["runs"])})
-    return rows
+    return [{"arch": a["arch"], "params": a["params"], "seeds": len(a["runs"]),
+             "final": statistics.fmean(r["curve"][-1] for r in a["runs"]),
+             "epoch_seconds": statistics.fmean(r["epoch_seconds"] for r in a["runs"])} for a in table["architectures"]]

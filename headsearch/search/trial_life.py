@@ -13,6 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
+import optuna
+import torch
+from optuna.exceptions import StorageInternalError
+from optuna.trial import TrialState
+
 from headsearch.analysis.tracking import diversity_callbacks
 from headsearch.config import RunConfig
 from headsearch.errors import ConfigError, Diverged
@@ -74,8 +79,6 @@ class TrialLife:
     def begin(self, study, trial, callbacks: Sequence) -> "TrialRun | str":
         """A trial's config, run directory, pruning and fair clock, or the name of the state it ended in
         already ("REJECTED": an invalid config)."""
-        from optuna.trial import TrialState
-
         s = self.definition
         trial.set_user_attr("worker", worker_name())
         try:
@@ -139,10 +142,6 @@ class TrialLife:
 
     def _tell(self, study, run: TrialRun, result, error: BaseException | None, callbacks: Sequence,
               reraise: bool) -> str:
-        import optuna
-        import torch
-        from optuna.trial import TrialState
-
         s, trial, pruning = self.definition, run.trial, run.pruning
         state, values = TrialState.FAIL, None
         if error is None:
@@ -152,13 +151,12 @@ class TrialLife:
         elif isinstance(error, optuna.TrialPruned):
             trial.set_user_attr("epochs_run", len(pruning.curve))
             state = TrialState.PRUNED
-        elif isinstance(error, Diverged):
-            trial.set_user_attr("fail_reason", str(error))
+        elif isinstance(error, (Diverged, torch.cuda.OutOfMemoryError)):
+            out_of_memory = isinstance(error, torch.cuda.OutOfMemoryError)
+            trial.set_user_attr("fail_reason", "out of GPU memory" if out_of_memory else str(error))
             trial.set_user_attr("epochs_run", len(pruning.curve))
-        elif isinstance(error, torch.cuda.OutOfMemoryError):
-            trial.set_user_attr("fail_reason", "out of GPU memory")
-            trial.set_user_attr("epochs_run", len(pruning.curve))
-            torch.cuda.empty_cache()
+            if out_of_memory:
+                torch.cuda.empty_cache()
         else:
             reason = "interrupted (Ctrl-C)" if isinstance(error, KeyboardInterrupt) else f"{type(error).__name__}: {error}"
             # Retried: after Ctrl-C another process (a dashboard, a poller) may hold SQLite's lock for a moment,
@@ -192,8 +190,6 @@ class TrialLife:
 def with_storage_retries(write, attempts: int = 5, wait: float = 0.2):
     """`write()`, tried again (after `wait`, doubling) when the storage fails transiently (Optuna's
     StorageInternalError: e.g. SQLite locked by another reader); the last failure is raised."""
-    from optuna.exceptions import StorageInternalError
-
     for attempt in range(attempts):
         try:
             return write()

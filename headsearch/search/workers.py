@@ -10,6 +10,7 @@ Imports go one way: plan <- runner <- workers (this module starts workers that r
 from __future__ import annotations
 
 import contextlib
+import multiprocessing as mp
 import os
 import signal
 import sys
@@ -22,7 +23,10 @@ from typing import Callable, Sequence
 
 from headsearch.errors import HeadsearchError
 from headsearch.io import write_atomic
+from headsearch.machine.mps import managed_mps
 from headsearch.machine.plan import Plan, worker_seat
+from headsearch.search.cost_sampler import COST_AWARE
+from headsearch.search.costs import ArchCost, CostSummary, stored_costs
 from headsearch.search.runner import Search
 from headsearch.search.settings import SearchSettings
 
@@ -70,8 +74,6 @@ def run_search(search, callbacks: Sequence = (), argv: list[str] | None = None,
     With the cost-aware sampler every architecture's cost is measured first (`measure_costs_first`;
     `on_cost(done, total, ArchCost)` hears each one) and the plan line says what that took.
     Returns the worker processes that failed (none in process: errors raise there)."""
-    from headsearch.machine.mps import managed_mps
-
     plan = search.machine_plan()
     costs, failures = measure_costs_first(search, poll, every, on_cost)
     if failures:
@@ -107,17 +109,12 @@ def measure_costs_first(search, poll: Callable[[], None] | None = None, every: f
     (`headsearch.search.costs`): in this process when the plan has one worker, else in one process on the
     first worker's GPU before the workers (and MPS) start, its progress read from the study. Returns
     (`CostSummary` or None for another sampler, [the measuring process's `WorkerFailure`] or [])."""
-    from headsearch.search.cost_sampler import COST_AWARE
-    from headsearch.search.costs import ArchCost, CostSummary, stored_costs
-
     if search.sampler_name() != COST_AWARE:
         return None, []
     plan = search.machine_plan()
     study = search.open()
     if len(plan.devices) == 1:
         return search.use_costs(study, on_cost), []
-    import multiprocessing as mp
-
     total = len(search.archs.listing() or {})
     heard = set(stored_costs(study))
     before, measured = len(heard), 0
@@ -179,8 +176,6 @@ def stop_workers(procs, grace: float = 5.0, patience: float = 60.0) -> None:
     """After Ctrl-C: a terminal's Ctrl-C reached the workers too (one process group), so give them `grace`
     seconds to record their running trial as failed and exit; send SIGINT to any still running (the
     parent alone was interrupted, e.g. by `kill -INT`), wait `patience` seconds, then terminate the rest."""
-    import signal
-
     deadline = time.monotonic() + grace
     for p in procs:
         p.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -214,8 +209,6 @@ def worker_failure(index: int | str, exit_code: int, log_dir: Path) -> WorkerFai
 def run_workers(search, argv: list[str] | None = None) -> list:
     """Start the worker processes of `search` (a `Search`; its plan's devices), each pinned to its GPU;
     return the processes."""
-    import multiprocessing as mp
-
     plan = search.machine_plan()
     ctx = mp.get_context("spawn")
     procs = []
