@@ -23,7 +23,7 @@ from headsearch.training import preflight
 from headsearch.training.fastpath import StepMode, check_compile, compile_blocks, resolve_mode
 from headsearch.training.steps import (
     CaptureMismatch, EagerSteps, GraphSteps, StepState, batch_tensors, clone_batch, lr_multiplier, lr_multiplier_tensor,
-    STRAY_FRACTION, STRAY_STEPS, first_step_lr, signature, verify_step, weights_apart,
+    STRAY_FRACTION, STRAY_STEPS, signature, verify_step, weights_apart,
 )
 from headsearch.training.prepare import fallbacks, prepare_steps
 from headsearch.training.runtime import steps_per_epoch
@@ -84,8 +84,7 @@ def make_steps_for(cls, bound, cfg, mode, model=None, step_model=None):
     torch.manual_seed(cfg.seed)
     model = model if model is not None else bound.build_model()
     spe = steps_per_epoch(bound, cfg.train)
-    warmup = round(cfg.train.warmup_epochs * spe)
-    return cls(model, step_model or model, bound, cfg.train, torch.device("cpu"), mode, spe * cfg.train.epochs, warmup)
+    return cls(model, step_model or model, bound, cfg.train, torch.device("cpu"), mode, spe)
 
 
 EAGER, GRAPHS = StepMode("off", None, False), StepMode("graphs", None, True)
@@ -288,7 +287,7 @@ def test_a_few_flipped_signs_pass_the_check_and_many_do_not(cifar):
             n = steps.step_body(b)
             with torch.no_grad():  # `count` weights of the largest matrix land `steps_away` steps off
                 p = list(steps.model.parameters())[largest].view(-1)
-                p[:count] += steps_away * first_step_lr(steps)
+                p[:count] += steps_away * steps.lr(0)
             return n
         return replay
 

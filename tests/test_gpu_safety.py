@@ -297,8 +297,7 @@ def test_every_shapes_graph_shares_one_pool_and_replays_in_any_order(cifar, monk
     spe = steps_per_epoch(bound, cfg.train)
     torch.manual_seed(cfg.seed)
     model = bound.build_model().to(device)
-    steps = GraphSteps(model, model, bound, cfg.train, device, GRAPHS, spe * cfg.train.epochs,
-                       round(cfg.train.warmup_epochs * spe))
+    steps = GraphSteps(model, model, bound, cfg.train, device, GRAPHS, spe)
     steps.warm_up(bound.warmup_batches(spe))  # also checks each graph against its uncaptured step
     entries = list(steps.graphs.values())  # in capture order
     assert [len(static[1]) for _, static, _ in entries] == [64, 44]

@@ -10,7 +10,7 @@ that of its own loss. Slots need not be at the same epoch: every epoch has the s
 a run that joins later starts at its own epoch 1 beside the others.
 
 After the epoch each occupied slot is evaluated as a solo model (a copy of its weights), recorded as a
-solo run records it (`trainer.keep_epoch`: metrics.jsonl, the best checkpoint, final.json at the end) and
+solo run records it (`trainer.Run`: metrics.jsonl, the best checkpoint, final.json at the end) and
 handed to its callbacks, which may stop it (a pruner raises). `train_epoch` returns the slots that ended
 (completed, stopped, diverged); those slots are free again. An empty slot computes on a copy of another
 slot's batch with its loss weighted 0, so its weights take no gradient; nothing else waits for it.
@@ -25,7 +25,7 @@ import contextlib
 import itertools
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -40,7 +40,7 @@ from headsearch.training.steps import autocast_context, lr_multiplier, lr_multip
 from headsearch.training.clock import AloneClock, measure_alone
 from headsearch.training.devicelock import Share
 from headsearch.training.runtime import seed_everything, steps_per_epoch
-from headsearch.training.trainer import Callback, EpochRecord, TrainResult, _finish, evaluate_test_on_best, keep_epoch
+from headsearch.training.trainer import Callback, Run, TrainResult
 
 
 def cohort_key(cfg: RunConfig) -> str:
@@ -55,20 +55,14 @@ def cohort_key(cfg: RunConfig) -> str:
     return stable_key(d)
 
 
-@dataclass
-class Slot:
-    """One run of a cohort: what a solo `fit` keeps in its locals."""
+@dataclass(kw_only=True)
+class Slot(Run):
+    """One run of a cohort: what a solo `fit` keeps (`trainer.Run`), its config, and where it stands."""
 
     cfg: RunConfig
-    bound: BoundTask
-    run_dir: Path | None
-    callbacks: Sequence[Callback]
-    result: TrainResult
     tag: Any = None  # the caller's (the search: its trial)
     epoch: int = 0  # epochs finished
     steps: int = 0  # optimizer steps taken
-    best_state: dict[str, torch.Tensor] | None = None
-    started: float = field(default_factory=time.perf_counter)
 
 
 @dataclass
@@ -156,7 +150,7 @@ class Cohort:
             self.model.load_slot(k, solo)
         self.optimizer.reset_slot(k)
         self.key = cohort_key(cfg)
-        self.slots[k] = Slot(cfg, bound, run_dir, callbacks, result, tag)
+        self.slots[k] = Slot(self.task, bound, run_dir, callbacks, result, cfg=cfg, tag=tag)
         spe = steps_per_epoch(bound, cfg.train)
         for cb in callbacks:
             cb.on_start(spe, cfg.train.epochs)
@@ -226,52 +220,41 @@ class Cohort:
     def _close_epoch(self, k: int, loss_sum: torch.Tensor, seconds: float, seen: int) -> SlotEnd | None:
         """Slot k's epoch as a solo run closes one: evaluate, keep, call back; its end, if this was it."""
         slot = self.slots[k]
-        t, result = slot.cfg.train, slot.result
+        t = slot.cfg.train
+        spe = steps_per_epoch(slot.bound, t)
         slot.epoch += 1
-        slot.steps += steps_per_epoch(slot.bound, t)
+        slot.steps += spe
         epoch_loss = float(loss_sum[k]) / max(seen, 1)
         if not math.isfinite(epoch_loss):
-            result.status, result.error = "diverged", f"loss {epoch_loss} is not finite in epoch {slot.epoch}"
-            return self._end(k, Diverged(step=slot.steps, epoch=slot.epoch, loss=epoch_loss))
-        model = self.model.slot_model(k).eval()
+            return self._end(k, Diverged(step=slot.steps, epoch=slot.epoch, loss=epoch_loss), "diverged",
+                             f"loss {epoch_loss} is not finite in epoch {slot.epoch}")
+        model = self.model.slot_model(k)
         try:
-            with torch.no_grad(), autocast_context(t, self.device):
-                metrics = slot.bound.evaluate(model, "val")
-            result.train_seconds += seconds
-            result.steps, result.epochs_run, result.samples = slot.steps, slot.epoch, result.samples + seen
-            spe = steps_per_epoch(slot.bound, t)
             lr = t.lr * lr_multiplier(slot.steps, spe * t.epochs, round(t.warmup_epochs * spe), t.schedule, t.min_lr_ratio)
-            record = EpochRecord(slot.epoch, slot.steps, epoch_loss, lr, result.train_seconds,
-                                 time.perf_counter() - slot.started, seen / seconds, metrics,
-                                 epoch_seconds_alone=result.epoch_seconds_alone, params=result.params)
-            for cb in slot.callbacks:
-                cb.on_evaluate(model, slot.bound, record)
-            slot.best_state = keep_epoch(self.task, t, result, record, model, slot.run_dir, slot.best_state)
+            record = slot.close_epoch(model, autocast_context(t, self.device), slot.epoch, slot.steps, epoch_loss, lr,
+                                      seconds, seen)
         except Exception as e:  # this slot's evaluation or recording failed: this slot only
-            result.status, result.error = "failed", f"{type(e).__name__}: {e}"
-            return self._end(k, e)
+            return self._end(k, e, "failed", f"{type(e).__name__}: {e}")
         try:
             for cb in slot.callbacks:
                 cb.on_epoch_end(record)
         except Exception as e:  # a pruner stopping the run (not a failure), as in a solo fit
-            result.status, result.error = "stopped", f"{type(e).__name__}: {e}"
-            return self._end(k, e)
+            return self._end(k, e, "stopped", f"{type(e).__name__}: {e}")
         if slot.epoch < t.epochs:
             return None
-        evaluate_test_on_best(model, slot.best_state, slot.bound, t, self.device, result, slot.run_dir)
-        return self._end(k, None)
+        slot.evaluate_test_on_best(model, autocast_context(t, self.device))
+        return self._end(k, None, "completed")
 
-    def _end(self, k: int, error: BaseException | None) -> SlotEnd:
+    def _end(self, k: int, error: BaseException | None, status: str, why: str | None = None) -> SlotEnd:
+        """Slot k's run ended with `status` (`why`: its result's error) and `error`, the exception that ended it."""
         slot = self.slots[k]
-        _finish(slot.result, slot.run_dir, slot.started)
-        return SlotEnd(k, slot.tag, slot.result, error)
+        return SlotEnd(k, slot.tag, slot.end(status, why), error)
 
     def interrupt(self) -> list[SlotEnd]:
         """After an exception in `train_epoch`: the runs that had ended before it (as they ended), then every run
         still in a slot, ended as interrupted (what it did is kept, as a solo run keeps it)."""
         ends, self.unreported = self.unreported, []
         for k in self.occupied:
-            self.slots[k].result.status = "interrupted"
-            ends.append(self._end(k, KeyboardInterrupt()))
+            ends.append(self._end(k, KeyboardInterrupt(), "interrupted"))
             self.slots[k] = None
         return ends

@@ -30,7 +30,6 @@ def prepare_steps(task: Task, t: TrainConfig, bound: BoundTask, model: torch.nn.
     eager steps is the run's own, and raised. A capture that left CUDA unusable (`CaptureBrokeCuda`) is
     raised too: no fallback can run in this process. `t`: the run's training section, all a step needs."""
     mode = resolve_mode(t, task, device)
-    total, warmup = spe * t.epochs, round(t.warmup_epochs * spe)
     notes: list[str] = []
     seconds = 0.0
     for candidate in fallbacks(mode):
@@ -38,7 +37,7 @@ def prepare_steps(task: Task, t: TrainConfig, bound: BoundTask, model: torch.nn.
         out_of_memory = False
         try:
             step_model = compile_blocks(model, candidate, dynamic=None if task.static_shapes else True)
-            steps = make_steps(candidate, model, step_model, bound, t, device, total, warmup)
+            steps = make_steps(candidate, model, step_model, bound, t, device, spe)
             started = time.perf_counter()
             try:
                 seconds += steps.warm_up(bound.warmup_batches(spe))  # 0 when nothing compiles or captures

@@ -123,28 +123,46 @@ def synchronize(device: torch.device) -> None:
 
 
 class Steps:
-    """What the trainer drives: `warm_up` once, then `step` per batch; `state` on the device, `lr()` on the host."""
+    """What the trainer drives: `warm_up` once, then `step` per batch; `state` on the device, `lr()` on the host.
+
+    It owns the run's training section (`t`, given here once, with `spe` steps an epoch): the trainer asks it
+    for what it needs of it (`lr()` and the schedule, `autocast()`) and a step for `loss()` and `update()`."""
 
     mode: StepMode
     state: StepState
     optimizer: torch.optim.Optimizer
 
     def __init__(self, model: torch.nn.Module, step_model: torch.nn.Module, bound: Any, t: TrainConfig,
-                 device: torch.device, mode: StepMode, total_steps: int, warmup_steps: int):
+                 device: torch.device, mode: StepMode, spe: int):
         self.model, self.step_model, self.bound, self.t, self.device = model, step_model, bound, t, device
-        self.mode, self.total_steps, self.warmup_steps = mode, total_steps, warmup_steps
+        self.mode, self.total_steps, self.warmup_steps = mode, spe * t.epochs, round(t.warmup_epochs * spe)
         self.state = StepState.on(device)
         self.steps_taken = 0  # host count, for lr() without reading the device
         self.uncaptured = 0  # steps of a batch shape no warm-up showed, run outside the CUDA graphs
 
-    def lr(self) -> float:
-        """The learning rate of the next step."""
-        return self.t.lr * lr_multiplier(self.steps_taken, self.total_steps, self.warmup_steps, self.t.schedule,
-                                         self.t.min_lr_ratio)
+    def lr(self, step: int | None = None) -> float:
+        """The learning rate of step `step` (0-based; by default the next step's), warm-up included."""
+        step = self.steps_taken if step is None else step
+        t = self.t
+        return t.lr * lr_multiplier(step, self.total_steps, self.warmup_steps, t.schedule, t.min_lr_ratio)
 
-    def clip(self) -> None:
+    def update(self, loss: torch.Tensor) -> None:
+        """Backward from `loss` into grads set to None first (no accumulation), clipped (`train.grad_clip`), and
+        the optimizer's step."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
         if self.t.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.t.grad_clip)
+        self.optimizer.step()
+
+    def autocast(self, cache: bool = True):
+        """The run's autocast (`autocast_context` of its `train.amp` on its device): its steps' and evaluations'."""
+        return autocast_context(self.t, self.device, cache)
+
+    def loss(self, batch: Any, cache: bool = True) -> tuple[torch.Tensor, int]:
+        """The task's loss of `batch` on the step model, under the run's autocast and label smoothing."""
+        with self.autocast(cache):
+            return self.bound.loss(self.step_model, batch, self.t.label_smoothing)
 
     def warm_up(self, batches: Sequence) -> float:
         raise NotImplementedError
@@ -225,20 +243,15 @@ class EagerSteps(Steps):
         start = time.perf_counter()
         with self.restored_afterwards():
             for batch in batches:
-                with autocast_context(self.t, self.device):
-                    loss, _ = self.bound.loss(self.step_model, batch, self.t.label_smoothing)
+                loss, _ = self.loss(batch)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
             self.optimizer.zero_grad(set_to_none=True)
         return time.perf_counter() - start
 
     def step(self, batch: Any) -> int:
-        with autocast_context(self.t, self.device):
-            loss, n = self.bound.loss(self.step_model, batch, self.t.label_smoothing)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.clip()
-        self.optimizer.step()
+        loss, n = self.loss(batch)
+        self.update(loss)
         self.scheduler.step()
         self.state.record(loss, n)
         self.steps_taken += 1
@@ -265,15 +278,11 @@ class GraphSteps(Steps):
         t, s = self.t, self.state
         mult = lr_multiplier_tensor(s.step, self.total_steps, self.warmup_steps, t.schedule, t.min_lr_ratio)
         self.lr_tensor.copy_(t.lr * mult)
-        with autocast_context(t, self.device, cache=not self.capture):
-            loss, n = self.bound.loss(self.step_model, batch, t.label_smoothing)
+        loss, n = self.loss(batch, cache=not self.capture)
         # Under capture the grads become the graph's own buffers, in the pool all of this run's graphs share, so
         # another shape's capture may reuse their memory: safe, since a step writes its grads (backward into grads
         # set to None: no accumulation) before it reads them, and nothing reads them between steps.
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.clip()
-        self.optimizer.step()
+        self.update(loss)
         s.record(loss, n)
         return n
 
@@ -381,7 +390,7 @@ def verify_step(steps: "GraphSteps", replay: Callable[[Any], int], batch: Any, s
         runs.append((float(steps.state.last_loss), [p.detach().float().clone() for p in steps.model.parameters()]))
     (got_loss, got), (want_loss, want) = runs
     loss_ok = abs(got_loss - want_loss) <= 1e-3 * abs(want_loss) + 1e-6
-    lr = first_step_lr(steps)
+    lr = steps.lr(0)  # the run's first step (`restore` puts the step count at 0), at the schedule's value
     worst, strays, total = weights_apart(got, want, 0.5 * lr)
     if not (loss_ok and worst <= STRAY_STEPS * lr and strays <= STRAY_FRACTION * total):
         raise CaptureMismatch(f"the captured step gave loss {got_loss:.6g} against {want_loss:.6g} uncaptured"
@@ -401,14 +410,7 @@ def weights_apart(got: list[torch.Tensor], want: list[torch.Tensor], bound: floa
     return worst, strays, total
 
 
-def first_step_lr(steps: "Steps") -> float:
-    """The learning rate of the step `verify_step` takes: the run's first (`restore` puts the step count at 0),
-    at the schedule's value, warm-up included."""
-    t = steps.t
-    return t.lr * lr_multiplier(0, steps.total_steps, steps.warmup_steps, t.schedule, t.min_lr_ratio)
-
-
-def make_steps(mode: StepMode, model, step_model, bound, t: TrainConfig, device, total_steps: int,
-               warmup_steps: int) -> Steps:
+def make_steps(mode: StepMode, model, step_model, bound, t: TrainConfig, device, spe: int) -> Steps:
+    """The run's steps in `mode`, given its training section `t` (the only place it goes: ask the steps)."""
     cls = GraphSteps if mode.cuda_graph else EagerSteps
-    return cls(model, step_model, bound, t, device, mode, total_steps, warmup_steps)
+    return cls(model, step_model, bound, t, device, mode, spe)

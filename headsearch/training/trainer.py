@@ -19,7 +19,6 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from headsearch.config import TrainConfig
 from headsearch.errors import Diverged
 from headsearch.io import append_line, write_atomic
 from headsearch.tasks import BoundTask, Task
@@ -30,7 +29,7 @@ from headsearch.training.fastpath import check_compile
 from headsearch.training.prepare import prepare_steps
 from headsearch.training.rundir import save_checkpoint
 from headsearch.training.runtime import seed_everything, steps_per_epoch, use_device
-from headsearch.training.steps import Steps, autocast_context, synchronize
+from headsearch.training.steps import Steps, synchronize
 
 CHECKPOINT = "model.safetensors"
 LOG_SECONDS = 0.5  # at most this often a step callback hears of progress (each report reads the device)
@@ -145,8 +144,7 @@ def fit(
         cb.on_start(spe, t.epochs)
     step_callbacks = [cb for cb in callbacks if type(cb).on_step is not Callback.on_step]
 
-    best_state: dict[str, torch.Tensor] | None = None
-    start = time.perf_counter()
+    run = Run(task, bound, run_dir, callbacks, result)
     # The id of a callback's exception, not the exception: a local holding it would keep this frame (the model,
     # its graphs and optimizer state) alive through the traceback's reference cycle until the cyclic collector ran.
     stopped_by: int | None = None
@@ -156,7 +154,7 @@ def fit(
         result.step_mode, result.step_note = steps.mode.describe(), note
         for cb in callbacks:
             cb.on_prepared(result.step_mode, result.compile_seconds, note)
-        start = time.perf_counter()  # wall time, like training time, starts after the warm-up
+        run.started = time.perf_counter()  # wall time, like training time, starts after the warm-up
         report = _reporter(step_callbacks)
         if clock is not None:
             clock.ran_as(result.step_mode)  # a time measured in another mode (a fallback's) does not stand for this one
@@ -173,18 +171,9 @@ def fit(
                 steps.state.check_finite(epoch)
                 if measured:
                     result.epoch_seconds_alone = alone_epoch_seconds(step_clock.seconds(), seen, t.batch_size)
-                model.eval()
-                with torch.no_grad(), autocast_context(t, device):
-                    metrics = bound.evaluate(model, "val")
-                result.train_seconds += epoch_seconds
-                result.steps, result.epochs_run, result.samples = steps.steps_taken, epoch, result.samples + seen
                 result.uncaptured_steps = steps.uncaptured
-                record = EpochRecord(epoch, steps.steps_taken, float(steps.state.loss_sum) / max(seen, 1), steps.lr(),
-                                     result.train_seconds, time.perf_counter() - start, seen / epoch_seconds, metrics,
-                                     epoch_seconds_alone=result.epoch_seconds_alone, params=result.params)
-                for cb in callbacks:
-                    cb.on_evaluate(model, bound, record)
-                best_state = keep_epoch(task, t, result, record, model, run_dir, best_state)
+                record = run.close_epoch(model, steps.autocast(), epoch, steps.steps_taken,
+                                         float(steps.state.loss_sum) / max(seen, 1), steps.lr(), epoch_seconds, seen)
                 try:
                     for cb in callbacks:
                         cb.on_epoch_end(record)
@@ -192,55 +181,97 @@ def fit(
                     stopped_by = id(e)
                     raise
     except KeyboardInterrupt:
-        result.status = "interrupted"
-        _finish(result, run_dir, start)
+        run.end("interrupted")
         raise
     except Diverged as e:
-        result.status, result.error = "diverged", str(e)
-        _finish(result, run_dir, start)
+        run.end("diverged", str(e))
         raise
     except Exception as e:  # keep what was done; a callback stopping the run (pruning) is not a failure
-        result.status = "stopped" if id(e) == stopped_by else "failed"
-        result.error = f"{type(e).__name__}: {e}"
-        _finish(result, run_dir, start)
+        run.end("stopped" if id(e) == stopped_by else "failed", f"{type(e).__name__}: {e}")
         raise
 
     with shared_hold(clock):
-        evaluate_test_on_best(model, best_state, bound, t, device, result, run_dir)
-    _finish(result, run_dir, start)
-    return result
+        run.evaluate_test_on_best(model, steps.autocast())
+    return run.end("completed")
 
 
-def keep_epoch(task: Task, t: TrainConfig, result: TrainResult, record: EpochRecord, model: torch.nn.Module,
-               run_dir: Path | None, best_state: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
-    """Keep an evaluated epoch: its record in the history and metrics.jsonl, the best figures so far, the
-    best weights (returned, and checkpointed atomically in `run_dir`), the time to the target."""
-    result.history.append(record)
-    value = record.metrics[task.primary.name]
-    if result.best_value is None or task.primary.better(value, result.best_value):
-        result.best_epoch, result.best_value, result.best_metrics = record.epoch, value, dict(record.metrics)
-        result.best_diversity = dict(record.diversity)
-        result.best_train_seconds, result.best_wall_seconds = record.train_seconds, record.wall_seconds
-        best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        if run_dir is not None:
-            save_checkpoint(best_state, run_dir / CHECKPOINT, {"epoch": str(record.epoch), "task": task.name})
-    if t.target is not None and result.seconds_to_target is None and not task.primary.better(t.target, value):
-        result.seconds_to_target = record.train_seconds
-    if run_dir is not None:
-        append_line(run_dir / "metrics.jsonl", json.dumps(asdict(record)))
-    return best_state
+@dataclass
+class Run:
+    """One run's bookkeeping, whoever trains it (`fit`, or a cohort for each of its slots: `cohort.Slot`): its
+    result, run directory, callbacks, best weights so far and start. Each evaluated epoch is recorded and kept,
+    the best weights tested and the run ended the same way for both."""
 
+    task: Task
+    bound: BoundTask
+    run_dir: Path | None
+    callbacks: Sequence[Callback]
+    result: TrainResult
+    best_state: dict[str, torch.Tensor] | None = None
+    started: float = field(default_factory=time.perf_counter)
 
-def evaluate_test_on_best(model: torch.nn.Module, best_state: dict[str, torch.Tensor] | None, bound: BoundTask, t: TrainConfig,
-              device: torch.device, result: TrainResult, run_dir: Path | None) -> None:
-    """The test figures of the best weights (into `result`), and the task's outputs in `run_dir`."""
-    if best_state is not None:
-        model.load_state_dict(best_state)
-    model.eval()
-    with torch.no_grad(), autocast_context(t, device):
-        result.test_metrics = bound.evaluate(model, "test")
-    if run_dir is not None:
-        bound.write_outputs(run_dir)
+    def close_epoch(self, model: torch.nn.Module, autocast, epoch: int, steps: int, loss: float, lr: float,
+                    seconds: float, seen: int) -> EpochRecord:
+        """An epoch trained (`steps` in all so far, its mean `loss`, the next step's `lr`, its `seconds` and `seen`
+        samples): evaluate `model` on the validation split (under `autocast`), add the epoch to the result, hand
+        its record to the callbacks' `on_evaluate` and keep it (`keep_epoch`). Returns the record."""
+        model.eval()
+        with torch.no_grad(), autocast:
+            metrics = self.bound.evaluate(model, "val")
+        result = self.result
+        result.train_seconds += seconds
+        result.steps, result.epochs_run, result.samples = steps, epoch, result.samples + seen
+        record = EpochRecord(epoch, steps, loss, lr, result.train_seconds, time.perf_counter() - self.started,
+                             seen / seconds, metrics, epoch_seconds_alone=result.epoch_seconds_alone,
+                             params=result.params)
+        for cb in self.callbacks:
+            cb.on_evaluate(model, self.bound, record)
+        self.keep_epoch(record, model)
+        return record
+
+    def keep_epoch(self, record: EpochRecord, model: torch.nn.Module) -> None:
+        """Keep an evaluated epoch: its record in the history and metrics.jsonl, the best figures so far, the
+        best weights (in `best_state`, and checkpointed atomically in `run_dir`), the time to the target."""
+        result, primary = self.result, self.task.primary
+        result.history.append(record)
+        value = record.metrics[primary.name]
+        if result.best_value is None or primary.better(value, result.best_value):
+            result.best_epoch, result.best_value, result.best_metrics = record.epoch, value, dict(record.metrics)
+            result.best_diversity = dict(record.diversity)
+            result.best_train_seconds, result.best_wall_seconds = record.train_seconds, record.wall_seconds
+            self.best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            if self.run_dir is not None:
+                save_checkpoint(self.best_state, self.run_dir / CHECKPOINT,
+                                {"epoch": str(record.epoch), "task": self.task.name})
+        if result.target is not None and result.seconds_to_target is None and not primary.better(result.target, value):
+            result.seconds_to_target = record.train_seconds
+        if self.run_dir is not None:
+            append_line(self.run_dir / "metrics.jsonl", json.dumps(asdict(record)))
+
+    def evaluate_test_on_best(self, model: torch.nn.Module, autocast) -> None:
+        """The test figures of the best weights (into the result, under `autocast`), and the task's outputs in
+        `run_dir`."""
+        if self.best_state is not None:
+            model.load_state_dict(self.best_state)
+        model.eval()
+        with torch.no_grad(), autocast:
+            self.result.test_metrics = self.bound.evaluate(model, "test")
+        if self.run_dir is not None:
+            self.bound.write_outputs(self.run_dir)
+
+    def end(self, status: str, error: str | None = None) -> TrainResult:
+        """The run ended with `status` (`TrainResult.status`; `error` says why, when given): its closing
+        figures, and final.json in `run_dir`. Returns the result."""
+        result = self.result
+        result.status = status
+        if error is not None:
+            result.error = error
+        result.wall_seconds = time.perf_counter() - self.started
+        if result.epoch_seconds_alone is not None and result.best_epoch is not None:
+            result.best_seconds_alone = result.best_epoch * result.epoch_seconds_alone
+        result.samples_per_s = result.samples / result.train_seconds if result.train_seconds else 0.0
+        if self.run_dir is not None:
+            write_atomic(self.run_dir / "final.json", json.dumps(result.to_dict(), indent=2) + "\n")
+        return result
 
 
 def _reporter(step_callbacks: Sequence[Callback]):
@@ -286,14 +317,3 @@ def train_epoch(steps: Steps, bound: BoundTask, epoch: int, epochs: int, spe: in
                 paused += after_timed()
     synchronize(device)
     return seen, time.perf_counter() - t0 - paused
-
-
-def _finish(result: TrainResult, run_dir: Path | None, start: float) -> None:
-    result.wall_seconds = time.perf_counter() - start
-    if result.epoch_seconds_alone is not None and result.best_epoch is not None:
-        result.best_seconds_alone = result.best_epoch * result.epoch_seconds_alone
-    result.samples_per_s = result.samples / result.train_seconds if result.train_seconds else 0.0
-    if run_dir is not None:
-        write_atomic(run_dir / "final.json", json.dumps(result.to_dict(), indent=2) + "\n")
-
-
