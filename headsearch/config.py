@@ -311,8 +311,6 @@ class TrainConfig:
             raise ConfigError(f"diversity_samples = {self.diversity_samples} must be 0 (off) or a number of samples")
         if self.max_steps_per_epoch is not None and self.max_steps_per_epoch < 1:
             raise ConfigError(f"max_steps_per_epoch = {self.max_steps_per_epoch} must be at least 1, or null")
-        if len(self.betas) != 2:
-            raise ConfigError(f"betas = {list(self.betas)} must hold two numbers")
         if not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"betas = {list(self.betas)} must both be in [0, 1), e.g. [0.9, 0.999]")
         _choice("optimizer", self.optimizer, OPTIMIZERS)

@@ -29,7 +29,7 @@ attention there), as in the X-Raying article.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
@@ -235,12 +235,10 @@ class _LayerStats:
     var_sum: Tensor | None = None  # (H,): sum over valid (b, k) of Var_q A
     n_positions: int = 0
     n_keys: int = 0
-    calls: int = field(default=0)
 
     def add(self, rec: dict[str, Tensor]) -> None:
         qm, km = rec["query_mask"], rec["key_mask"]
         h, d = self.heads, self.head_dim
-        self.calls += 1
 
         def rows(t: Tensor) -> Tensor:  # (B, H, Tq, d_k) -> (N, H, d_k) at valid queries, float64
             return t.transpose(1, 2)[qm].double()

@@ -84,9 +84,7 @@ def head_masks(model: nn.Module) -> Iterator[list[tuple[str, nn.Module]]]:
 
 
 def _param_device(module: nn.Module) -> torch.device:
-    for p in module.parameters():
-        return p.device
-    return torch.device("cpu")
+    return next((p.device for p in module.parameters()), torch.device("cpu"))
 
 
 def head_importance(model: nn.Module, batches: Iterable[Any], loss_fn: LossFn) -> HeadImportance:
@@ -116,11 +114,9 @@ def head_importance(model: nn.Module, batches: Iterable[Any], loss_fn: LossFn) -
             ent_sums[index[name]] += s.cpu()
             ent_counts[index[name]] += n
 
-        gates = []
-        for _, attn in layers:
-            gate = torch.ones(attn.n_heads, device=_param_device(attn), requires_grad=True)
+        gates = [torch.ones(attn.n_heads, device=_param_device(attn), requires_grad=True) for _, attn in layers]
+        for (_, attn), gate in zip(layers, gates):
             attn.head_mask = gate
-            gates.append(gate)
         seen = 0
         with torch.enable_grad(), AttentionTap(model, on_call) as tap:
             for batch in batches:
@@ -214,15 +210,11 @@ def pruning_curve(
         previous = -1
         for k, n_pruned in enumerate(pruning_steps(total, step_fraction)):
             pruned = order[:n_pruned]
-            if n_pruned == 0:
-                for _, attn in layers:
-                    attn.head_mask = None
-            else:
-                gates = [torch.ones(attn.n_heads, device=_param_device(attn)) for _, attn in layers]
-                for li, h in pruned:
-                    gates[li][h] = 0.0
-                for (_, attn), gate in zip(layers, gates):
-                    attn.head_mask = gate
+            gates = [torch.ones(attn.n_heads, device=_param_device(attn)) if n_pruned else None for _, attn in layers]
+            for li, h in pruned:
+                gates[li][h] = 0.0
+            for (_, attn), gate in zip(layers, gates):
+                attn.head_mask = gate
             if n_pruned != previous:
                 value = _evaluate(model, evaluate, metric)
                 previous = n_pruned

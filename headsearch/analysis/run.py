@@ -60,8 +60,8 @@ def analyze_run(run_dir: Path, source: DataSource, out_dir: Path | None = None, 
     Returns the analysis dict; its "figures" and "analysis_json" name the files written."""
     import torch
 
-    from headsearch.analysis import figures, maps
-    from headsearch.analysis.diversity import analysis_batches, head_diversity
+    from headsearch.analysis import figures
+    from headsearch.analysis.diversity import METRICS, analysis_batches, head_diversity
     from headsearch.analysis.importance import ablation, head_importance, pruning_curve
     from headsearch.training.runtime import resolve_device
 
@@ -104,11 +104,7 @@ def analyze_run(run_dir: Path, source: DataSource, out_dir: Path | None = None, 
     layers = []
     for i, layer in enumerate(diversity):
         entry = {"name": layer.name, "heads": layer.heads, "scalars": layer.scalars(),
-                 "query_orthogonality": layer.query_orthogonality,
-                 "context_nonorthogonality": layer.context_nonorthogonality,
-                 "context_nonorthogonality_normalized": layer.context_nonorthogonality_normalized,
-                 "output_dissimilarity": layer.output_dissimilarity,
-                 "attention_diversity": layer.attention_diversity,
+                 **{key: getattr(layer, key) for key in METRICS},
                  "importance": importance.importance[i], "importance_raw": importance.raw[i],
                  "entropy": importance.entropy[i]}
         if ablated is not None:
@@ -135,6 +131,5 @@ def attention_figures(views: list, out_dir: Path) -> list[Path]:
     paths = []
     for view in patches:
         paths += figures.vit_attention_figures(maps.patch_maps(view), out_dir)
-    if tokens:
-        paths += figures.cross_attention_figures(tokens, out_dir)
+    paths += figures.cross_attention_figures(tokens, out_dir)
     return paths

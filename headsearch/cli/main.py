@@ -179,8 +179,7 @@ def analyze(
     from headsearch.cli.checks import check_output_folder
     from headsearch.cli.progress import print_analysis
 
-    if fmt not in ("table", "json"):
-        fail(f"--format {fmt!r} is not known: use table or json")
+    check_format(fmt, ("table", "json"))
     check_output_folder(out, "--out", "analysis.json and the figures")
     with Console(stderr=True).status("analysing") as status:
         result = api.analyze(run_dir, out=out, samples=samples, ablate=ablate, device=device, data_dir=data_dir,

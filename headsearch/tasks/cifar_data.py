@@ -436,12 +436,6 @@ class GpuAugment:
         grid = torch.maximum(torch.minimum(grid, hi[:, None, None, :]), lo[:, None, None, :])
         return F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
 
-    def _crop_boxes(
-        self, b: int, h: int, w: int, generator: torch.Generator | None, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The crop boxes of `b` images drawn from `generator` (see `_boxes`)."""
-        return self._boxes(torch.rand(b, 2 * _CROP_ATTEMPTS + 2, generator=generator, device=device), h, w)
-
     def _boxes(self, u: torch.Tensor, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """torchvision's RandomResizedCrop.get_params for B images at once: (top, left, height, width).
 
