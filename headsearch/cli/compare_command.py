@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from headsearch.cli.common import PLAN_COHORT_HELP, PLAN_WORKERS_HELP, Command, exits, fail, setting_option
+from headsearch.cli.common import PLAN_COHORT_HELP, PLAN_WORKERS_HELP, exits, fail, setting_option
 
 FORMATS = ("table", "json", "csv")
 # The metrics the table shows, when the runs have them; the JSON holds every one.
@@ -159,7 +159,3 @@ def _mean_std(c: dict, m: str) -> str:
     if m == "params":
         return f"{mean:,.0f}"
     return f"{mean:.4g}" + (f" ± {std:.2g}" if std is not None else "")
-
-
-def register(app: typer.Typer) -> None:
-    app.command(cls=Command)(compare)

@@ -148,14 +148,12 @@ def run(settings: dict, enqueue: list[Path]) -> None:
     watch.print_summary()
 
 
-from headsearch.cli.bench_command import register as _register_bench  # noqa: E402
-from headsearch.cli.compare_command import register as _register_compare  # noqa: E402
-from headsearch.cli.study_commands import register as _register_study_commands  # noqa: E402
-from headsearch.cli.table_command import register as _register_table  # noqa: E402
-_register_study_commands(app)
-_register_compare(app)
-_register_bench(app)
-_register_table(app)
+from headsearch.cli.bench_command import bench  # noqa: E402
+from headsearch.cli.compare_command import compare  # noqa: E402
+from headsearch.cli.study_commands import dashboard, export, report  # noqa: E402
+from headsearch.cli.table_command import table  # noqa: E402
+for registered in (report, export, dashboard, compare, bench, table):
+    command()(registered)
 
 
 @command()

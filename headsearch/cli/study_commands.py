@@ -1,6 +1,6 @@
 """`headsearch report`, `export` and `dashboard`: reading a study that `headsearch run` wrote.
 
-Registered on the main app by `register(app)`. Bad input (an unreadable storage, an unknown study,
+Registered on the main app by cli/main.py. Bad input (an unreadable storage, an unknown study,
 a trial that cannot be exported) gets one line on stderr and exit code 2, and creates nothing.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Optional
 import typer
 
 from headsearch.cli.checks import check_artifact_folder, check_output_folder, check_study_to_read
-from headsearch.cli.common import Command, exits, fail, setting_option
+from headsearch.cli.common import exits, fail, setting_option
 
 STORAGE_HELP = "Optuna storage URL of the search (sqlite:///FILE.db, postgresql://..., journal:FILE.log, redis://...)."
 STUDY_HELP = "Study name (default: the only study in the storage)."
@@ -373,9 +373,3 @@ def unavailable_port(host: str, port: int) -> str | None:
             busy = "the port is in use (another dashboard?): pass another --port" if e.errno == errno.EADDRINUSE else e.strerror
             return busy or str(e)
     return None
-
-
-def register(app: typer.Typer) -> None:
-    app.command(cls=Command)(report)
-    app.command(cls=Command)(export)
-    app.command(cls=Command)(dashboard)
