@@ -84,17 +84,6 @@ class LayerDiversity:
         out["attention_diversity"] = float(np.mean(self.attention_diversity))
         return out
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: matrices as nested lists, plus the layer scalars."""
-        return {
-            "name": self.name,
-            "heads": self.heads,
-            "n_positions": self.n_positions,
-            "n_keys": self.n_keys,
-            **{key: getattr(self, key).tolist() for key in METRICS},
-            "scalars": self.scalars(),
-        }
-
 
 # -- which padding mask applies to which module -------------------------------------------------
 

@@ -57,15 +57,6 @@ class HeadImportance:
         flat = [(float(v), li, h) for li, vec in enumerate(self.importance) for h, v in enumerate(vec)]
         return [(li, h) for _, li, h in sorted(flat, key=lambda t: t[0])]  # stable: ties keep forward order
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "names": list(self.names),
-            "importance": [v.tolist() for v in self.importance],
-            "raw": [v.tolist() for v in self.raw],
-            "entropy": [v.tolist() for v in self.entropy],
-            "n_tokens": self.n_tokens,
-        }
-
 
 @contextlib.contextmanager
 def head_masks(model: nn.Module) -> Iterator[list[tuple[str, nn.Module]]]:

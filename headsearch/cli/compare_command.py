@@ -86,7 +86,7 @@ def print_result(result: dict, fmt: str) -> None:
 
 
 def print_comparison(result: dict, console=None) -> None:
-    from rich.table import Table
+    from rich.table import Column, Table
 
     from headsearch.cli.progress import log_title, output_console
 
@@ -94,9 +94,8 @@ def print_comparison(result: dict, console=None) -> None:
     primary = result["curve_metric"].removeprefix("val_")  # the task's primary metric
     metrics = [m.format(primary=primary) for m in TABLE_METRICS]
     metrics = [m for m in metrics if any(m in c["mean"] for c in result["configs"])]
-    table = Table(title=log_title(f"{result['study']}: {result['seeds']} seeds per config (mean ± std)", console))
-    table.add_column("config")
-    table.add_column("runs", justify="right")
+    table = Table("config", Column("runs", justify="right"),
+                  title=log_title(f"{result['study']}: {result['seeds']} seeds per config (mean ± std)", console))
     for m in metrics:
         table.add_column(m.replace("_", " "), justify="right")
     for c in result["configs"]:
@@ -130,14 +129,12 @@ def print_robust_front(result: dict, console=None) -> None:
     """`report --robust`: the front's configs on their mean objectives over seeds, with 95% intervals, and
     which of them stay on the front of the means."""
     from rich.console import Console
-    from rich.table import Table
+    from rich.table import Column, Table
 
     console = console or Console()
     on_front = set(result["front_on_means"])
-    table = Table(title=f"Pareto front retrained with {result['seeds']} seeds ({result['study']}): mean [95% interval]")
-    table.add_column("trial")
-    table.add_column("architecture")
-    table.add_column("runs", justify="right")
+    table = Table("trial", "architecture", Column("runs", justify="right"),
+                  title=f"Pareto front retrained with {result['seeds']} seeds ({result['study']}): mean [95% interval]")
     for o in result["objectives"]:
         table.add_column(f"{o['name'].replace('_', ' ')} {'↑' if o['direction'] == 'maximize' else '↓'}", justify="right")
     table.add_column("front of the means")

@@ -214,12 +214,8 @@ def main() -> None:
 
 def held_warnings(caught) -> list[str]:
     """The warnings worth showing after a successful command, once each."""
-    shown: dict[str, None] = {}
-    for w in caught:
-        if w.category.__name__ == "ExperimentalWarning":
-            continue
-        shown.setdefault(f"warning: {w.message} ({Path(w.filename).name}:{w.lineno})", None)
-    return list(shown)
+    return list(dict.fromkeys(f"warning: {w.message} ({Path(w.filename).name}:{w.lineno})"
+                              for w in caught if w.category.__name__ != "ExperimentalWarning"))
 
 
 if __name__ == "__main__":

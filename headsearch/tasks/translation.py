@@ -389,10 +389,6 @@ class BoundTranslation:
         return views
 
 
-def setup(cfg: RunConfig, source: DataSource, device, run_dir: Path | None = None) -> BoundTranslation:
-    return BoundTranslation(cfg, source, device, run_dir)
-
-
 TASK = Task(
     name="translation-en-es",
     description="English->Spanish encoder-decoder (Deep Head, Cruz et al.): sacrebleu BLEU, CER, WER",
@@ -406,7 +402,7 @@ TASK = Task(
     presets=PRESETS,
     data_options=TranslationData,
     check_source=check_source,
-    setup=setup,
+    setup=BoundTranslation,
     # On CUDA, batches are padded to a few fixed lengths (data.buckets), all shown by warmup_batches.
     static_shapes=True,
     shape_note="translation batches are padded to a few fixed lengths (data.buckets) on CUDA",
