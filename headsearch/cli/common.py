@@ -78,7 +78,8 @@ class _Exits:
 
 def check_format(fmt: str, known: tuple[str, ...]) -> None:
     if fmt not in known:
-        fail(f"--format {fmt!r} is not known: use {' or '.join(known)}")
+        choices = " or ".join(known) if len(known) == 2 else f"one of {', '.join(known)}"
+        fail(f"--format {fmt!r} is not known: use {choices}")
 
 
 # ------------------------------------------------------------------------------------- help without <bool>

@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from headsearch.cli.common import PLAN_COHORT_HELP, PLAN_WORKERS_HELP, exits, fail, setting_option
+from headsearch.cli.common import PLAN_COHORT_HELP, PLAN_WORKERS_HELP, check_format, exits, setting_option
 
 FORMATS = ("table", "json", "csv")
 # The metrics the table shows, when the runs have them; the JSON holds every one.
@@ -47,8 +47,7 @@ def compare(
     from headsearch.cli.progress import SearchWatch
     from headsearch.search.compare import parse_sets
 
-    if fmt not in FORMATS:
-        fail(f"--format {fmt!r} is not known: use one of {', '.join(FORMATS)}")
+    check_format(fmt, FORMATS)
     check_new_study_name(study)  # names and where the results go: before anything trains
     check_new_storage(storage)
     check_output_folder(out, "--out", "comparison.json and curves.png")

@@ -12,7 +12,7 @@ from typing import Optional
 import typer
 
 from headsearch.cli.checks import check_artifact_folder, check_output_folder, check_study_to_read
-from headsearch.cli.common import exits, fail, setting_option
+from headsearch.cli.common import check_format, exits, fail, setting_option
 
 STORAGE_HELP = "Optuna storage URL of the search (sqlite:///FILE.db, postgresql://..., journal:FILE.log, redis://...)."
 STUDY_HELP = "Study name (default: the only study in the storage)."
@@ -44,8 +44,7 @@ def report(
 
     from headsearch import api
 
-    if fmt not in FORMATS:
-        fail(f"--format {fmt!r} is not known: use one of {', '.join(FORMATS)}")
+    check_format(fmt, FORMATS)
     check_study_to_read(study)
     if pruning_audit and (robust or fmt == "csv"):
         fail("--pruning-audit goes with --format table or json, without --robust")
