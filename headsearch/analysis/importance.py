@@ -18,16 +18,15 @@ the skip carries onward.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-from headsearch.analysis.diversity import AttentionTap, entropy_sums
+from headsearch.analysis.diversity import AttentionTap, entropy_sums, head_masks
 from headsearch.models.transformer import attention_layers
 
 LossFn = Callable[[nn.Module, Any], "tuple[Tensor, int | Tensor]"]
@@ -56,22 +55,6 @@ class HeadImportance:
         """Every (module index, head) from least to most important (normalised), ties in forward order."""
         flat = [(float(v), li, h) for li, vec in enumerate(self.importance) for h, v in enumerate(vec)]
         return [(li, h) for _, li, h in sorted(flat, key=lambda t: t[0])]  # stable: ties keep forward order
-
-
-@contextlib.contextmanager
-def head_masks(model: nn.Module) -> Iterator[list[tuple[str, nn.Module]]]:
-    """The model's attention modules, in eval mode, for setting `head_mask`s: on exit (also after an
-    error) every module gets its own mask back and the model its training flag."""
-    layers = attention_layers(model)
-    saved = [attn.head_mask for _, attn in layers]
-    was_training = model.training
-    try:
-        model.eval()
-        yield layers
-    finally:
-        for (_, attn), mask in zip(layers, saved):
-            attn.head_mask = mask
-        model.train(was_training)
 
 
 def _param_device(module: nn.Module) -> torch.device:
