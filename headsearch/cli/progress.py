@@ -347,7 +347,6 @@ class SearchProgress(SearchCallback):
             self.plain.poll()  # its line, read back from the study as a worker process's trials are
             return
         t = self.study.trials[number]
-        detail = ""
         if state == "COMPLETE":
             detail = "  ".join(f"{k} {v:.4g}" for k, v in zip(self.study.metric_names or [], t.values or []))
         elif "pruned" in t.user_attrs:
@@ -355,10 +354,8 @@ class SearchProgress(SearchCallback):
 
             direction = (self.study.user_attrs.get("headsearch") or {}).get("objectives", [{}])[0].get("direction")
             detail = pruned_text(t.user_attrs["pruned"], direction)
-        elif "rejected" in t.user_attrs:
-            detail = t.user_attrs["rejected"]
-        elif "fail_reason" in t.user_attrs:
-            detail = t.user_attrs["fail_reason"]
+        else:  # why it was rejected or failed, when it says
+            detail = t.user_attrs.get("rejected", t.user_attrs.get("fail_reason", ""))
         self.log.append(f"trial {number} {state.lower()}: {t.user_attrs.get('arch', '')}  {detail}")
         self.current, self.epoch, self.step = "-", "", ""
         self.refresh()
