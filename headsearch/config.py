@@ -47,12 +47,10 @@ def coerce_fields(obj: Any, ints: tuple[str, ...] = (), floats: tuple[str, ...] 
         if value is None and name in optional:
             continue
         try:
-            if name in bools:
-                if not isinstance(value, bool):
-                    raise ValueError
-                continue
-            if isinstance(value, bool):
+            if isinstance(value, bool) != (name in bools):  # true/false for a bool field only, never for a number
                 raise ValueError
+            if name in bools:
+                continue
             if name in ints:
                 as_float = float(value)
                 if not as_float.is_integer():
@@ -96,8 +94,15 @@ def _heads_tuple(name: str, heads: Any, layers: int) -> tuple[int, ...]:
     return out
 
 
+class ConfigSection:
+    """The dict/YAML side of a frozen config dataclass (a mixin, no state of its own): its fields, tuples as lists."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v) for f in fields(self)}
+
+
 @dataclass(frozen=True)
-class ArchConfig:
+class ArchConfig(ConfigSection):
     """A transformer architecture with per-layer head counts.
 
     Defaults are the CIFAR-10 ViT of Martínez-Marín et al. (HAM; docs/design.md §4.1): embed 48, 4 layers x 4
@@ -153,10 +158,9 @@ class ArchConfig:
                 raise ConfigError(f"{name} = {getattr(self, name)} must be a positive integer")
         if self.dec_layers < 0:
             raise ConfigError(f"dec_layers = {self.dec_layers} must be 0 (encoder only) or more")
-        _choice("skip", self.skip, SKIPS)
-        _choice("fusion", self.fusion, FUSIONS)
-        _choice("soft_score", self.soft_score, SOFT_SCORES)
-        _choice("activation", self.activation, ACTIVATIONS)
+        for name, allowed in (("skip", SKIPS), ("fusion", FUSIONS), ("soft_score", SOFT_SCORES),
+                              ("activation", ACTIVATIONS)):
+            _choice(name, getattr(self, name), allowed)
         for name in ("dropout", "attn_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"{name} = {getattr(self, name)} must be in [0, 1)")
@@ -205,11 +209,6 @@ class ArchConfig:
         return heads * self.head_width(heads)
 
     # -- dict / YAML ------------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["enc_heads"], d["dec_heads"] = list(self.enc_heads), list(self.dec_heads)
-        return d
-
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], base: "ArchConfig | None" = None) -> "ArchConfig":
         """Build from a mapping, over `base`'s values for the keys it leaves out.
@@ -218,18 +217,16 @@ class ArchConfig:
         keeps a uniform base schedule uniform (a non-uniform one must then be given again).
         """
         _reject_unknown("arch", d, cls)
-        merged = base.to_dict() if base is not None else {}
         given = dict(d)
         for heads, layers in (("enc_heads", "enc_layers"), ("dec_heads", "dec_layers")):
             per_layer = heads in given and not isinstance(given[heads], int)
             if per_layer and layers not in given:
                 given[layers] = len(_heads_tuple(heads, given[heads], 1))
-            if layers in given and heads not in given and heads in merged:
-                base_heads = merged[heads]
+            if layers in given and heads not in given and base is not None:
+                base_heads = getattr(base, heads)
                 if len(set(base_heads)) <= 1:
                     given[heads] = base_heads[0] if base_heads else cls.__dataclass_fields__[heads].default
-        merged.update(given)
-        return cls(**merged)
+        return merge_from_dict(cls, "arch", given, base)
 
 
 def _reject_unknown(section: str, d: Mapping[str, Any], cls: type) -> None:
@@ -249,7 +246,7 @@ def _compile_mode(value: Any) -> Any:
 
 
 @dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(ConfigSection):
     """Optimisation settings. Each task supplies the defaults of the paper it reproduces (docs/design.md §4)."""
 
     epochs: int = 10
@@ -286,10 +283,9 @@ class TrainConfig:
         for name in ("optimizer", "schedule", "amp", "channels_last"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name} = {getattr(self, name)!r} must be a name")
-        if self.epochs < 1:
-            raise ConfigError(f"epochs = {self.epochs} must be at least 1")
-        if self.batch_size < 1:
-            raise ConfigError(f"batch_size = {self.batch_size} must be at least 1")
+        for name in ("epochs", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} = {getattr(self, name)} must be at least 1")
         for name in ("lr", "weight_decay", "eps", "warmup_epochs", "min_lr_ratio", "label_smoothing", "grad_clip", "target"):
             value = getattr(self, name)
             if value is not None and not math.isfinite(value):
@@ -311,24 +307,15 @@ class TrainConfig:
             raise ConfigError(f"diversity_samples = {self.diversity_samples} must be 0 (off) or a number of samples")
         if self.max_steps_per_epoch is not None and self.max_steps_per_epoch < 1:
             raise ConfigError(f"max_steps_per_epoch = {self.max_steps_per_epoch} must be at least 1, or null")
-        if len(self.betas) != 2:
-            raise ConfigError(f"betas = {list(self.betas)} must hold two numbers")
         if not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"betas = {list(self.betas)} must both be in [0, 1), e.g. [0.9, 0.999]")
-        _choice("optimizer", self.optimizer, OPTIMIZERS)
-        _choice("schedule", self.schedule, LR_SCHEDULES)
-        _choice("amp", self.amp, AMP_MODES)
-        _choice("compile", self.compile, COMPILE_MODES)
-        _choice("channels_last", self.channels_last, CHANNELS_LAST)
+        for name, allowed in (("optimizer", OPTIMIZERS), ("schedule", LR_SCHEDULES), ("amp", AMP_MODES),
+                              ("compile", COMPILE_MODES), ("channels_last", CHANNELS_LAST)):
+            _choice(name, getattr(self, name), allowed)
 
     def uses_channels_last(self, device_type: str) -> bool:
         """Whether image tasks run channels-last on this device ("auto": only CUDA's kernels gain from it)."""
         return self.channels_last == "on" or (self.channels_last == "auto" and device_type == "cuda")
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["betas"] = list(self.betas)
-        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], base: "TrainConfig | None" = None) -> "TrainConfig":
@@ -346,11 +333,8 @@ def merge_from_dict(cls: type, section: str, d: Mapping[str, Any], base: Any = N
     return cls(**merged)
 
 
-class DataOptions:
+class DataOptions(ConfigSection):
     """The dict/YAML side of a task's frozen data-options dataclass (a mixin, no state of its own)."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v) for f in fields(self)}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], base: Any = None) -> Any:

@@ -57,19 +57,16 @@ def write_atomic(path: Path, data: str | bytes) -> None:
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)  # mkstemp creates 0600; run files are meant to be shared
         os.replace(tmp, path)
-    except OSError as e:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
         _name_file(e, path)
         raise
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
-def _name_file(e: OSError, path: Path) -> None:
+def _name_file(e: BaseException, path: Path) -> None:
     """Name the file `e` met (a write to a descriptor names none), so the one-line error can say which
     file met the full disk."""
-    if e.filename is None:
+    if isinstance(e, OSError) and e.filename is None:
         e.filename = str(path)
 
 
@@ -116,12 +113,9 @@ def append_line(path: Path, line: str) -> None:
         try:
             while data:
                 data = data[os.write(fd, data):]
-        except OSError as e:
+        except BaseException as e:
             os.ftruncate(fd, size)
             _name_file(e, path)
-            raise
-        except BaseException:
-            os.ftruncate(fd, size)
             raise
     finally:
         os.close(fd)

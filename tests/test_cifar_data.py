@@ -301,7 +301,7 @@ def test_resized_crop_matches_torchvision_crop_then_resize():
     aug = GpuAugment(["resized_crop"], scale=(0.08, 1.0))
     out = aug(x, torch.Generator().manual_seed(5))
     # resized_crop is the only op, so the same seed redraws the same boxes.
-    boxes = aug._crop_boxes(32, 32, 32, torch.Generator().manual_seed(5), torch.device("cpu"))
+    boxes = aug._boxes(aug.draw(32, torch.Generator().manual_seed(5)), 32, 32)
     expected = torch.stack(
         [tvf.resized_crop(x[i].float(), *(int(v[i]) for v in boxes), [32, 32], antialias=False) for i in range(32)]
     )
@@ -310,7 +310,7 @@ def test_resized_crop_matches_torchvision_crop_then_resize():
 
 def test_resized_crop_boxes_follow_torchvision():
     aug = GpuAugment(["resized_crop"], scale=(0.3, 1.0), ratio=(3 / 4, 4 / 3))
-    top, left, h, w = aug._crop_boxes(4096, 32, 32, torch.Generator().manual_seed(0), torch.device("cpu"))
+    top, left, h, w = aug._boxes(aug.draw(4096, torch.Generator().manual_seed(0)), 32, 32)
     assert (h >= 1).all() and (w >= 1).all() and (top >= 0).all() and (left >= 0).all()
     assert (top + h <= 32).all() and (left + w <= 32).all()
     assert (h == h.round()).all() and (top == top.round()).all()
@@ -321,7 +321,7 @@ def test_resized_crop_boxes_follow_torchvision():
 
     # No draw can fit (w = sqrt(1024 * 2) > 32): torchvision's central fallback, 32 wide and 16 high.
     never_fits = GpuAugment(["resized_crop"], scale=(1, 1), ratio=(2, 2))
-    top, left, h, w = never_fits._crop_boxes(3, 32, 32, torch.Generator().manual_seed(0), torch.device("cpu"))
+    top, left, h, w = never_fits._boxes(never_fits.draw(3, torch.Generator().manual_seed(0)), 32, 32)
     assert w.tolist() == [32] * 3 and h.tolist() == [16] * 3
     assert top.tolist() == [8] * 3 and left.tolist() == [0] * 3
 

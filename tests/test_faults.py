@@ -242,9 +242,8 @@ def _crashing_worker(settings, tmp: str) -> None:
 
 @pytest.mark.processes
 def test_a_crashed_worker_is_named_with_its_trial_and_reason_in_one_line(planted, tmp_path):
-    from headsearch.cli.common import worker_failure_line
     from headsearch.search.runner import SearchSettings
-    from headsearch.search.workers import worker_failure
+    from headsearch.search.workers import failure_line, worker_failure
 
     space = tmp_path / "space.yaml"
     space.write_text(SPACE)
@@ -257,23 +256,22 @@ def test_a_crashed_worker_is_named_with_its_trial_and_reason_in_one_line(planted
     failure = worker_failure(0, p.exitcode, tmp_path / "runs" / "crash" / "workers")
     assert failure.message == "in trial 0: RuntimeError: boom in the loss"
     assert not failure.bad_input and "RuntimeError" in failure.log.read_text()  # the traceback stays in the log
-    line = worker_failure_line([failure])
+    line = failure_line([failure])
     assert line == f"worker 0 failed in trial 0: RuntimeError: boom in the loss (traceback in {failure.log})"
     trial = optuna.load_study(study_name="crash", storage=settings.storage).trials[0]
     assert trial.state == optuna.trial.TrialState.FAIL and trial.user_attrs["fail_reason"].startswith("RuntimeError: boom")
 
 
 def test_failed_workers_read_as_one_line(tmp_path):
-    from headsearch.cli.common import worker_failure_line
-    from headsearch.search.workers import worker_failure
+    from headsearch.search.workers import failure_line, worker_failure
 
     (tmp_path / "worker-1.failed").write_text("data file pairs.txt, line 3: not valid UTF-8\n")
     bad_input = worker_failure(1, 2, tmp_path)
     killed = worker_failure(0, -9, tmp_path)  # the OOM killer leaves no word
     assert bad_input.bad_input and bad_input.message == "data file pairs.txt, line 3: not valid UTF-8"
     assert killed.message == "killed by signal 9"
-    assert worker_failure_line([bad_input]) == "data file pairs.txt, line 3: not valid UTF-8"
-    assert worker_failure_line([killed, bad_input]).endswith("; 1 other worker(s) failed too, logs beside it")
+    assert failure_line([bad_input]) == "data file pairs.txt, line 3: not valid UTF-8"
+    assert failure_line([killed, bad_input]).endswith("; 1 other worker(s) failed too, logs beside it")
 
 
 # ----------------------------------------------------------------------------- the terminal

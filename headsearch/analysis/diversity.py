@@ -28,9 +28,10 @@ attention there), as in the X-Raying article.
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -83,17 +84,6 @@ class LayerDiversity:
             out[key] = float("nan") if h < 2 else float((m.sum() - np.trace(m)) / (h * (h - 1)))
         out["attention_diversity"] = float(np.mean(self.attention_diversity))
         return out
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: matrices as nested lists, plus the layer scalars."""
-        return {
-            "name": self.name,
-            "heads": self.heads,
-            "n_positions": self.n_positions,
-            "n_keys": self.n_keys,
-            **{key: getattr(self, key).tolist() for key in METRICS},
-            "scalars": self.scalars(),
-        }
 
 
 # -- which padding mask applies to which module -------------------------------------------------
@@ -212,6 +202,22 @@ def _force_weights(module, args, kwargs):
     return args, kwargs
 
 
+@contextlib.contextmanager
+def head_masks(model: nn.Module) -> Iterator[list[tuple[str, nn.Module]]]:
+    """The model's attention modules, in eval mode, for setting `head_mask`s: on exit (also after an
+    error) every module gets its own mask back and the model its training flag."""
+    layers = attention_layers(model)
+    saved = [attn.head_mask for _, attn in layers]
+    was_training = model.training
+    try:
+        model.eval()
+        yield layers
+    finally:
+        for (_, attn), mask in zip(layers, saved):
+            attn.head_mask = mask
+        model.train(was_training)
+
+
 # -- per-call statistics ------------------------------------------------------------------------
 
 
@@ -235,12 +241,10 @@ class _LayerStats:
     var_sum: Tensor | None = None  # (H,): sum over valid (b, k) of Var_q A
     n_positions: int = 0
     n_keys: int = 0
-    calls: int = field(default=0)
 
     def add(self, rec: dict[str, Tensor]) -> None:
         qm, km = rec["query_mask"], rec["key_mask"]
         h, d = self.heads, self.head_dim
-        self.calls += 1
 
         def rows(t: Tensor) -> Tensor:  # (B, H, Tq, d_k) -> (N, H, d_k) at valid queries, float64
             return t.transpose(1, 2)[qm].double()
@@ -328,18 +332,11 @@ def head_diversity(model: nn.Module, batches: Iterable[Mapping[str, Any]]) -> li
     `batches`: dicts {"inputs": tuple of model inputs, "masks": {...}} (see `analysis_batches`).
     The model runs in eval mode under torch.no_grad(); its training flag is restored afterwards.
     """
-    stats: dict[str, _LayerStats] = {}
-    layers = attention_layers(model)
-    for name, attn in layers:
-        stats[name] = _LayerStats(attn.n_heads, attn.head_dim)
-    was_training = model.training
-    try:
-        model.eval()
-        with torch.no_grad(), AttentionTap(model, lambda name, rec: stats[name].add(rec)) as tap:
+    with head_masks(model) as layers, torch.no_grad():
+        stats = {name: _LayerStats(attn.n_heads, attn.head_dim) for name, attn in layers}
+        with AttentionTap(model, lambda name, rec: stats[name].add(rec)) as tap:
             if run_batches(model, batches, tap) == 0:
                 raise ValueError("head_diversity needs at least one batch")
-    finally:
-        model.train(was_training)
     return [stats[name].result(name) for name, _ in layers]
 
 

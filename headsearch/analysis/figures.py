@@ -55,8 +55,7 @@ def pairwise_heatmaps(layers, metric: str, title: str, path: Path) -> Path:
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
     fig.suptitle(title)
-    _save(fig, path)
-    return path
+    return _save(fig, path)
 
 
 def importance_figure(names, importance, entropy, path: Path) -> Path:
@@ -76,8 +75,7 @@ def importance_figure(names, importance, entropy, path: Path) -> Path:
         if width <= 32:
             ax.set_xticks(range(width))
         fig.colorbar(im, ax=ax, fraction=0.03)
-    _save(fig, path)
-    return path
+    return _save(fig, path)
 
 
 def pruning_curve_figure(curve: list[dict], metric: str, path: Path) -> Path:
@@ -89,8 +87,7 @@ def pruning_curve_figure(curve: list[dict], metric: str, path: Path) -> Path:
     ax.set_ylabel(f"validation {metric}")
     ax.set_title("How many heads are needed")
     ax.grid(alpha=0.3)
-    _save(fig, path)
-    return path
+    return _save(fig, path)
 
 
 def _image_panel(ax, image: np.ndarray, label: str) -> None:
@@ -134,8 +131,7 @@ def vit_attention_figures(maps, out_dir: Path, max_heads: int = 8) -> list[Path]
             else:
                 ax.axis("off")
         fig.suptitle(f"sample {s}: label {maps.labels[s]}, predicted {maps.predictions[s]} — {CLS_NOTE}", fontsize=9)
-        path = _save(fig, out_dir / f"attention_sample{s}.png")
-        paths.append(path)
+        paths.append(_save(fig, out_dir / f"attention_sample{s}.png"))
         if any(m is not None for m in maps.soft_attention):
             fig, axes = plt.subplots(layers, 3, figsize=(5.2, 1.8 * layers), squeeze=False)
             for l in range(layers):
@@ -145,8 +141,7 @@ def vit_attention_figures(maps, out_dir: Path, max_heads: int = 8) -> list[Path]
             axes[0, 1].set_title("self-attention", fontsize=9)
             axes[0, 2].set_title("soft attention", fontsize=9)
             fig.suptitle(f"sample {s} ({maps.labels[s]}): heads averaged", fontsize=9)
-            path = _save(fig, out_dir / f"soft_vs_self_sample{s}.png")
-            paths.append(path)
+            paths.append(_save(fig, out_dir / f"soft_vs_self_sample{s}.png"))
     return paths
 
 
@@ -168,6 +163,5 @@ def cross_attention_figures(maps, out_dir: Path) -> list[Path]:
             ax.set_ylabel("output token")
             ax.set_title(f"decoder layer {l} cross-attention ({w.shape[0]} heads averaged)", fontsize=9)
             fig.colorbar(im, ax=ax, fraction=0.046)
-        path = _save(fig, out_dir / f"cross_attention_sample{s}.png")
-        paths.append(path)
+        paths.append(_save(fig, out_dir / f"cross_attention_sample{s}.png"))
     return paths

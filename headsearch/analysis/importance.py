@@ -18,16 +18,15 @@ the skip carries onward.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-from headsearch.analysis.diversity import AttentionTap, entropy_sums
+from headsearch.analysis.diversity import AttentionTap, entropy_sums, head_masks
 from headsearch.models.transformer import attention_layers
 
 LossFn = Callable[[nn.Module, Any], "tuple[Tensor, int | Tensor]"]
@@ -57,36 +56,9 @@ class HeadImportance:
         flat = [(float(v), li, h) for li, vec in enumerate(self.importance) for h, v in enumerate(vec)]
         return [(li, h) for _, li, h in sorted(flat, key=lambda t: t[0])]  # stable: ties keep forward order
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "names": list(self.names),
-            "importance": [v.tolist() for v in self.importance],
-            "raw": [v.tolist() for v in self.raw],
-            "entropy": [v.tolist() for v in self.entropy],
-            "n_tokens": self.n_tokens,
-        }
-
-
-@contextlib.contextmanager
-def head_masks(model: nn.Module) -> Iterator[list[tuple[str, nn.Module]]]:
-    """The model's attention modules, in eval mode, for setting `head_mask`s: on exit (also after an
-    error) every module gets its own mask back and the model its training flag."""
-    layers = attention_layers(model)
-    saved = [attn.head_mask for _, attn in layers]
-    was_training = model.training
-    try:
-        model.eval()
-        yield layers
-    finally:
-        for (_, attn), mask in zip(layers, saved):
-            attn.head_mask = mask
-        model.train(was_training)
-
 
 def _param_device(module: nn.Module) -> torch.device:
-    for p in module.parameters():
-        return p.device
-    return torch.device("cpu")
+    return next((p.device for p in module.parameters()), torch.device("cpu"))
 
 
 def head_importance(model: nn.Module, batches: Iterable[Any], loss_fn: LossFn) -> HeadImportance:
@@ -116,11 +88,9 @@ def head_importance(model: nn.Module, batches: Iterable[Any], loss_fn: LossFn) -
             ent_sums[index[name]] += s.cpu()
             ent_counts[index[name]] += n
 
-        gates = []
-        for _, attn in layers:
-            gate = torch.ones(attn.n_heads, device=_param_device(attn), requires_grad=True)
+        gates = [torch.ones(attn.n_heads, device=_param_device(attn), requires_grad=True) for _, attn in layers]
+        for (_, attn), gate in zip(layers, gates):
             attn.head_mask = gate
-            gates.append(gate)
         seen = 0
         with torch.enable_grad(), AttentionTap(model, on_call) as tap:
             for batch in batches:
@@ -214,15 +184,11 @@ def pruning_curve(
         previous = -1
         for k, n_pruned in enumerate(pruning_steps(total, step_fraction)):
             pruned = order[:n_pruned]
-            if n_pruned == 0:
-                for _, attn in layers:
-                    attn.head_mask = None
-            else:
-                gates = [torch.ones(attn.n_heads, device=_param_device(attn)) for _, attn in layers]
-                for li, h in pruned:
-                    gates[li][h] = 0.0
-                for (_, attn), gate in zip(layers, gates):
-                    attn.head_mask = gate
+            gates = [torch.ones(attn.n_heads, device=_param_device(attn)) if n_pruned else None for _, attn in layers]
+            for li, h in pruned:
+                gates[li][h] = 0.0
+            for (_, attn), gate in zip(layers, gates):
+                attn.head_mask = gate
             if n_pruned != previous:
                 value = _evaluate(model, evaluate, metric)
                 previous = n_pruned

@@ -58,10 +58,8 @@ def analyze_run(run_dir: Path, source: DataSource, out_dir: Path | None = None, 
                 ablate: bool = True, device: str | None = None, progress=None) -> dict[str, Any]:
     """Compute everything and write analysis.json and PNG figures into `out_dir` (default RUN_DIR/analysis).
     Returns the analysis dict; its "figures" and "analysis_json" name the files written."""
-    import torch
-
-    from headsearch.analysis import figures, maps
-    from headsearch.analysis.diversity import analysis_batches, head_diversity
+    from headsearch.analysis import figures
+    from headsearch.analysis.diversity import METRICS, analysis_batches, head_diversity
     from headsearch.analysis.importance import ablation, head_importance, pruning_curve
     from headsearch.training.runtime import resolve_device
 
@@ -80,10 +78,7 @@ def analyze_run(run_dir: Path, source: DataSource, out_dir: Path | None = None, 
     step("importance")
     importance = head_importance(model, batches, bound.summed_loss)
 
-    def evaluate() -> dict[str, float]:
-        with torch.no_grad():
-            return bound.evaluate(model, "val")
-
+    evaluate = lambda: bound.evaluate(model, "val")  # noqa: E731  (ablation and pruning_curve run it under no_grad)
     ablated = None
     if ablate:
         step("ablation")
@@ -104,23 +99,18 @@ def analyze_run(run_dir: Path, source: DataSource, out_dir: Path | None = None, 
     layers = []
     for i, layer in enumerate(diversity):
         entry = {"name": layer.name, "heads": layer.heads, "scalars": layer.scalars(),
-                 "query_orthogonality": layer.query_orthogonality,
-                 "context_nonorthogonality": layer.context_nonorthogonality,
-                 "context_nonorthogonality_normalized": layer.context_nonorthogonality_normalized,
-                 "output_dissimilarity": layer.output_dissimilarity,
-                 "attention_diversity": layer.attention_diversity,
+                 **{key: getattr(layer, key) for key in METRICS},
                  "importance": importance.importance[i], "importance_raw": importance.raw[i],
                  "entropy": importance.entropy[i]}
         if ablated is not None:
             entry["ablation"] = ablated["per_head"][i]
         layers.append(entry)
-    result = {
+    result = json_safe({
         "run_dir": str(Path(run_dir).resolve()), "task": task.name, "metric": metric, "split": "val",
         "samples": samples, "arch": cfg.arch.to_dict(), "layers": layers,
         "baseline": ablated["baseline"] if ablated else curve[0][metric],
         "pruning_curve": curve, "figures": [str(p) for p in paths],
-    }
-    result = json_safe(result)
+    })
     write_atomic(out_dir / "analysis.json", json.dumps(result, indent=1) + "\n")
     result["analysis_json"] = str(out_dir / "analysis.json")
     return result
@@ -135,6 +125,5 @@ def attention_figures(views: list, out_dir: Path) -> list[Path]:
     paths = []
     for view in patches:
         paths += figures.vit_attention_figures(maps.patch_maps(view), out_dir)
-    if tokens:
-        paths += figures.cross_attention_figures(tokens, out_dir)
+    paths += figures.cross_attention_figures(tokens, out_dir)
     return paths

@@ -7,7 +7,7 @@ initial weights. The paired difference d_s = b_s - a_s removes what the seed alo
 pairs, not two independent samples, are compared.
 
 - Bootstrap interval (Efron & Tibshirani 1993, the percentile method): resample the N differences with
-  replacement `resamples` times, take the mean of each resample, and report the 2.5th and 97.5th
+  replacement `BOOTSTRAP_RESAMPLES` times, take the mean of each resample, and report the 2.5th and 97.5th
   percentiles of those means. Seeded: the same numbers give the same interval.
 - Paired t-test (Student 1908): t = mean(d) / (sd(d) / sqrt(N)), two-sided p-value from Student's t with
   N - 1 degrees of freedom (SciPy's `ttest_1samp` on the differences, which is `ttest_rel` on the pairs).
@@ -65,25 +65,22 @@ def distinguishable(ci95: Sequence[float], p_value: float) -> bool:
     return (lo > 0 or hi < 0) and p_value < ALPHA
 
 
-def paired_difference(a: Sequence[float], b: Sequence[float], *, resamples: int = BOOTSTRAP_RESAMPLES,
-                      seed: int = 0, level: float = LEVEL) -> PairedDifference:
+def paired_difference(a: Sequence[float], b: Sequence[float], *, seed: int = 0) -> PairedDifference:
     """The paired difference b - a of two configs' values on the same seeds (a[i] and b[i]: seed i)."""
     if len(a) != len(b):
         raise ValueError(f"paired values need the same seeds: {len(a)} and {len(b)} values")
     d = np.asarray(b, dtype=np.float64) - np.asarray(a, dtype=np.float64)
     if d.size < 2:
         raise ValueError("a paired difference needs at least 2 seeds")
-    return PairedDifference(int(d.size), float(d.mean()), bootstrap_ci(d, resamples=resamples, seed=seed, level=level),
-                            paired_t_test(d))
+    return PairedDifference(int(d.size), float(d.mean()), bootstrap_ci(d, seed=seed), paired_t_test(d))
 
 
-def bootstrap_ci(d: Sequence[float], *, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0,
-                 level: float = LEVEL) -> tuple[float, float]:
-    """Percentile bootstrap interval of the mean of `d` (Efron & Tibshirani 1993)."""
+def bootstrap_ci(d: Sequence[float], *, seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval (at LEVEL) of the mean of `d` (Efron & Tibshirani 1993)."""
     x = np.asarray(d, dtype=np.float64)
     rng = np.random.default_rng(seed)
-    means = x[rng.integers(0, x.size, size=(resamples, x.size))].mean(axis=1)
-    tail = (1.0 - level) / 2 * 100
+    means = x[rng.integers(0, x.size, size=(BOOTSTRAP_RESAMPLES, x.size))].mean(axis=1)
+    tail = (1.0 - LEVEL) / 2 * 100
     lo, hi = np.percentile(means, [tail, 100 - tail])
     return float(lo), float(hi)
 

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from headsearch.cli.common import Command, exits, fail, format_option, setting_option
+from headsearch.cli.common import exits, fail, format_option, setting_option
 
 
 @exits(kept="the ways measured so far are saved", interrupted="the ways measured so far are saved")
@@ -73,7 +73,3 @@ def parse_list(flag: str, text: Optional[str], kind, what: str, ok) -> Optional[
     if not values or not all(ok(v) for v in values):
         fail(f"{flag} {text!r}: give {what}")
     return values
-
-
-def register(app: typer.Typer) -> None:
-    app.command(cls=Command)(bench)

@@ -76,16 +76,10 @@ class _Exits:
         return guarded
 
 
-def worker_failure_line(failures) -> str:
-    """The library's one line for failed worker processes (headsearch.search.workers.failure_line)."""
-    from headsearch.search.workers import failure_line
-
-    return failure_line(failures)
-
-
 def check_format(fmt: str, known: tuple[str, ...]) -> None:
     if fmt not in known:
-        fail(f"--format {fmt!r} is not known: use {' or '.join(known)}")
+        choices = " or ".join(known) if len(known) == 2 else f"one of {', '.join(known)}"
+        fail(f"--format {fmt!r} is not known: use {choices}")
 
 
 # ------------------------------------------------------------------------------------- help without <bool>

@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from headsearch.cli.common import PLAN_COHORT_HELP, PLAN_WORKERS_HELP, Command, exits, fail, setting_option
+from headsearch.cli.common import PLAN_COHORT_HELP, PLAN_WORKERS_HELP, check_format, exits, setting_option
 
 FORMATS = ("table", "json", "csv")
 # The metrics the table shows, when the runs have them; the JSON holds every one.
@@ -47,8 +47,7 @@ def compare(
     from headsearch.cli.progress import SearchWatch
     from headsearch.search.compare import parse_sets
 
-    if fmt not in FORMATS:
-        fail(f"--format {fmt!r} is not known: use one of {', '.join(FORMATS)}")
+    check_format(fmt, FORMATS)
     check_new_study_name(study)  # names and where the results go: before anything trains
     check_new_storage(storage)
     check_output_folder(out, "--out", "comparison.json and curves.png")
@@ -86,7 +85,7 @@ def print_result(result: dict, fmt: str) -> None:
 
 
 def print_comparison(result: dict, console=None) -> None:
-    from rich.table import Table
+    from rich.table import Column, Table
 
     from headsearch.cli.progress import log_title, output_console
 
@@ -94,9 +93,8 @@ def print_comparison(result: dict, console=None) -> None:
     primary = result["curve_metric"].removeprefix("val_")  # the task's primary metric
     metrics = [m.format(primary=primary) for m in TABLE_METRICS]
     metrics = [m for m in metrics if any(m in c["mean"] for c in result["configs"])]
-    table = Table(title=log_title(f"{result['study']}: {result['seeds']} seeds per config (mean ± std)", console))
-    table.add_column("config")
-    table.add_column("runs", justify="right")
+    table = Table("config", Column("runs", justify="right"),
+                  title=log_title(f"{result['study']}: {result['seeds']} seeds per config (mean ± std)", console))
     for m in metrics:
         table.add_column(m.replace("_", " "), justify="right")
     for c in result["configs"]:
@@ -130,14 +128,12 @@ def print_robust_front(result: dict, console=None) -> None:
     """`report --robust`: the front's configs on their mean objectives over seeds, with 95% intervals, and
     which of them stay on the front of the means."""
     from rich.console import Console
-    from rich.table import Table
+    from rich.table import Column, Table
 
     console = console or Console()
     on_front = set(result["front_on_means"])
-    table = Table(title=f"Pareto front retrained with {result['seeds']} seeds ({result['study']}): mean [95% interval]")
-    table.add_column("trial")
-    table.add_column("architecture")
-    table.add_column("runs", justify="right")
+    table = Table("trial", "architecture", Column("runs", justify="right"),
+                  title=f"Pareto front retrained with {result['seeds']} seeds ({result['study']}): mean [95% interval]")
     for o in result["objectives"]:
         table.add_column(f"{o['name'].replace('_', ' ')} {'↑' if o['direction'] == 'maximize' else '↓'}", justify="right")
     table.add_column("front of the means")
@@ -159,7 +155,3 @@ def _mean_std(c: dict, m: str) -> str:
     if m == "params":
         return f"{mean:,.0f}"
     return f"{mean:.4g}" + (f" ± {std:.2g}" if std is not None else "")
-
-
-def register(app: typer.Typer) -> None:
-    app.command(cls=Command)(compare)

@@ -148,14 +148,12 @@ def run(settings: dict, enqueue: list[Path]) -> None:
     watch.print_summary()
 
 
-from headsearch.cli.bench_command import register as _register_bench  # noqa: E402
-from headsearch.cli.compare_command import register as _register_compare  # noqa: E402
-from headsearch.cli.study_commands import register as _register_study_commands  # noqa: E402
-from headsearch.cli.table_command import register as _register_table  # noqa: E402
-_register_study_commands(app)
-_register_compare(app)
-_register_bench(app)
-_register_table(app)
+from headsearch.cli.bench_command import bench  # noqa: E402
+from headsearch.cli.compare_command import compare  # noqa: E402
+from headsearch.cli.study_commands import dashboard, export, report  # noqa: E402
+from headsearch.cli.table_command import table  # noqa: E402
+for registered in (report, export, dashboard, compare, bench, table):
+    command()(registered)
 
 
 @command()
@@ -179,8 +177,7 @@ def analyze(
     from headsearch.cli.checks import check_output_folder
     from headsearch.cli.progress import print_analysis
 
-    if fmt not in ("table", "json"):
-        fail(f"--format {fmt!r} is not known: use table or json")
+    check_format(fmt, ("table", "json"))
     check_output_folder(out, "--out", "analysis.json and the figures")
     with Console(stderr=True).status("analysing") as status:
         result = api.analyze(run_dir, out=out, samples=samples, ablate=ablate, device=device, data_dir=data_dir,
@@ -217,12 +214,8 @@ def main() -> None:
 
 def held_warnings(caught) -> list[str]:
     """The warnings worth showing after a successful command, once each."""
-    shown: dict[str, None] = {}
-    for w in caught:
-        if w.category.__name__ == "ExperimentalWarning":
-            continue
-        shown.setdefault(f"warning: {w.message} ({Path(w.filename).name}:{w.lineno})", None)
-    return list(shown)
+    return list(dict.fromkeys(f"warning: {w.message} ({Path(w.filename).name}:{w.lineno})"
+                              for w in caught if w.category.__name__ != "ExperimentalWarning"))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from typing import Callable
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-from rich.table import Table
+from rich.table import Column, Table
 
 from headsearch.search.rungcheck import RungWatch
 from headsearch.search.runner import SearchCallback, arch_summary
@@ -119,9 +119,8 @@ class TrainProgress(Callback):
 
 def print_result(run_dir: Path, result: TrainResult, console: Console | None = None) -> None:
     console = console or output_console()
-    table = Table(title=f"{result.primary_metric}: best validation {result.best_value:.4g} at epoch {result.best_epoch}")
-    table.add_column("figure")
-    table.add_column("value", justify="right")
+    title = f"{result.primary_metric}: best validation {result.best_value:.4g} at epoch {result.best_epoch}"
+    table = Table("figure", Column("value", justify="right"), title=title)
     for k, v in result.test_metrics.items():
         table.add_row(f"test {k}", f"{v:.4f}")
     table.add_row("parameters", f"{result.params:,}")
@@ -348,7 +347,6 @@ class SearchProgress(SearchCallback):
             self.plain.poll()  # its line, read back from the study as a worker process's trials are
             return
         t = self.study.trials[number]
-        detail = ""
         if state == "COMPLETE":
             detail = "  ".join(f"{k} {v:.4g}" for k, v in zip(self.study.metric_names or [], t.values or []))
         elif "pruned" in t.user_attrs:
@@ -356,10 +354,8 @@ class SearchProgress(SearchCallback):
 
             direction = (self.study.user_attrs.get("headsearch") or {}).get("objectives", [{}])[0].get("direction")
             detail = pruned_text(t.user_attrs["pruned"], direction)
-        elif "rejected" in t.user_attrs:
-            detail = t.user_attrs["rejected"]
-        elif "fail_reason" in t.user_attrs:
-            detail = t.user_attrs["fail_reason"]
+        else:  # why it was rejected or failed, when it says
+            detail = t.user_attrs.get("rejected", t.user_attrs.get("fail_reason", ""))
         self.log.append(f"trial {number} {state.lower()}: {t.user_attrs.get('arch', '')}  {detail}")
         self.current, self.epoch, self.step = "-", "", ""
         self.refresh()
@@ -396,9 +392,8 @@ def print_analysis(result: dict, console: Console | None = None) -> None:
                       fmt_num(sum(layer["entropy"]) / len(layer["entropy"])),
                       f"{min(imp):.2f}-{max(imp):.2f}" if imp else "-")
     console.print(table)
-    curve = Table(title="pruning curve (least important heads first)")
-    curve.add_column("heads pruned", justify="right")
-    curve.add_column(result["metric"], justify="right")
+    curve = Table(Column("heads pruned", justify="right"), Column(result["metric"], justify="right"),
+                  title="pruning curve (least important heads first)")
     for p in result["pruning_curve"]:
         curve.add_row(f"{p['heads_pruned']} ({100 * p['fraction']:.0f}%)", f"{p[result['metric']]:.4g}")
     console.print(curve)

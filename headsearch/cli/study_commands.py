@@ -1,6 +1,6 @@
 """`headsearch report`, `export` and `dashboard`: reading a study that `headsearch run` wrote.
 
-Registered on the main app by `register(app)`. Bad input (an unreadable storage, an unknown study,
+Registered on the main app by cli/main.py. Bad input (an unreadable storage, an unknown study,
 a trial that cannot be exported) gets one line on stderr and exit code 2, and creates nothing.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Optional
 import typer
 
 from headsearch.cli.checks import check_artifact_folder, check_output_folder, check_study_to_read
-from headsearch.cli.common import Command, exits, fail, setting_option
+from headsearch.cli.common import check_format, exits, fail, setting_option
 
 STORAGE_HELP = "Optuna storage URL of the search (sqlite:///FILE.db, postgresql://..., journal:FILE.log, redis://...)."
 STUDY_HELP = "Study name (default: the only study in the storage)."
@@ -44,8 +44,7 @@ def report(
 
     from headsearch import api
 
-    if fmt not in FORMATS:
-        fail(f"--format {fmt!r} is not known: use one of {', '.join(FORMATS)}")
+    check_format(fmt, FORMATS)
     check_study_to_read(study)
     if pruning_audit and (robust or fmt == "csv"):
         fail("--pruning-audit goes with --format table or json, without --robust")
@@ -154,7 +153,7 @@ def _robust_report(study: Optional[str], storage: str, seeds: int, fmt: str, run
 
 def print_report(rep, console=None) -> None:
     from rich.console import Console
-    from rich.table import Table
+    from rich.table import Column, Table
 
     console = console or Console()
     c = rep.counts
@@ -166,11 +165,8 @@ def print_report(rep, console=None) -> None:
                   + (f"; {c['over_budget']} asked over the budget (not trained, not counted)" if c["over_budget"] else ""))
 
     title = "Pareto front" if rep.multi_objective else "best trial"
-    front = Table(title=f"{title} ({len(rep.front)} trials)")
-    front.add_column("trial", justify="right")
-    front.add_column("heads")
-    front.add_column("skip")
-    front.add_column("fusion")
+    front = Table(Column("trial", justify="right"), "heads", "skip", "fusion",
+                  title=f"{title} ({len(rep.front)} trials)")
     for o in rep.objectives:
         front.add_column(f"{o.name} {'↑' if o.direction == 'maximize' else '↓'}" + (f" ({o.unit})" if o.unit else ""),
                          justify="right")
@@ -192,9 +188,7 @@ def print_report(rep, console=None) -> None:
     else:
         console.print("no complete trials yet: nothing on the Pareto front")
 
-    imp = Table(title="parameter importances (PED-ANOVA, per objective)")
-    imp.add_column("objective")
-    imp.add_column("importances")
+    imp = Table("objective", "importances", title="parameter importances (PED-ANOVA, per objective)")
     for i in rep.importances:
         text = "  ".join(f"{k} {v:.2f}" for k, v in i.importances.items()) if not i.error else f"not computed: {i.error}"
         imp.add_row(i.objective, text)
@@ -213,18 +207,15 @@ def print_report(rep, console=None) -> None:
         console.print(f"warning: {rep.rung_warning}", soft_wrap=True, markup=False, highlight=False)
 
     if rep.diversity_vs_quality:
-        div = Table(title="head diversity vs objectives across complete trials (Spearman rho)")
-        div.add_column("diversity (mean over layers)")
+        div = Table("diversity (mean over layers)",
+                    title="head diversity vs objectives across complete trials (Spearman rho)")
         for o in rep.objectives:
             div.add_column(o.name, justify="right")
         for metric, rhos in rep.diversity_vs_quality.items():
             div.add_row(metric, *[_fmt(rhos.get(o.name)) for o in rep.objectives])
         console.print(div)
 
-    trials = Table(title="all trials")
-    trials.add_column("trial", justify="right")
-    trials.add_column("state")
-    trials.add_column("architecture")
+    trials = Table(Column("trial", justify="right"), "state", "architecture", title="all trials")
     for o in rep.objectives:
         trials.add_column(o.name, justify="right")
     trials.add_column("epochs", justify="right")
@@ -373,9 +364,3 @@ def unavailable_port(host: str, port: int) -> str | None:
             busy = "the port is in use (another dashboard?): pass another --port" if e.errno == errno.EADDRINUSE else e.strerror
             return busy or str(e)
     return None
-
-
-def register(app: typer.Typer) -> None:
-    app.command(cls=Command)(report)
-    app.command(cls=Command)(export)
-    app.command(cls=Command)(dashboard)

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from headsearch.cli.common import PLAN_COHORT_HELP, PLAN_WORKERS_HELP, Command, exits, setting_option
+from headsearch.cli.common import PLAN_COHORT_HELP, PLAN_WORKERS_HELP, exits, setting_option
 from headsearch.search.settings import SET_HELP
 
 RUNS, WORKERS = "Runs", "Storage and workers"
@@ -68,7 +68,3 @@ def print_table(built: dict) -> None:
         t.add_row(r["arch"], f"{r['params']:,}", str(r["seeds"]), f"{r['final']:.4f}", f"{r['epoch_seconds']:.2f}")
     console.print(t)
     console.print(f"training time of the table's runs, alone on {built['device']}: {seconds_of(built) / 60:.1f} min")
-
-
-def register(app: typer.Typer) -> None:
-    app.command(cls=Command)(table)

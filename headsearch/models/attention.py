@@ -148,12 +148,10 @@ class SoftAttention(nn.Module):
 
     def reset_parameters(self) -> None:
         # Same scale as nn.Linear's default: uniform(-1/sqrt(fan_in), 1/sqrt(fan_in)).
-        for p in (self.w_key, self.w_query):
+        for p in (self.w_key, self.w_query, self.w_energy):  # fan_in: d_k for W1 and W2, d_a for w
             if p is not None:
                 bound = 1 / math.sqrt(p.shape[1])
                 nn.init.uniform_(p, -bound, bound)
-        bound = 1 / math.sqrt(self.w_energy.shape[1])
-        nn.init.uniform_(self.w_energy, -bound, bound)
 
     def project_keys(self, k: Tensor) -> Tensor:
         """W1 k_j for every key: (B, H, Tk, d_k) -> (B, H, Tk, A). A decoding cache keeps these."""

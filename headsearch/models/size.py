@@ -100,10 +100,8 @@ def layer_groups(heads: Sequence[int]) -> Iterator[tuple[int, int, int]]:
     anything else, and must refuse an absurd depth at once."""
     if not heads:
         return
-    rest = Counter(heads[1:])
     yield heads[0], 0, 1
-    for h, n in rest.items():
-        yield h, 1, n
+    yield from ((h, 1, n) for h, n in Counter(heads[1:]).items())
 
 
 def encoder_params(arch: ArchConfig) -> int:

@@ -77,10 +77,9 @@ class TranslationData(DataOptions):
             raise ConfigError(f"data.max_len = {self.max_len} is too short: it counts SOS/EOS, use at least 4")
         if self.vocab_size <= SPECIAL_TOKENS:
             raise ConfigError(f"data.vocab_size = {self.vocab_size} must exceed the {SPECIAL_TOKENS} special tokens")
-        if self.min_frequency < 1:
-            raise ConfigError(f"data.min_frequency = {self.min_frequency} must be at least 1")
-        if self.eval_batch_size < 1:
-            raise ConfigError(f"data.eval_batch_size = {self.eval_batch_size} must be at least 1")
+        for name in ("min_frequency", "eval_batch_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"data.{name} = {getattr(self, name)} must be at least 1")
         if self.buckets is not None:
             object.__setattr__(self, "buckets", self._checked_buckets())
 
@@ -389,10 +388,6 @@ class BoundTranslation:
         return views
 
 
-def setup(cfg: RunConfig, source: DataSource, device, run_dir: Path | None = None) -> BoundTranslation:
-    return BoundTranslation(cfg, source, device, run_dir)
-
-
 TASK = Task(
     name="translation-en-es",
     description="English->Spanish encoder-decoder (Deep Head, Cruz et al.): sacrebleu BLEU, CER, WER",
@@ -406,7 +401,7 @@ TASK = Task(
     presets=PRESETS,
     data_options=TranslationData,
     check_source=check_source,
-    setup=setup,
+    setup=BoundTranslation,
     # On CUDA, batches are padded to a few fixed lengths (data.buckets), all shown by warmup_batches.
     static_shapes=True,
     shape_note="translation batches are padded to a few fixed lengths (data.buckets) on CUDA",

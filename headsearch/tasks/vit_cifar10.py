@@ -97,9 +97,10 @@ def check_source(source: DataSource) -> None:
 
 
 class BoundCifar:
-    """CIFAR-10 resident on the device as uint8; augmentation runs batched on the device."""
+    """CIFAR-10 resident on the device as uint8; augmentation runs batched on the device. The task's `setup`
+    (`run_dir`: nothing of a run's own is reloaded, the split follows from the seed)."""
 
-    def __init__(self, cfg: RunConfig, source: DataSource, device):
+    def __init__(self, cfg: RunConfig, source: DataSource, device, run_dir: Path | None = None):
         import torch
 
         from headsearch.tasks.cifar_data import DeviceImages, GpuAugment, load_cifar10, split_train_val
@@ -271,10 +272,6 @@ def stack_refusal(cfg: RunConfig) -> str | None:
     return arch_refusal(cfg.arch)
 
 
-def setup(cfg: RunConfig, source: DataSource, device, run_dir: Path | None = None) -> BoundCifar:
-    return BoundCifar(cfg, source, device)
-
-
 TASK = Task(
     name="vit-cifar10",
     description="ViT on CIFAR-10 (HAM, Martínez-Marín et al.): accuracy; data and augmentation on the device",
@@ -283,7 +280,7 @@ TASK = Task(
     presets=PRESETS,
     data_options=CifarData,
     check_source=check_source,
-    setup=setup,
+    setup=BoundCifar,
     # Batches are (batch_size, 3, 32, 32) but an epoch's last, which warmup_batches covers.
     static_shapes=True,
     check_config=check_config,
