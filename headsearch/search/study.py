@@ -33,13 +33,8 @@ GP_MULTI_OBJECTIVE = (4, 4)
 
 def release(version: str) -> tuple[int, ...]:
     """'4.0.0' -> (4, 0, 0); '2.11.0+cu130' -> (2, 11, 0); '5.0.0rc1' -> (5, 0, 0)."""
-    parts = []
-    for piece in version.split("+", 1)[0].split(".")[:3]:
-        digits = re.match(r"\d+", piece)
-        if digits is None:
-            break
-        parts.append(int(digits.group()))
-    return tuple(parts)
+    head = re.match(r"\d+(?:\.\d+){0,2}", version)  # the release's first numbers, up to three
+    return tuple(int(part) for part in head.group().split(".")) if head else ()
 
 
 def check_sampler(name: str, n_objectives: int) -> None:
