@@ -165,7 +165,7 @@ class Search:
             self.settings.storage, self.settings.heartbeat, self.study_name,
             metric_names=[o.name for o in self.objectives], directions=self.directions,
             attrs=self.study_attrs()["headsearch"], sampler=self._first_sampler(), pruner=optuna_pruner)
-        self.handle.bind(store)
+        self.handle.store = store
         return study
 
     def _first_sampler(self):
@@ -189,7 +189,7 @@ class Search:
     def adopt(self, study, storage) -> None:
         """Run this search's trials in `study`, which the caller created on `storage` (an Optuna storage
         object: the simulator's in-memory study), instead of the one `open` would open."""
-        self.handle.bind(StudyStorage(storage, study.study_name))  # no storage URL: no budget lock to share
+        self.handle.store = StudyStorage(storage, study.study_name)  # no storage URL: no budget lock to share
 
     # -- running ------------------------------------------------------------------------------
     def run_worker(self, worker_index: int = 0, callbacks: Sequence[SearchCallback] = (), argv: list[str] | None = None) -> None:

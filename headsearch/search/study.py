@@ -224,14 +224,11 @@ def open_study(storage_url: str, heartbeat: int | None, study_name: str, *, metr
 
 
 class StudyHandle:
-    """This process's one study: the storage it was opened on (`bind`, by `Search.open` or `Search.adopt`),
+    """This process's one study: the storage it was opened on (`store`, set by `Search.open` or `Search.adopt`),
     handed to the units that read or write where Optuna's `Trial` has no method (`StudyStorage`)."""
 
     def __init__(self) -> None:
         self.store: StudyStorage | None = None
-
-    def bind(self, store: StudyStorage) -> None:
-        self.store = store
 
     def store_of(self, study) -> StudyStorage:
         if self.store is None or self.store.study_name != study.study_name:
