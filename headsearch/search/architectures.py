@@ -70,11 +70,10 @@ class SpaceArchitectures:
         if getattr(s.space, "next_point", None) is None:
             params = enumerate_params(lambda t: s.space.sample(t, s.base))
             if params is not None:
-                device = s.device
                 found: dict[str, dict[str, Any]] = {}
                 for p in params:
                     try:
-                        cfg = self.sample_config(FixedTrial(p), device)
+                        cfg = self.sample_config(FixedTrial(p), s.device)
                     except ConfigError:
                         continue
                     found.setdefault(cfg.key(), p)

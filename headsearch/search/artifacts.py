@@ -71,9 +71,7 @@ def upload_plots(study, paths: Sequence[Path], artifact_dir: Path, stored: Study
         path = Path(path)
         data = path.read_bytes()
         same = None
-        for meta in existing:
-            if meta.get("filename") != path.name:
-                continue
+        for meta in (m for m in existing if m.get("filename") == path.name):
             try:
                 with store.open_reader(meta["artifact_id"]) as f:
                     if f.read() == data:

@@ -37,7 +37,8 @@ from headsearch.jsonsafe import json_safe
 from headsearch.search import rungcheck
 from headsearch.search.pruning import (RULES, Progress, PrunerOptions, judges_progress, make_curve_pruner, progress_of,
                                        rung_epochs)
-from headsearch.search.record import was_trained
+from headsearch.search.objectives import progress_kinds
+from headsearch.search.record import epochs_trained, was_trained
 from headsearch.search.report import pareto_front
 
 # The rungs (min_epochs, reduction_factor) the audit tries the Pareto rule with: the first rung after 1, 2,
@@ -167,14 +168,6 @@ def study_pruner_options(meta: Mapping[str, Any]) -> tuple[dict[str, Any], bool]
     return options, recorded
 
 
-def progress_kinds(objectives: Sequence[Mapping[str, Any]], primary: str | None) -> list[str | None]:
-    """What each stored objective is known by while a trial runs, as `Search.progress_kinds` says it."""
-    kinds = {"time": "time", "params": "params", "epochs": "epochs"}
-    if primary:
-        kinds[primary] = "quality"
-    return [kinds.get(o.get("name")) for o in objectives]
-
-
 def primary_direction(study, meta: Mapping[str, Any]) -> str:
     """The direction of the study's primary metric: its objective's, else its task's."""
     direction = rungcheck.primary_direction(meta)
@@ -217,8 +210,7 @@ def trained_trials(study, default_epochs: int | None) -> list[_Trained]:
     for t in kept:
         curve = {int(e): float(v) for e, v in t.intermediate_values.items()}
         last = _last_epoch(t, default_epochs, curve)
-        ran = t.user_attrs.get("epochs_run")
-        out.append(_Trained(number=t.number, curve=curve, last=last, epochs_run=int(ran) if ran is not None else len(curve),
+        out.append(_Trained(number=t.number, curve=curve, last=last, epochs_run=epochs_trained(t),
                             pruned_in_study=t.state == TrialState.PRUNED, progress=progress_of(t),
                             duplicates=tuple(twins.get(t.number, ()))))
     return out

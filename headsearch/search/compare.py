@@ -169,11 +169,8 @@ class ConfigGrid:
         """The first (config, seed), seed-major, that no trial holds: none complete, running or waiting, and
         none failed for good (an interrupted run is retried). None when every point is held."""
         held = {(t.params.get("config"), t.params.get("seed")) for t in trials if holds_point(t)}
-        for s in range(self.seeds):
-            for i in range(len(self.candidates)):
-                if (i, s) not in held:
-                    return {"config": i, "seed": s}
-        return None
+        return next(({"config": i, "seed": s} for s in range(self.seeds) for i in range(len(self.candidates))
+                     if (i, s) not in held), None)
 
 
 def default_study_name(task_name: str, cands: Sequence[Candidate]) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 from headsearch.config import RunConfig
 from headsearch.errors import ConfigError
 from headsearch.machine.fairtime import Seat
-from headsearch.search.objectives import Objective
+from headsearch.search.objectives import Objective, progress_kinds
 from headsearch.search.pruning import make_curve_pruner, make_optuna_pruner
 from headsearch.search.settings import SearchSettings
 from headsearch.search.space import SearchSpace
@@ -53,12 +53,6 @@ class SearchDefinition:
         benchmarks/search_quality.py) and Optuna's median for one."""
         return self.settings.pruner or ("pareto" if self.multi_objective else "median")
 
-    def progress_kinds(self) -> list[str | None]:
-        """What each objective is known by while a trial runs (`ParetoRule`): the primary metric's curve, time,
-        params, epochs; None for another task metric (known only at the end)."""
-        kinds = {"time": "time", "params": "params", "epochs": "epochs", self.task.primary.name: "quality"}
-        return [kinds.get(o.name) for o in self.objectives]
-
     def _pruner_opts(self) -> dict[str, Any]:
         s = self.settings
         # Pruning starts once a quarter of the budget has finished (2 to 5 trials) unless told otherwise.
@@ -70,7 +64,8 @@ class SearchDefinition:
         """(Optuna's pruner, None) for one objective; (None, the curve pruner or None) for several."""
         s, opts = self.settings, self._pruner_opts()
         if self.multi_objective:
-            return None, make_curve_pruner(self.pruner_name(), self.task.primary.direction, kinds=self.progress_kinds(),
+            kinds = progress_kinds([o.stored() for o in self.objectives], self.task.primary.name)
+            return None, make_curve_pruner(self.pruner_name(), self.task.primary.direction, kinds=kinds,
                                            noise_margin=s.pruner_noise_margin, noise=s.pruner_noise, **opts)
         return make_optuna_pruner(self.pruner_name(), epochs=self.base.train.epochs, **opts), None
 

@@ -75,12 +75,11 @@ def export_configs(
 
 def _one_trial(study, number: int):
     trials = study.get_trials(deepcopy=False)
-    match = [t for t in trials if t.number == number]
-    if not match:
+    t = next((t for t in trials if t.number == number), None)
+    if t is None:
         span = f"0 to {len(trials) - 1}" if trials else "none yet"
         raise HeadsearchError(f"study {study.study_name} has no trial {number} (its trials are {span}):"
                               f" see `headsearch report --study {study.study_name}`")
-    t = match[0]
     if t.state != TrialState.COMPLETE:
         state = trial_state(t)
         why = {"pruned": "was pruned before it finished", "rejected": "was rejected (an invalid architecture)",

@@ -201,13 +201,9 @@ class SilenceWatch:
         unchanged for `silence` seconds of this worker's clock."""
         now = time.monotonic()
         self._seen = {key: self._seen.get(key) or Silence() for key in current}  # the trials running now only
-        out = []
-        for key, value in current.items():
-            clock = self._seen[key]
-            # A value first seen (or changed) at this reading (its clock started now) is not silent, whatever `silence`.
-            if clock.silent_for(value, now) >= self.silence and clock.since != now:
-                out.append(key)
-        return out
+        # A value first seen (or changed) at this reading (its clock started now) is not silent, whatever `silence`.
+        return [key for key, value in current.items()
+                if self._seen[key].silent_for(value, now) >= self.silence and self._seen[key].since != now]
 
     def forget(self, key: Any) -> None:
         self._seen.pop(key, None)

@@ -17,7 +17,7 @@ search must match.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from headsearch.errors import ConfigError
 
@@ -120,6 +120,15 @@ def resolve_objectives(task: Any, names: Sequence[str] | None) -> list[Objective
     if len({o.name for o in out}) != len(out):
         raise ConfigError(f"objectives {names} name one twice")
     return out
+
+
+def progress_kinds(objectives: Sequence[Mapping[str, Any]], primary: str | None) -> list[str | None]:
+    """What each objective (as `Objective.stored` keeps it) is known by while a trial runs (`ParetoRule`): the primary
+    metric's curve, time, params, epochs; None for another task metric (known only at the end)."""
+    kinds = {"time": "time", "params": "params", "epochs": "epochs"}
+    if primary:
+        kinds[primary] = "quality"
+    return [kinds.get(o.get("name")) for o in objectives]
 
 
 def directions_of(study: Any) -> list[str]:

@@ -83,6 +83,12 @@ def was_trained(t) -> bool:
     return t.state.name in ("COMPLETE", "PRUNED") and "rejected" not in a and a.get("duplicate_of") is None
 
 
+def epochs_trained(t) -> int:
+    """The epochs trial `t` trained: its record, else (older records) its intermediate values, one per epoch."""
+    ran = t.user_attrs.get("epochs_run")
+    return int(ran) if ran is not None else len(t.intermediate_values)
+
+
 def config_key(config: Any) -> str:
     """A stored config dict as one string: two trials with equal keys train the same thing (seed included);
     `RunConfig.key()` of the config it was stored from."""

@@ -32,7 +32,7 @@ from headsearch.search.costs import study_cost_summary
 from headsearch.search.hypervolume import dominates, front_indices, hypervolume, minimised, scale_minimised
 from headsearch.search.objectives import Objective, directions_of, objectives_of
 from headsearch.search.ranks import metric_direction, spearman
-from headsearch.search.record import was_trained
+from headsearch.search.record import epochs_trained, was_trained
 from headsearch.search.rungcheck import RungCorrelation, check_rungs
 from headsearch.search.snapshot import count_states, trial_state
 from headsearch.search.storage import check_sqlite_file, journal_path, open_storage, sqlite_path
@@ -315,17 +315,13 @@ def pruning_savings(trials, default_epochs: int | None) -> Savings:
     """Epochs trained by complete and pruned trials (not rejected, not duplicates) vs. all of them run to the end."""
     run = without = n = 0
     for t in trials:
-        a = t.user_attrs
         if not was_trained(t):
             continue
-        epochs = ((a.get("config") or {}).get("train") or {}).get("epochs", default_epochs)
+        epochs = ((t.user_attrs.get("config") or {}).get("train") or {}).get("epochs", default_epochs)
         if epochs is None:
             continue
         n += 1
-        ran = a.get("epochs_run")
-        if ran is None:  # older records: the intermediate values are one per epoch
-            ran = len(t.intermediate_values)
-        run += int(ran)
+        run += epochs_trained(t)
         without += int(epochs)
     saved = without - run
     return Savings(trials=n, epochs_run=run, epochs_without_pruning=without, epochs_saved=saved,
@@ -338,10 +334,7 @@ ANYTIME_REFERENCE = 1.1  # objectives scaled to [0, 1] over the study's complete
 def _fair_seconds_trained(t) -> float | None:
     """The fair seconds a trained trial spent: its epochs run x its epoch seconds alone."""
     alone = t.user_attrs.get("epoch_seconds_alone")
-    epochs = t.user_attrs.get("epochs_run")
-    if epochs is None:  # older records: one intermediate value per epoch
-        epochs = len(t.intermediate_values)
-    return None if alone is None else float(epochs) * float(alone)
+    return None if alone is None else float(epochs_trained(t)) * float(alone)
 
 
 def anytime_curve(trials, directions: Sequence[str]) -> list[AnytimePoint]:

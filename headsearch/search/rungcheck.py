@@ -54,9 +54,8 @@ def ran_to_the_end(t: Any) -> bool:
     """A trial with a final value to compare with: COMPLETE, trained itself (not a duplicate reusing a twin's
     curve, not a rejected architecture), with a value at its last epoch (`epochs_run` when recorded)."""
     a = t.user_attrs
-    if t.state != TrialState.COMPLETE or a.get("duplicate_of") is not None or "rejected" in a:
-        return False
-    if not t.intermediate_values:
+    if (t.state != TrialState.COMPLETE or a.get("duplicate_of") is not None or "rejected" in a
+            or not t.intermediate_values):
         return False
     last = a.get("epochs_run")
     return not isinstance(last, int) or max(t.intermediate_values) >= last

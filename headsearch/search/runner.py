@@ -123,9 +123,6 @@ class Search:
     store = property(lambda self: self.handle.store)  # the storage of the study `open` (or `adopt`) gave this search
     current_trial = property(lambda self: self.context.current_trial)  # the trial this worker trains alone, if any
 
-    def stacks(self) -> bool:
-        return self.definition.stacks()
-
     # -- the study --------------------------------------------------------------------------
     def sampler_name(self) -> str:
         if self.cost_candidates is not None:
@@ -168,7 +165,7 @@ class Search:
             self.settings.storage, self.settings.heartbeat, self.study_name,
             metric_names=[o.name for o in self.objectives], directions=self.directions,
             attrs=self.study_attrs()["headsearch"], sampler=self._first_sampler(), pruner=optuna_pruner)
-        self.handle.bind(store)
+        self.handle.store = store
         return study
 
     def _first_sampler(self):
@@ -192,10 +189,7 @@ class Search:
     def adopt(self, study, storage) -> None:
         """Run this search's trials in `study`, which the caller created on `storage` (an Optuna storage
         object: the simulator's in-memory study), instead of the one `open` would open."""
-        self.handle.bind(StudyStorage(storage, study.study_name))  # no storage URL: no budget lock to share
-
-    def store_of(self, study) -> StudyStorage:
-        return self.handle.store_of(study)
+        self.handle.store = StudyStorage(storage, study.study_name)  # no storage URL: no budget lock to share
 
     # -- running ------------------------------------------------------------------------------
     def run_worker(self, worker_index: int = 0, callbacks: Sequence[SearchCallback] = (), argv: list[str] | None = None) -> None:
@@ -221,7 +215,8 @@ class Search:
 
     def plan_inputs(self) -> PlanInputs:
         """What the plan and `headsearch bench` read of this search (headsearch.machine.plan.PlanInputs)."""
-        return PlanInputs(self.settings, self.task, self.base, self.stacks(), self.source, self.step_footprint)
+        return PlanInputs(self.settings, self.task, self.base, self.definition.stacks(), self.source,
+                          self.step_footprint)
 
     def use_plan(self, plan: Plan) -> None:
         """Run as `plan` says; a step mode it chose (a measurement's) becomes the trials' `train.compile`

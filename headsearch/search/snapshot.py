@@ -48,16 +48,13 @@ def snapshot(study, trials=None) -> Snapshot:
     """The study's snapshot; of `trials` (the study's, read already) when given."""
     if trials is None:
         trials = study.get_trials(deepcopy=False)
-    snap = Snapshot(count_states(trials))
+    snap = Snapshot(count_states(trials), running=[
+        {"number": t.number, "arch": t.user_attrs.get("arch", ""), "epoch": max(t.intermediate_values, default=0)}
+        for t in trials if t.state == TrialState.RUNNING])
     names = study.metric_names or [f"objective {i}" for i in range(len(study.directions))]
     complete = [t for t in trials if t.state == TrialState.COMPLETE and t.values is not None]
     for i, (name, direction) in enumerate(zip(names, study.directions)):
         if complete:
             pick = max if direction == StudyDirection.MAXIMIZE else min
             snap.best[name] = pick(t.values[i] for t in complete)
-    for t in trials:
-        if t.state == TrialState.RUNNING:
-            epochs = t.intermediate_values
-            snap.running.append({"number": t.number, "arch": t.user_attrs.get("arch", ""),
-                                 "epoch": max(epochs) if epochs else 0})
     return snap

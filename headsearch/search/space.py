@@ -219,9 +219,7 @@ def _builtin_dir():
     """search_spaces/ at the top of a source checkout (beside headsearch/, tests/, examples/); a wheel ships the
     same files as headsearch/search_spaces/ (pyproject.toml maps one onto the other)."""
     checkout = Path(__file__).resolve().parents[2] / "search_spaces"
-    if checkout.is_dir():
-        return checkout
-    return resources.files("headsearch") / "search_spaces"
+    return checkout if checkout.is_dir() else resources.files("headsearch") / "search_spaces"
 
 
 def builtin_spaces() -> dict[str, str]:

@@ -33,13 +33,8 @@ GP_MULTI_OBJECTIVE = (4, 4)
 
 def release(version: str) -> tuple[int, ...]:
     """'4.0.0' -> (4, 0, 0); '2.11.0+cu130' -> (2, 11, 0); '5.0.0rc1' -> (5, 0, 0)."""
-    parts = []
-    for piece in version.split("+", 1)[0].split(".")[:3]:
-        digits = re.match(r"\d+", piece)
-        if digits is None:
-            break
-        parts.append(int(digits.group()))
-    return tuple(parts)
+    head = re.match(r"\d+(?:\.\d+){0,2}", version)  # the release's first numbers, up to three
+    return tuple(int(part) for part in head.group().split(".")) if head else ()
 
 
 def check_sampler(name: str, n_objectives: int) -> None:
@@ -229,14 +224,11 @@ def open_study(storage_url: str, heartbeat: int | None, study_name: str, *, metr
 
 
 class StudyHandle:
-    """This process's one study: the storage it was opened on (`bind`, by `Search.open` or `Search.adopt`),
+    """This process's one study: the storage it was opened on (`store`, set by `Search.open` or `Search.adopt`),
     handed to the units that read or write where Optuna's `Trial` has no method (`StudyStorage`)."""
 
     def __init__(self) -> None:
         self.store: StudyStorage | None = None
-
-    def bind(self, store: StudyStorage) -> None:
-        self.store = store
 
     def store_of(self, study) -> StudyStorage:
         if self.store is None or self.store.study_name != study.study_name:

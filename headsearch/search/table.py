@@ -98,12 +98,9 @@ def read_table(study, grid, space_search, *, command: str, device: str) -> dict[
                                             "test": a.get("test_metrics") or {}})
         parameters[i] = a.get("params")
     base = space_search.base.to_dict()
-    archs = []
-    for i, cand in enumerate(grid.candidates):
-        if i not in by_config:
-            continue
-        archs.append({"arch": cand.name, "overrides": overrides_of(cand.config.to_dict(), base), "params": parameters[i],
-                      "runs": sorted(by_config[i], key=lambda r: r["seed"])})
+    archs = [{"arch": cand.name, "overrides": overrides_of(cand.config.to_dict(), base), "params": parameters[i],
+              "runs": sorted(by_config[i], key=lambda r: r["seed"])}
+             for i, cand in enumerate(grid.candidates) if i in by_config]
     return {
         "format": TABLE_FORMAT,
         "task": task_reference(task),

@@ -168,10 +168,7 @@ class TrialLife:
             return "FAIL"
         if run.run_dir.is_dir():  # lets `headsearch analyze` upload its figures to this trial
             write_trial_link(run.run_dir, s.settings.storage, s.study_name, trial.number)
-        if state == TrialState.COMPLETE:
-            study.tell(trial, values=values)
-        else:
-            study.tell(trial, state=state)
+        study.tell(trial, values=values, state=state)
         for cb in callbacks:
             cb.on_trial_end(trial.number, state.name)
         self._call_optuna_callbacks(study, trial.number)

@@ -323,8 +323,7 @@ class MultiMetricRule:
     def __repr__(self) -> str:
         return _repr(self, "direction", "kinds", "base", "n_startup_trials", "n_warmup_epochs")
 
-    def point(self, epoch: int, p: Progress) -> list[float] | None:
-        return progress_point(self.kinds, self.direction, epoch, p)
+    point = ParetoRule.point  # its point at an epoch, as the Pareto rule's
 
     def decide(self, epoch: int, mine: Progress, others: Sequence[Progress]) -> PruneDecision:
         gate = _gate(self, epoch, mine, others, self.base == "median" or self._rungs.is_rung(epoch))

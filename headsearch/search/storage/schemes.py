@@ -289,18 +289,24 @@ def _sqlite_absolute(url: str) -> str:
 SQLITE_MAGIC = b"SQLite format 3\x00"
 
 
+def _read_file(url: str, path: Path, kind: str, size: int = -1) -> bytes:
+    """The first `size` bytes (-1: all) of the file of storage `url`; b"" while there is none. A folder or an
+    unreadable file is one HeadsearchError line (`kind`: what the file should be, and how to pass one)."""
+    if path.is_dir():
+        raise HeadsearchError(f"storage {url}: {path} is a folder, not a {kind}")
+    if not path.exists():
+        return b""
+    try:
+        with open(path, "rb") as f:
+            return f.read(size)
+    except OSError as e:
+        raise HeadsearchError(f"storage {url}: cannot read {path} ({e.strerror}): check its permissions") from None
+
+
 def check_sqlite_file(url: str, db: Path) -> None:
     """The file of a sqlite:/// storage, when it exists, must be a SQLite database (or empty, which
     SQLite starts as a new one): a folder, an unreadable file or another file's bytes get one line."""
-    if db.is_dir():
-        raise HeadsearchError(f"storage {url}: {db} is a folder, not a database file: pass sqlite:///FILE.db")
-    if not db.exists():
-        return
-    try:
-        with open(db, "rb") as f:
-            head = f.read(len(SQLITE_MAGIC))
-    except OSError as e:
-        raise HeadsearchError(f"storage {url}: cannot read {db} ({e.strerror}): check its permissions") from None
+    head = _read_file(url, db, "database file: pass sqlite:///FILE.db", len(SQLITE_MAGIC))
     if head and head != SQLITE_MAGIC:
         raise HeadsearchError(f"storage {url}: {db} is not a SQLite database: pass another file (or a new name to"
                               " create one)")
@@ -358,14 +364,7 @@ def _journal_file(url: str) -> Path | None:
 def check_journal_file(url: str, path: Path) -> None:
     """The file of a journal: storage, when it exists, must be an Optuna journal: one JSON object a
     line (Optuna replays the whole file when it opens it, so reading it here costs no more)."""
-    if path.is_dir():
-        raise HeadsearchError(f"storage {url}: {path} is a folder, not a journal file: pass journal:FILE.log")
-    if not path.exists():
-        return
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise HeadsearchError(f"storage {url}: cannot read {path} ({e.strerror}): check its permissions") from None
+    data = _read_file(url, path, "journal file: pass journal:FILE.log")
     for lineno, line in enumerate(data.split(b"\n"), start=1):
         if not line.strip():
             continue
