@@ -13,13 +13,16 @@ import tempfile
 from pathlib import Path
 
 
+def nearest_existing(path: Path) -> Path:
+    """`path` itself if it exists, else its nearest ancestor that does (the top of the path when none does)."""
+    return next((p for p in (path, *path.parents) if p.exists()), Path(path.anchor))
+
+
 def folder_problem(root: Path, purpose: str) -> str | None:
     """What stops `root` being (or becoming, with its missing parents) a writable folder for `purpose`, as
     the rest of a sentence that starts with the option and `root`, advice included; None if nothing."""
     root = Path(root)
-    existing = root
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    existing = nearest_existing(root)
     if existing.exists() and not existing.is_dir():
         what = "is a file" if existing == root else f"is inside {existing}, which is a file"
         return f" {what}: give a folder for {purpose}"
@@ -35,9 +38,7 @@ def file_problem(path: Path, purpose: str) -> str | None:
     path = Path(path)
     if path.is_dir():
         return f" is a folder: give the path of a file for {purpose}, e.g. {path / 'out.json'}"
-    existing = path.parent
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    existing = nearest_existing(path.parent)
     if existing.exists() and not existing.is_dir():
         return f" is inside {existing}, which is a file: give a path in a folder for {purpose}"
     if not os.access(existing, os.W_OK | os.X_OK):  # the file is replaced through a temporary file beside it

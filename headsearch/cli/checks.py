@@ -70,6 +70,7 @@ def check_new_storage(url: str) -> None:
     (or is) the storage, in a folder that can hold it. What a database server holds is checked when it is
     opened; what a file holds (a SQLite database, an Optuna journal) is read here, before any data loads."""
     from headsearch.errors import HeadsearchError
+    from headsearch.io import nearest_existing
     from headsearch.search.storage import (check_journal_file, check_sqlite_file, find_scheme, journal_path, known_urls,
                                            normalize_url, sqlite_path)
 
@@ -87,9 +88,7 @@ def check_new_storage(url: str) -> None:
         fail(f"storage {url}: {path} is a folder, not a {kind} file: pass "
              + ("journal:FILE.log" if journal is not None else "sqlite:///FILE.db"))
     folder = path.parent
-    existing = folder
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    existing = nearest_existing(folder)
     if existing.exists() and not existing.is_dir():
         fail(f"storage {url}: {path} is inside {existing}, which is a file: give a {kind} file in a folder")
     if journal is None and existing != folder:

@@ -44,6 +44,7 @@ from headsearch.machine.measured import (
 from headsearch.machine.plan import (
     MAX_PER_GPU, MEMORY_FRACTION, GpuInfo, PlanInputs, trial_bytes, visible_gpus, worker_seat,
 )
+from headsearch.tasks import apply_overrides, get_task
 
 GPU_MODES = ("off", "graphs", "reduce-overhead")
 GPU_KS = (2, 4, 8)
@@ -157,8 +158,6 @@ def bench(inputs: PlanInputs, *, seconds: float | None = None, ks: Sequence[int]
 
 def with_compile(task: Any, cfg: Any, mode: str) -> Any:
     """`cfg` with its steps in `mode` (train.compile)."""
-    from headsearch.tasks import apply_overrides
-
     return apply_overrides(task, cfg, {"train": {"compile": mode}})
 
 
@@ -222,7 +221,6 @@ def _job_main(job: Job, barrier, queue) -> None:
 
 def measure_process(job: Job, barrier, device) -> dict:
     """One trial's steps in the job's step mode on `device`: warmed up (compiled, captured and verified), then timed."""
-    from headsearch.tasks import get_task
     from headsearch.training.prepare import prepare_steps
     from headsearch.training.runtime import seed_everything, steps_per_epoch
 
@@ -242,7 +240,6 @@ def measure_process(job: Job, barrier, device) -> dict:
 def measure_cohort(job: Job, barrier, device) -> dict:
     """A cohort of K on `device`: slot 0 first checked against the same trial alone (VERIFY_STEPS steps), then timed."""
     from headsearch.models.cohort import soft_width
-    from headsearch.tasks import get_task
     from headsearch.training.cohort import Cohort
     from headsearch.training.runtime import steps_per_epoch
 

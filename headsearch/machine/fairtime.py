@@ -17,12 +17,10 @@ device, its hold on the device's lock and a lone process's threads, which every 
 """
 from __future__ import annotations
 
-import hashlib
 from functools import cached_property
 from typing import Any
 
-from headsearch.config import stable_key
-from headsearch.machine.measured import cpu_name, key_inputs
+from headsearch.machine.measured import bench_key, cpu_name, key_inputs
 
 # Training fields that change how long an epoch takes (the learning rate and the like do not).
 SPEED_FIELDS = ("batch_size", "amp", "compile", "channels_last", "grad_clip", "optimizer", "max_steps_per_epoch")
@@ -47,7 +45,7 @@ def alone_key(cfg: Any, device: Any, threads: int | None = None, step_mode: str 
     what = {**key_inputs(device_model(device), torch.__version__, cfg, SPEED_FIELDS), "threads": threads}
     if step_mode is not None:
         what["train"]["compile"] = step_mode
-    return hashlib.sha256(stable_key(what).encode()).hexdigest()[:20]
+    return bench_key(what)
 
 
 def known_epoch_seconds(study: Any, key: str) -> float | None:

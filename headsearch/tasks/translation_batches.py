@@ -142,11 +142,8 @@ class BucketBatcher:
         """One epoch: every pair exactly once. Not shuffled: sorted by length, always the same batches."""
         groups = self._batch_indices(shuffle, seed)
         rows = self._to_device(np.concatenate(groups))  # the epoch's rows in batch order
-        start = 0
-        for idx in groups:
-            end = start + len(idx)
-            yield self._make_batch(idx, rows[start:end], self._widths(idx))
-            start = end
+        for idx, batch_rows in zip(groups, torch.split(rows, [len(idx) for idx in groups])):
+            yield self._make_batch(idx, batch_rows, self._widths(idx))
 
     def walk(self, seed: int) -> np.ndarray:
         """The shuffled epoch `batches(shuffle=True, seed=seed)` yields, read without building its tensors:

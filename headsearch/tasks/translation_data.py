@@ -16,6 +16,7 @@ per language. Their special tokens are in `translation_tokens`, the length-bucke
 from __future__ import annotations
 
 import hashlib
+import itertools
 import numbers
 import os
 from dataclasses import dataclass, field
@@ -284,12 +285,5 @@ def encode(tok: "Tokenizer", texts: Sequence[str], max_len: int | None = None) -
 
 def decode_ids(tok: "Tokenizer", ids: Sequence[int]) -> str:
     """Text of a generated id sequence: stops at [EOS], drops [PAD]/[SOS], then `detokenize`."""
-    tokens = []
-    for i in ids:
-        i = int(i)
-        if i == EOS_ID:
-            break
-        if i in (PAD_ID, SOS_ID):
-            continue
-        tokens.append(tok.id_to_token(i) or UNK)  # an id outside the vocabulary reads as [UNK]
-    return detokenize(tokens)
+    kept = (i for i in itertools.takewhile(lambda i: i != EOS_ID, map(int, ids)) if i not in (PAD_ID, SOS_ID))
+    return detokenize([tok.id_to_token(i) or UNK for i in kept])  # an id outside the vocabulary reads as [UNK]

@@ -7,6 +7,7 @@ reads its bound task's own copy (`bound.cfg`: `train_bound`, `trainer.fit`, `clo
 trial has one config, and the step machinery (`prepare.prepare_steps`) gets the training section only."""
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Sequence
 
@@ -81,11 +82,10 @@ def train_run(
     """
     from headsearch.training.rundir import check_run_dir, default_run_dir
     from headsearch.training.runtime import resolve_device
+    from headsearch.training.tensorboard import TensorBoardWriter, check_tensorboard
 
     task = get_task(cfg.task)
     if tensorboard is not None:
-        from headsearch.training.tensorboard import check_tensorboard
-
         check_tensorboard(tensorboard)
     preflight(task, cfg, source)
     dev = resolve_device(device)
@@ -95,14 +95,9 @@ def train_run(
     bound = task.setup(cfg, source, dev)
     if tensorboard is None:
         return run_dir, train_bound(bound, run_dir, device=dev, argv=argv, callbacks=callbacks, clock=clock)
-    from headsearch.training.tensorboard import TensorBoardWriter
-
-    writer = TensorBoardWriter(tensorboard, hparams=cfg.arch.to_dict())
-    try:
+    with contextlib.closing(TensorBoardWriter(tensorboard, hparams=cfg.arch.to_dict())) as writer:
         return run_dir, train_bound(bound, run_dir, device=dev, argv=argv, callbacks=[writer, *callbacks],
                                     clock=clock)
-    finally:
-        writer.close()
 
 
 def train_bound(bound, run_dir: Path, *, device, argv: list[str] | None = None, callbacks: Sequence = (), clock=None):

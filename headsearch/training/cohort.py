@@ -33,6 +33,7 @@ import torch
 
 from headsearch.config import RunConfig, stable_key
 from headsearch.errors import Diverged
+from headsearch.models.cohort import soft_width, stack_signature
 from headsearch.tasks import BoundTask, Task
 from headsearch.training.cohort_optim import StackedAdam
 from headsearch.training.rundir import create_run_dir
@@ -46,8 +47,6 @@ from headsearch.training.trainer import Callback, Run, TrainResult
 def cohort_key(cfg: RunConfig) -> str:
     """What every run of a cohort shares: the config without the head schedule, skip, fusion, learning rate and
     seed (all per slot). Two configs with the same key can share a cohort (if their task stacks them)."""
-    from headsearch.models.cohort import stack_signature
-
     d = cfg.to_dict()
     d.pop("seed", None)
     d["train"] = {k: v for k, v in d["train"].items() if k != "lr"}
@@ -112,8 +111,6 @@ class Cohort:
         if self.occupied and cohort_key(cfg) != self.key:
             return "its config differs from the cohort's in more than the head schedule, skip, fusion, lr and seed"
         if cfg.arch.fusion != "none":
-            from headsearch.models.cohort import soft_width
-
             need = soft_width(cfg.arch, min(cfg.arch.enc_heads))
             if self.soft_columns is None or need > self.soft_columns:
                 return f"its soft branch needs {need} columns and the cohort keeps {self.soft_columns}"

@@ -33,7 +33,6 @@ def prepare_steps(task: Task, t: TrainConfig, bound: BoundTask, model: torch.nn.
     notes: list[str] = []
     seconds = 0.0
     for candidate in fallbacks(mode):
-        step_model = steps = None
         out_of_memory = False
         try:
             step_model = compile_blocks(model, candidate, dynamic=None if task.static_shapes else True)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from headsearch.errors import HeadsearchError
-from headsearch.io import write_atomic
+from headsearch.io import nearest_existing, write_atomic
 
 LIBRARIES = ("headsearch", "torch", "torchvision", "numpy", "optuna", "sacrebleu", "tokenizers", "safetensors", "datasets")
 
@@ -63,9 +63,7 @@ def check_run_dir(path: Path) -> None:
         raise HeadsearchError(f"output directory {path} is a file, not a folder: choose another --out")
     if path.exists() and any(path.iterdir()):
         raise HeadsearchError(f"output directory {path} already exists and is not empty: choose another --out or remove it")
-    parent = path
-    while not parent.exists():
-        parent = parent.parent
+    parent = nearest_existing(path)
     if not parent.is_dir():
         raise HeadsearchError(f"output directory {path} is inside {parent}, which is a file: choose another --out")
     if not os.access(parent, os.W_OK | os.X_OK):

@@ -179,10 +179,8 @@ class Steps:
         (a captured graph keeps reading the same memory)."""
         synchronize(self.device)
         with torch.no_grad():
-            for p, saved in zip(self.model.parameters(), snap[0]):
-                p.copy_(saved)
-            for b, saved in zip(self.model.buffers(), snap[1]):
-                b.copy_(saved)
+            for tensor, saved in zip([*self.model.parameters(), *self.model.buffers()], [*snap[0], *snap[1]]):
+                tensor.copy_(saved)
         reset_optimizer_state(self.optimizer)
         self.state.reset()
         self.steps_taken = 0
