@@ -82,6 +82,13 @@ def check_format(fmt: str, known: tuple[str, ...]) -> None:
         fail(f"--format {fmt!r} is not known: use {choices}")
 
 
+def echo_json(data: Any, indent: int = 1, default: Optional[Callable] = None) -> None:
+    """`data` as JSON on stdout: what `--format json` prints."""
+    import json
+
+    typer.echo(json.dumps(data, indent=indent, default=default))
+
+
 # ------------------------------------------------------------------------------------- help without <bool>
 
 

@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from headsearch.cli.common import PLAN_COHORT_HELP, PLAN_WORKERS_HELP, check_format, exits, setting_option
+from headsearch.cli.common import PLAN_COHORT_HELP, PLAN_WORKERS_HELP, check_format, echo_json, exits, setting_option
 
 FORMATS = ("table", "json", "csv")
 # The metrics the table shows, when the runs have them; the JSON holds every one.
@@ -64,12 +64,10 @@ def echo_written(paths) -> None:
 
 
 def print_result(result: dict, fmt: str) -> None:
-    import json
-
     from headsearch.jsonsafe import json_safe
 
     if fmt == "json":
-        typer.echo(json.dumps(json_safe(result), indent=1))
+        echo_json(json_safe(result))
     elif fmt == "csv":
         import csv
 

@@ -12,7 +12,7 @@ from typing import Optional
 import typer
 
 from headsearch.cli.checks import check_artifact_folder, check_output_folder, check_study_to_read
-from headsearch.cli.common import check_format, exits, fail, setting_option
+from headsearch.cli.common import check_format, echo_json, exits, fail, setting_option
 
 STORAGE_HELP = "Optuna storage URL of the search (sqlite:///FILE.db, postgresql://..., journal:FILE.log, redis://...)."
 STUDY_HELP = "Study name (default: the only study in the storage)."
@@ -40,8 +40,6 @@ def report(
     pruning_audit: bool = typer.Option(False, "--pruning-audit", help="Also replay the study's stored curves under other pruning rules and rungs: epochs each would have trained, and the front members it would have pruned."),
 ) -> None:
     """Summarise a search: Pareto front, trial counts, parameter importances, what pruning saved."""
-    import json
-
     from headsearch import api
 
     check_format(fmt, FORMATS)
@@ -63,7 +61,7 @@ def report(
         data = rep.to_dict()
         if audit is not None:
             data["pruning_audit"] = audit.to_dict()
-        typer.echo(json.dumps(data, indent=2))
+        echo_json(data, indent=2)
     elif fmt == "csv":
         import csv
         import sys

@@ -9,13 +9,11 @@ from typing import Optional
 import typer
 
 from headsearch.cli.common import PLAN_COHORT_HELP, PLAN_WORKERS_HELP, exits, setting_option
+from headsearch.cli.compare_command import INTERRUPTED, RUNS, WORKERS
 from headsearch.search.settings import SET_HELP
 
-RUNS, WORKERS = "Runs", "Storage and workers"
-KEPT = "finished runs are kept in the study; run the same command to train the rest"
 
-
-@exits(kept=f"{KEPT}; free space (or fix the disk) first", interrupted=KEPT)
+@exits(kept=f"{INTERRUPTED}; free space (or fix the disk) first", interrupted=INTERRUPTED)
 def table(
     task: str = setting_option("task", panel=RUNS),
     space: str = setting_option("space", "Search space (a built-in name or a YAML path) whose every architecture is trained.", panel=RUNS),
