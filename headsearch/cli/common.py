@@ -89,6 +89,13 @@ def echo_json(data: Any, indent: int = 1, default: Optional[Callable] = None) ->
     typer.echo(json.dumps(data, indent=indent, default=default))
 
 
+def right_columns(*headers: str) -> list:
+    """Right-justified Rich columns (numbers), to pass among a Table's headers."""
+    from rich.table import Column
+
+    return [Column(header, justify="right") for header in headers]
+
+
 # ------------------------------------------------------------------------------------- help without <bool>
 
 

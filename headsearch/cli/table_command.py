@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from headsearch.cli.common import PLAN_COHORT_HELP, PLAN_WORKERS_HELP, exits, setting_option
+from headsearch.cli.common import PLAN_COHORT_HELP, PLAN_WORKERS_HELP, exits, right_columns, setting_option
 from headsearch.cli.compare_command import INTERRUPTED, RUNS, WORKERS
 from headsearch.search.settings import SET_HELP
 
@@ -58,10 +58,10 @@ def print_table(built: dict) -> None:
 
     console = output_console()  # a log's table: not wrapped
     rows = sorted(summary_rows(built), key=lambda r: -r["final"] if built["direction"] == "maximize" else r["final"])
-    t = Table(title=log_title(f"{built['task']} x {built['space']['name']}: {len(rows)} of {built['architectures_in_space']}"
+    t = Table("architecture", *right_columns("params", "seeds", f"final val {built['primary_metric']} (mean)",
+                                             "epoch seconds alone (mean)"),
+              title=log_title(f"{built['task']} x {built['space']['name']}: {len(rows)} of {built['architectures_in_space']}"
                               f" architectures, {built['epochs']} epochs, seeds per architecture as shown", console))
-    for col in ("architecture", "params", "seeds", f"final val {built['primary_metric']} (mean)", "epoch seconds alone (mean)"):
-        t.add_column(col, justify="left" if col == "architecture" else "right")
     for r in rows:
         t.add_row(r["arch"], f"{r['params']:,}", str(r["seeds"]), f"{r['final']:.4f}", f"{r['epoch_seconds']:.2f}")
     console.print(t)
