@@ -205,11 +205,8 @@ class StackedViT(nn.Module):
         out = {}
         for name, shape in _solo_shapes(arch, self.image_size, self.in_chans, self.num_classes).items():
             value = self.params[_param_name(name)][k]
-            if ".soft." in name:
-                if len(shape) == 3:  # W1, W2: (h, d_k, d_a) from rows h·d_k
-                    value = value[: shape[0] * shape[1], : shape[2]].reshape(shape)
-                else:  # w: (h, d_a)
-                    value = value[: shape[0], : shape[1]]
+            if ".soft." in name:  # W1, W2: (h, d_k, d_a) from rows h·d_k; w: (h, d_a) from rows h
+                value = value[: torch.Size(shape[:-1]).numel(), : shape[-1]]
             out[name] = value.detach().clone().reshape(shape)
         return out
 
