@@ -317,12 +317,11 @@ class _LayerStats:
 def run_batches(model: nn.Module, batches: Iterable[Mapping[str, Any]], tap: AttentionTap) -> int:
     """Call model(*batch["inputs"]) for each batch with the tap's masks set; returns the batch count."""
     count = 0
-    for batch in batches:
+    for count, batch in enumerate(batches, 1):
         if not isinstance(batch, Mapping) or "inputs" not in batch:
             raise TypeError("each batch must be a dict with 'inputs' (a tuple of model inputs) and optional 'masks'")
         tap.masks = batch.get("masks") or {}
         model(*batch["inputs"])
-        count += 1
     return count
 
 

@@ -87,9 +87,7 @@ def check_new_storage(url: str) -> None:
         fail(f"storage {url}: {path} is a folder, not a {kind} file: pass "
              + ("journal:FILE.log" if journal is not None else "sqlite:///FILE.db"))
     folder = path.parent
-    existing = folder
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    existing = next(p for p in (folder, *folder.parents) if p.exists() or p == p.parent)  # the nearest that exists
     if existing.exists() and not existing.is_dir():
         fail(f"storage {url}: {path} is inside {existing}, which is a file: give a {kind} file in a folder")
     if journal is None and existing != folder:

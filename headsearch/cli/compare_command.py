@@ -74,11 +74,10 @@ def print_result(result: dict, fmt: str) -> None:
 
         w = csv.writer(sys.stdout, lineterminator="\n")
         w.writerow(["kind", "config", "a", "b", "metric", "mean", "std", "n", "mean_diff", "ci95_lo", "ci95_hi", "p_value"])
-        for c in result["configs"]:
-            for m, v in c["mean"].items():
-                w.writerow(["config", c["name"], "", "", m, v, c["std"].get(m), len(c["runs"]), "", "", "", ""])
-        for d in result["differences"]:
-            w.writerow(["difference", "", d["a"], d["b"], d["metric"], "", "", d["n"], d["mean_diff"], *d["ci95"], d["p_value"]])
+        w.writerows(["config", c["name"], "", "", m, v, c["std"].get(m), len(c["runs"]), "", "", "", ""]
+                    for c in result["configs"] for m, v in c["mean"].items())
+        w.writerows(["difference", "", d["a"], d["b"], d["metric"], "", "", d["n"], d["mean_diff"], *d["ci95"],
+                     d["p_value"]] for d in result["differences"])
     else:
         print_comparison(result)
 

@@ -230,11 +230,8 @@ class StackedViT(nn.Module):
                             index=None if ks == list(range(ks[0], ks[0] + len(ks))) else torch.tensor(ks, device=device))
                       for key, ks in by_key.items()]
             order = [s for g in groups for s in g.slots]
-            inverse = None
-            if order != list(range(k)):  # concatenated in group order, the slots need putting back in slot order
-                inverse = torch.empty(k, dtype=torch.long)
-                inverse[torch.tensor(order)] = torch.arange(k)
-                inverse = inverse.to(device)
+            # Concatenated in group order, the slots need putting back in slot order (the inverse permutation).
+            inverse = None if order == list(range(k)) else torch.tensor(order).argsort().to(device)
             self.groups.append(groups)
             self.inverse.append(inverse)
 
