@@ -78,10 +78,9 @@ class LayerDiversity:
         With a single head there is no pair, so the four pairwise scalars are NaN.
         """
         h = self.heads
-        out: dict[str, float] = {}
-        for key in METRICS[:4]:
-            m = getattr(self, key)
-            out[key] = float("nan") if h < 2 else float((m.sum() - np.trace(m)) / (h * (h - 1)))
+        pairwise = {key: getattr(self, key) for key in METRICS[:4]}
+        out = {key: float("nan") if h < 2 else float((m.sum() - np.trace(m)) / (h * (h - 1)))
+               for key, m in pairwise.items()}
         out["attention_diversity"] = float(np.mean(self.attention_diversity))
         return out
 
@@ -357,8 +356,6 @@ def analysis_batches(bound: Any, split: str = "val", samples: int | None = 256, 
 
 def diversity_summary(layers: list[LayerDiversity]) -> dict[str, float]:
     """Model-level scalars: the mean over layers of each layer scalar (NaN layers skipped)."""
-    out = {}
-    for key in METRICS:
-        values = [s[key] for s in (layer.scalars() for layer in layers) if not math.isnan(s[key])]
-        out[key] = float(np.mean(values)) if values else float("nan")
-    return out
+    scalars = [layer.scalars() for layer in layers]
+    values = {key: [s[key] for s in scalars if not math.isnan(s[key])] for key in METRICS}
+    return {key: float(np.mean(v)) if v else float("nan") for key, v in values.items()}
