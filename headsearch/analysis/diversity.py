@@ -78,10 +78,9 @@ class LayerDiversity:
         With a single head there is no pair, so the four pairwise scalars are NaN.
         """
         h = self.heads
-        out: dict[str, float] = {}
-        for key in METRICS[:4]:
-            m = getattr(self, key)
-            out[key] = float("nan") if h < 2 else float((m.sum() - np.trace(m)) / (h * (h - 1)))
+        pairwise = {key: getattr(self, key) for key in METRICS[:4]}
+        out = {key: float("nan") if h < 2 else float((m.sum() - np.trace(m)) / (h * (h - 1)))
+               for key, m in pairwise.items()}
         out["attention_diversity"] = float(np.mean(self.attention_diversity))
         return out
 
@@ -317,12 +316,11 @@ class _LayerStats:
 def run_batches(model: nn.Module, batches: Iterable[Mapping[str, Any]], tap: AttentionTap) -> int:
     """Call model(*batch["inputs"]) for each batch with the tap's masks set; returns the batch count."""
     count = 0
-    for batch in batches:
+    for count, batch in enumerate(batches, 1):
         if not isinstance(batch, Mapping) or "inputs" not in batch:
             raise TypeError("each batch must be a dict with 'inputs' (a tuple of model inputs) and optional 'masks'")
         tap.masks = batch.get("masks") or {}
         model(*batch["inputs"])
-        count += 1
     return count
 
 
@@ -358,8 +356,6 @@ def analysis_batches(bound: Any, split: str = "val", samples: int | None = 256, 
 
 def diversity_summary(layers: list[LayerDiversity]) -> dict[str, float]:
     """Model-level scalars: the mean over layers of each layer scalar (NaN layers skipped)."""
-    out = {}
-    for key in METRICS:
-        values = [s[key] for s in (layer.scalars() for layer in layers) if not math.isnan(s[key])]
-        out[key] = float(np.mean(values)) if values else float("nan")
-    return out
+    scalars = [layer.scalars() for layer in layers]
+    values = {key: [s[key] for s in scalars if not math.isnan(s[key])] for key in METRICS}
+    return {key: float(np.mean(v)) if v else float("nan") for key, v in values.items()}

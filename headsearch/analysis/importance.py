@@ -93,7 +93,7 @@ def head_importance(model: nn.Module, batches: Iterable[Any], loss_fn: LossFn) -
             attn.head_mask = gate
         seen = 0
         with torch.enable_grad(), AttentionTap(model, on_call) as tap:
-            for batch in batches:
+            for seen, batch in enumerate(batches, 1):
                 tap.masks = (batch.get("masks") or {}) if isinstance(batch, Mapping) else {}
                 loss, n = loss_fn(model, batch)
                 grads = torch.autograd.grad(loss, gates, allow_unused=True)
@@ -101,7 +101,6 @@ def head_importance(model: nn.Module, batches: Iterable[Any], loss_fn: LossFn) -
                     if g is not None:
                         acc += g.detach().abs().double().cpu()
                 total += int(n)
-                seen += 1
         if seen == 0:
             raise ValueError("head_importance needs at least one batch")
         if total <= 0:

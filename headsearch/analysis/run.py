@@ -96,15 +96,12 @@ def analyze_run(run_dir: Path, source: DataSource, out_dir: Path | None = None, 
     ]
     paths += attention_figures(bound.attention_views(model), out_dir)
 
-    layers = []
-    for i, layer in enumerate(diversity):
-        entry = {"name": layer.name, "heads": layer.heads, "scalars": layer.scalars(),
-                 **{key: getattr(layer, key) for key in METRICS},
-                 "importance": importance.importance[i], "importance_raw": importance.raw[i],
-                 "entropy": importance.entropy[i]}
-        if ablated is not None:
-            entry["ablation"] = ablated["per_head"][i]
-        layers.append(entry)
+    layers = [{"name": layer.name, "heads": layer.heads, "scalars": layer.scalars(),
+               **{key: getattr(layer, key) for key in METRICS},
+               "importance": importance.importance[i], "importance_raw": importance.raw[i],
+               "entropy": importance.entropy[i],
+               **({"ablation": ablated["per_head"][i]} if ablated is not None else {})}
+              for i, layer in enumerate(diversity)]
     result = json_safe({
         "run_dir": str(Path(run_dir).resolve()), "task": task.name, "metric": metric, "split": "val",
         "samples": samples, "arch": cfg.arch.to_dict(), "layers": layers,

@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from headsearch.cli.common import exits, fail, format_option, setting_option
+from headsearch.cli.common import echo_json, exits, fail, format_option, setting_option
 
 
 @exits(kept="the ways measured so far are saved", interrupted="the ways measured so far are saved")
@@ -44,8 +43,7 @@ def bench(
                         report=lambda r: say(f"  {r.way.describe()}: " + (
                             f"{r.samples_per_s:,.0f} samples/s" if r.verified else f"not used ({r.reason})")))
     if fmt == "json":
-        typer.echo(json.dumps(m.to_dict(), indent=2))
-        return
+        return echo_json(m.to_dict(), indent=2)
     choice = m.choice()
     table = Table("way", "verified", "samples/s", "per trial", "warm-up s", title=f"{m.device}, torch {m.torch}")
     for r in m.results:

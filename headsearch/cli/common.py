@@ -82,6 +82,20 @@ def check_format(fmt: str, known: tuple[str, ...]) -> None:
         fail(f"--format {fmt!r} is not known: use {choices}")
 
 
+def echo_json(data: Any, indent: int = 1, default: Optional[Callable] = None) -> None:
+    """`data` as JSON on stdout: what `--format json` prints."""
+    import json
+
+    typer.echo(json.dumps(data, indent=indent, default=default))
+
+
+def right_columns(*headers: str) -> list:
+    """Right-justified Rich columns (numbers), to pass among a Table's headers."""
+    from rich.table import Column
+
+    return [Column(header, justify="right") for header in headers]
+
+
 # ------------------------------------------------------------------------------------- help without <bool>
 
 

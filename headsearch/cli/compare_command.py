@@ -11,7 +11,8 @@ from typing import Optional
 
 import typer
 
-from headsearch.cli.common import PLAN_COHORT_HELP, PLAN_WORKERS_HELP, check_format, exits, setting_option
+from headsearch.cli.common import (PLAN_COHORT_HELP, PLAN_WORKERS_HELP, check_format, echo_json, exits, right_columns,
+                                   setting_option)
 
 FORMATS = ("table", "json", "csv")
 # The metrics the table shows, when the runs have them; the JSON holds every one.
@@ -64,28 +65,25 @@ def echo_written(paths) -> None:
 
 
 def print_result(result: dict, fmt: str) -> None:
-    import json
-
     from headsearch.jsonsafe import json_safe
 
     if fmt == "json":
-        typer.echo(json.dumps(json_safe(result), indent=1))
+        echo_json(json_safe(result))
     elif fmt == "csv":
         import csv
 
         w = csv.writer(sys.stdout, lineterminator="\n")
         w.writerow(["kind", "config", "a", "b", "metric", "mean", "std", "n", "mean_diff", "ci95_lo", "ci95_hi", "p_value"])
-        for c in result["configs"]:
-            for m, v in c["mean"].items():
-                w.writerow(["config", c["name"], "", "", m, v, c["std"].get(m), len(c["runs"]), "", "", "", ""])
-        for d in result["differences"]:
-            w.writerow(["difference", "", d["a"], d["b"], d["metric"], "", "", d["n"], d["mean_diff"], *d["ci95"], d["p_value"]])
+        w.writerows(["config", c["name"], "", "", m, v, c["std"].get(m), len(c["runs"]), "", "", "", ""]
+                    for c in result["configs"] for m, v in c["mean"].items())
+        w.writerows(["difference", "", d["a"], d["b"], d["metric"], "", "", d["n"], d["mean_diff"], *d["ci95"],
+                     d["p_value"]] for d in result["differences"])
     else:
         print_comparison(result)
 
 
 def print_comparison(result: dict, console=None) -> None:
-    from rich.table import Column, Table
+    from rich.table import Table
 
     from headsearch.cli.progress import log_title, output_console
 
@@ -93,10 +91,8 @@ def print_comparison(result: dict, console=None) -> None:
     primary = result["curve_metric"].removeprefix("val_")  # the task's primary metric
     metrics = [m.format(primary=primary) for m in TABLE_METRICS]
     metrics = [m for m in metrics if any(m in c["mean"] for c in result["configs"])]
-    table = Table("config", Column("runs", justify="right"),
+    table = Table("config", *right_columns("runs", *(m.replace("_", " ") for m in metrics)),
                   title=log_title(f"{result['study']}: {result['seeds']} seeds per config (mean ± std)", console))
-    for m in metrics:
-        table.add_column(m.replace("_", " "), justify="right")
     for c in result["configs"]:
         table.add_row(c["name"], str(len(c["runs"])), *(_mean_std(c, m) for m in metrics))
     console.print(table)
@@ -128,15 +124,14 @@ def print_robust_front(result: dict, console=None) -> None:
     """`report --robust`: the front's configs on their mean objectives over seeds, with 95% intervals, and
     which of them stay on the front of the means."""
     from rich.console import Console
-    from rich.table import Column, Table
+    from rich.table import Table
 
     console = console or Console()
     on_front = set(result["front_on_means"])
-    table = Table("trial", "architecture", Column("runs", justify="right"),
+    objectives = [f"{o['name'].replace('_', ' ')} {'↑' if o['direction'] == 'maximize' else '↓'}"
+                  for o in result["objectives"]]
+    table = Table("trial", "architecture", *right_columns("runs", *objectives), "front of the means",
                   title=f"Pareto front retrained with {result['seeds']} seeds ({result['study']}): mean [95% interval]")
-    for o in result["objectives"]:
-        table.add_column(f"{o['name'].replace('_', ' ')} {'↑' if o['direction'] == 'maximize' else '↓'}", justify="right")
-    table.add_column("front of the means")
     for c in result["configs"]:
         a = c["config"]["arch"]
         arch = "-".join(map(str, a["enc_heads"])) + f" skip={a['skip']} fusion={a['fusion']}"

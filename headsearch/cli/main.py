@@ -12,8 +12,8 @@ from typing import Optional
 
 import typer
 
-from headsearch.cli.common import (Command, Group, check_format, exits, fail, format_option, setting_option,
-                                   settings_command)
+from headsearch.cli.common import (Command, Group, check_format, echo_json, exits, fail, format_option,
+                                   setting_option, settings_command)
 from headsearch.search.settings import SEARCH, SET_HELP, TRACKING, TRAINING
 
 app = typer.Typer(
@@ -49,12 +49,9 @@ def tasks(fmt: str = format_option()) -> None:
 
     check_format(fmt, ("table", "json"))
     if fmt == "json":
-        import json
-
-        typer.echo(json.dumps([{"name": t.name, "description": t.description, "presets": list(t.presets),
-                                "metrics": [{"name": m.name, "direction": m.direction} for m in t.metrics]}
-                               for t in all_tasks()], indent=1))
-        return
+        return echo_json([{"name": t.name, "description": t.description, "presets": list(t.presets),
+                           "metrics": [{"name": m.name, "direction": m.direction} for m in t.metrics]}
+                          for t in all_tasks()])
     from rich.console import Console
     from rich.table import Table
 
@@ -108,14 +105,11 @@ def spaces(fmt: str = format_option()) -> None:
 
     check_format(fmt, ("table", "json"))
     if fmt == "json":
-        import json
-
-        typer.echo(json.dumps([{"name": s.name, "description": s.description, "tasks": list(s.tasks) if s.tasks else None,
-                                "schedule": {"families": list(s.families), "heads": list(s.heads), "min_heads": s.min_heads},
-                                "skip": list(s.skips), "fusion": list(s.fusions),
-                                "ranges": [r.describe() for r in s.ranges], "fixed": s.fixed} for s in all_spaces()],
-                              indent=1, default=str))
-        return
+        return echo_json([{"name": s.name, "description": s.description, "tasks": list(s.tasks) if s.tasks else None,
+                           "schedule": {"families": list(s.families), "heads": list(s.heads), "min_heads": s.min_heads},
+                           "skip": list(s.skips), "fusion": list(s.fusions),
+                           "ranges": [r.describe() for r in s.ranges], "fixed": s.fixed} for s in all_spaces()],
+                         default=str)
     from rich.console import Console
     from rich.table import Table
 
@@ -169,8 +163,6 @@ def analyze(
     device: str = setting_option("device"),
 ) -> None:
     """Head diversity, importance, ablation, the pruning curve and attention maps of a trained model."""
-    import json as _json
-
     from rich.console import Console
 
     from headsearch import api
@@ -183,8 +175,7 @@ def analyze(
         result = api.analyze(run_dir, out=out, samples=samples, ablate=ablate, device=device, data_dir=data_dir,
                              data_file=data_file, progress=lambda m: status.update(f"analysing: {m}"))
     if fmt == "json":
-        typer.echo(_json.dumps(result, indent=1))
-        return
+        return echo_json(result)
     print_analysis(result)
 
 

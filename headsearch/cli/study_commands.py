@@ -12,7 +12,7 @@ from typing import Optional
 import typer
 
 from headsearch.cli.checks import check_artifact_folder, check_output_folder, check_study_to_read
-from headsearch.cli.common import check_format, exits, fail, setting_option
+from headsearch.cli.common import check_format, echo_json, exits, fail, right_columns, setting_option
 
 STORAGE_HELP = "Optuna storage URL of the search (sqlite:///FILE.db, postgresql://..., journal:FILE.log, redis://...)."
 STUDY_HELP = "Study name (default: the only study in the storage)."
@@ -40,8 +40,6 @@ def report(
     pruning_audit: bool = typer.Option(False, "--pruning-audit", help="Also replay the study's stored curves under other pruning rules and rungs: epochs each would have trained, and the front members it would have pruned."),
 ) -> None:
     """Summarise a search: Pareto front, trial counts, parameter importances, what pruning saved."""
-    import json
-
     from headsearch import api
 
     check_format(fmt, FORMATS)
@@ -63,7 +61,7 @@ def report(
         data = rep.to_dict()
         if audit is not None:
             data["pruning_audit"] = audit.to_dict()
-        typer.echo(json.dumps(data, indent=2))
+        echo_json(data, indent=2)
     elif fmt == "csv":
         import csv
         import sys
@@ -153,7 +151,7 @@ def _robust_report(study: Optional[str], storage: str, seeds: int, fmt: str, run
 
 def print_report(rep, console=None) -> None:
     from rich.console import Console
-    from rich.table import Column, Table
+    from rich.table import Table
 
     console = console or Console()
     c = rep.counts
@@ -165,16 +163,13 @@ def print_report(rep, console=None) -> None:
                   + (f"; {c['over_budget']} asked over the budget (not trained, not counted)" if c["over_budget"] else ""))
 
     title = "Pareto front" if rep.multi_objective else "best trial"
-    front = Table(Column("trial", justify="right"), "heads", "skip", "fusion",
-                  title=f"{title} ({len(rep.front)} trials)")
-    for o in rep.objectives:
-        front.add_column(f"{o.name} {'↑' if o.direction == 'maximize' else '↓'}" + (f" ({o.unit})" if o.unit else ""),
-                         justify="right")
+    objectives = [f"{o.name} {'↑' if o.direction == 'maximize' else '↓'}" + (f" ({o.unit})" if o.unit else "")
+                  for o in rep.objectives]
     # The task's primary metric on the test split; the rest is in --format json.
     test_names = [rep.primary_metric] if any(rep.primary_metric in r.test_metrics for r in rep.front) else []
-    for k in test_names:
-        front.add_column(f"test {k}", justify="right")
-    front.add_column("best epoch", justify="right")
+    front = Table(*right_columns("trial"), "heads", "skip", "fusion",
+                  *right_columns(*objectives, *(f"test {k}" for k in test_names), "best epoch"),
+                  title=f"{title} ({len(rep.front)} trials)")
     for r in rep.front:
         number = str(r.number) + (f" (= {', '.join(map(str, r.duplicates))})" if r.duplicates else "")
         front.add_row(number, "-".join(map(str, r.schedule or [])) or "-", r.skip or "-", r.fusion or "-",
@@ -207,19 +202,14 @@ def print_report(rep, console=None) -> None:
         console.print(f"warning: {rep.rung_warning}", soft_wrap=True, markup=False, highlight=False)
 
     if rep.diversity_vs_quality:
-        div = Table("diversity (mean over layers)",
+        div = Table("diversity (mean over layers)", *right_columns(*(o.name for o in rep.objectives)),
                     title="head diversity vs objectives across complete trials (Spearman rho)")
-        for o in rep.objectives:
-            div.add_column(o.name, justify="right")
         for metric, rhos in rep.diversity_vs_quality.items():
             div.add_row(metric, *[_fmt(rhos.get(o.name)) for o in rep.objectives])
         console.print(div)
 
-    trials = Table(Column("trial", justify="right"), "state", "architecture", title="all trials")
-    for o in rep.objectives:
-        trials.add_column(o.name, justify="right")
-    trials.add_column("epochs", justify="right")
-    trials.add_column("note")
+    trials = Table(*right_columns("trial"), "state", "architecture",
+                   *right_columns(*(o.name for o in rep.objectives), "epochs"), "note", title="all trials")
     for r in rep.trials:
         trials.add_row(str(r.number), r.state, r.arch or "-", *[_fmt(r.values.get(o.name)) for o in rep.objectives],
                        str(r.epochs_run) if r.epochs_run is not None else "-", r.note)

@@ -8,14 +8,12 @@ from typing import Optional
 
 import typer
 
-from headsearch.cli.common import PLAN_COHORT_HELP, PLAN_WORKERS_HELP, exits, setting_option
+from headsearch.cli.common import PLAN_COHORT_HELP, PLAN_WORKERS_HELP, exits, right_columns, setting_option
+from headsearch.cli.compare_command import INTERRUPTED, RUNS, WORKERS
 from headsearch.search.settings import SET_HELP
 
-RUNS, WORKERS = "Runs", "Storage and workers"
-KEPT = "finished runs are kept in the study; run the same command to train the rest"
 
-
-@exits(kept=f"{KEPT}; free space (or fix the disk) first", interrupted=KEPT)
+@exits(kept=f"{INTERRUPTED}; free space (or fix the disk) first", interrupted=INTERRUPTED)
 def table(
     task: str = setting_option("task", panel=RUNS),
     space: str = setting_option("space", "Search space (a built-in name or a YAML path) whose every architecture is trained.", panel=RUNS),
@@ -60,10 +58,10 @@ def print_table(built: dict) -> None:
 
     console = output_console()  # a log's table: not wrapped
     rows = sorted(summary_rows(built), key=lambda r: -r["final"] if built["direction"] == "maximize" else r["final"])
-    t = Table(title=log_title(f"{built['task']} x {built['space']['name']}: {len(rows)} of {built['architectures_in_space']}"
+    t = Table("architecture", *right_columns("params", "seeds", f"final val {built['primary_metric']} (mean)",
+                                             "epoch seconds alone (mean)"),
+              title=log_title(f"{built['task']} x {built['space']['name']}: {len(rows)} of {built['architectures_in_space']}"
                               f" architectures, {built['epochs']} epochs, seeds per architecture as shown", console))
-    for col in ("architecture", "params", "seeds", f"final val {built['primary_metric']} (mean)", "epoch seconds alone (mean)"):
-        t.add_column(col, justify="left" if col == "architecture" else "right")
     for r in rows:
         t.add_row(r["arch"], f"{r['params']:,}", str(r["seeds"]), f"{r['final']:.4f}", f"{r['epoch_seconds']:.2f}")
     console.print(t)

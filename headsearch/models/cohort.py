@@ -205,11 +205,8 @@ class StackedViT(nn.Module):
         out = {}
         for name, shape in _solo_shapes(arch, self.image_size, self.in_chans, self.num_classes).items():
             value = self.params[_param_name(name)][k]
-            if ".soft." in name:
-                if len(shape) == 3:  # W1, W2: (h, d_k, d_a) from rows h·d_k
-                    value = value[: shape[0] * shape[1], : shape[2]].reshape(shape)
-                else:  # w: (h, d_a)
-                    value = value[: shape[0], : shape[1]]
+            if ".soft." in name:  # W1, W2: (h, d_k, d_a) from rows h·d_k; w: (h, d_a) from rows h
+                value = value[: torch.Size(shape[:-1]).numel(), : shape[-1]]
             out[name] = value.detach().clone().reshape(shape)
         return out
 
@@ -233,11 +230,8 @@ class StackedViT(nn.Module):
                             index=None if ks == list(range(ks[0], ks[0] + len(ks))) else torch.tensor(ks, device=device))
                       for key, ks in by_key.items()]
             order = [s for g in groups for s in g.slots]
-            inverse = None
-            if order != list(range(k)):  # concatenated in group order, the slots need putting back in slot order
-                inverse = torch.empty(k, dtype=torch.long)
-                inverse[torch.tensor(order)] = torch.arange(k)
-                inverse = inverse.to(device)
+            # Concatenated in group order, the slots need putting back in slot order (the inverse permutation).
+            inverse = None if order == list(range(k)) else torch.tensor(order).argsort().to(device)
             self.groups.append(groups)
             self.inverse.append(inverse)
 
