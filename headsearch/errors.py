@@ -8,9 +8,16 @@ import errno
 import os
 from typing import Iterator
 
+from headsearch.io import hide_passwords
+
 
 class HeadsearchError(Exception):
-    """Bad input: the message says what was wrong and what to do."""
+    """Bad input: the message says what was wrong and what to do. A URL's password in it is shown as `***`
+    (`io.hide_passwords`): the message is printed, written to worker logs and recorded as a trial's fail reason,
+    and many name the storage URL they met."""
+
+    def __init__(self, *args):
+        super().__init__(*(hide_passwords(arg) if isinstance(arg, str) else arg for arg in args))
 
 
 class ConfigError(HeadsearchError, ValueError):

@@ -186,10 +186,11 @@ def export(storage: str = DEFAULT_STORAGE, study: str | None = None, *, out: str
 
 def analyze(run_dir: str | Path, *, out: str | Path | None = None, samples: int = 256, ablate: bool = True,
             device: str = "auto", data_dir: str | Path | None = None, data_file: str | Path | None = None,
-            progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+            storage: str | None = None, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """`headsearch analyze`: head diversity, importance, ablation, the pruning curve and attention maps of a
     trained run, written to `out` (default RUN_DIR/analysis); a search trial's files are uploaded to its study
-    (`uploaded`). `progress(message)` hears each step."""
+    (`uploaded`; `storage`: its URL with the password that the trial's study.json hides, else $OPTUNA_STORAGE
+    or the driver's own password file, `artifacts.trial_storage_url`). `progress(message)` hears each step."""
     from headsearch.analysis.run import analyze_run
     from headsearch.search.artifacts import upload_to_trial
 
@@ -197,7 +198,7 @@ def analyze(run_dir: str | Path, *, out: str | Path | None = None, samples: int 
         raise ConfigError("--samples must be at least 1")
     result = analyze_run(Path(run_dir), _source(data_dir, data_file), Path(out) if out else None, samples=samples,
                          ablate=ablate, device=device, progress=progress or (lambda message: None))
-    result["uploaded"] = upload_to_trial(Path(run_dir), [*result["figures"], result.pop("analysis_json")])
+    result["uploaded"] = upload_to_trial(Path(run_dir), [*result["figures"], result.pop("analysis_json")], storage)
     return result
 
 

@@ -23,8 +23,10 @@ PLAN_COHORT_HELP = "Runs a worker trains as one stacked model (ViT; 1: off)."
 
 
 def fail(message: str, code: int = 2) -> None:
-    """One clear line on stderr, no traceback."""
-    typer.echo(f"error: {message}", err=True)
+    """One clear line on stderr, no traceback; a URL's password in it shown as `***`."""
+    from headsearch.io import hide_passwords
+
+    typer.echo(f"error: {hide_passwords(message)}", err=True)
     raise typer.Exit(code)
 
 

@@ -161,6 +161,8 @@ def analyze(
     ablate: bool = typer.Option(True, "--ablation/--no-ablation", help="Evaluate the model once per head with that head masked."),
     fmt: str = format_option("table | json", short=False),
     device: str = setting_option("device"),
+    storage: Optional[str] = typer.Option(None, "--storage", envvar="OPTUNA_STORAGE", show_envvar=True, help=(
+        "A search trial's storage URL with its password (study.json hides it), to upload the figures to its study.")),
 ) -> None:
     """Head diversity, importance, ablation, the pruning curve and attention maps of a trained model."""
     from rich.console import Console
@@ -173,7 +175,7 @@ def analyze(
     check_output_folder(out, "--out", "analysis.json and the figures")
     with Console(stderr=True).status("analysing") as status:
         result = api.analyze(run_dir, out=out, samples=samples, ablate=ablate, device=device, data_dir=data_dir,
-                             data_file=data_file, progress=lambda m: status.update(f"analysing: {m}"))
+                             data_file=data_file, storage=storage, progress=lambda m: status.update(f"analysing: {m}"))
     if fmt == "json":
         return echo_json(result)
     print_analysis(result)

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Column, Table
 
+from headsearch.io import hide_passwords
 from headsearch.search.rungcheck import RungWatch
 from headsearch.search.runner import SearchCallback, arch_summary
 from headsearch.search.snapshot import snapshot, trial_state
@@ -369,7 +370,7 @@ def print_search_summary(study, storage: str, console: Console | None = None) ->
                   f" {c['failed']} failed" + (f"; {c['duplicate']} duplicate proposals skipped (not trained)" if c["duplicate"] else ""))
     if snap.best:
         console.print("best per objective: " + "  ".join(f"{k} {v:.4g}" for k, v in snap.best.items()))
-    console.print(f"next: headsearch report --study {study.study_name} --storage {storage}")
+    console.print(f"next: headsearch report --study {study.study_name} --storage {hide_passwords(storage)}")
 
 
 def print_analysis(result: dict, console: Console | None = None) -> None:

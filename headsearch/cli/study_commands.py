@@ -289,6 +289,7 @@ def dashboard(
     check_study_to_read(study)
     check_artifact_folder(storage, artifact_dir, "--artifact-dir", writes=False)  # served, not written
     _quiet_optuna()
+    from headsearch.io import hide_passwords
     from headsearch.search.artifacts import default_artifact_dir
     from headsearch.search.report import open_existing_storage, study_names
 
@@ -310,7 +311,7 @@ def dashboard(
         typer.echo(f"study {study}: {base}/studies/{store.get_study_id_from_name(study)}")
     else:
         typer.echo(f"optuna-dashboard: {base}  ({len(names)} studies)")
-    typer.echo(f"storage {storage}, artifacts in {adir}; Ctrl-C stops the server", err=True)
+    typer.echo(f"storage {hide_passwords(storage)}, artifacts in {adir}; Ctrl-C stops the server", err=True)
     try:
         run_server(store, host=host, port=port, artifact_store=FileSystemArtifactStore(str(adir)))
     except OSError as e:

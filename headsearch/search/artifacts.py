@@ -2,7 +2,8 @@
 
 - `upload_plots`: the plots of `headsearch report --plots`, attached to the study.
 - `upload_to_trial`: the figures and analysis.json of `headsearch analyze` on a search trial's run
-  directory, found through the `study.json` link the search writes there (`write_trial_link`).
+  directory, found through the `study.json` link the search writes there (`write_trial_link`). The link's storage
+  URL has its password hidden; `trial_storage_url` finds the storage again.
 
 Artifacts are stored in a folder beside the database (`default_artifact_dir`, which asks the storage's row
 in search/storage/schemes.py), where `headsearch dashboard` looks for them.
@@ -11,13 +12,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Sequence
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from headsearch.io import write_atomic
-from headsearch.search.storage import absolute_url, artifact_dir, open_storage
+from headsearch.errors import HeadsearchError
+from headsearch.io import HIDDEN, hide_passwords, write_atomic
+from headsearch.search.settings import STORAGE_ENV
+from headsearch.search.storage import absolute_url, artifact_dir, normalize_url, open_storage
 from headsearch.search.study import StudyStorage
 
 TRIAL_LINK = "study.json"  # in a trial's run directory: {"storage", "study", "trial"}
@@ -86,14 +91,58 @@ def upload_plots(study, paths: Sequence[Path], artifact_dir: Path, stored: Study
 
 
 def write_trial_link(run_dir: Path, storage_url: str, study_name: str, number: int) -> None:
-    """Record in a trial's run directory which study and trial it belongs to (read by `upload_to_trial`)."""
+    """Record in a trial's run directory which study and trial it belongs to (read by `upload_to_trial`). The
+    storage's password is not written (`io.hide_passwords`): run directories are shared and uploaded."""
     write_atomic(Path(run_dir) / TRIAL_LINK, json.dumps(
-        {"storage": absolute_url(storage_url), "study": study_name, "trial": number}) + "\n")
+        {"storage": hide_passwords(absolute_url(storage_url)), "study": study_name, "trial": number}) + "\n")
 
 
-def upload_to_trial(run_dir: Path, paths: Sequence[Path]) -> str | None:
+def without_hidden_password(url: str) -> str:
+    """`url` (as `hide_passwords` showed it) with no password at all: `user:***@host` becomes `user@host`, a
+    `password=***` query parameter goes. Unchanged when it hid none."""
+    parts = urlsplit(url)
+    userinfo, at, host = parts.netloc.rpartition("@")
+    if userinfo.endswith(f":{HIDDEN}"):
+        parts = parts._replace(netloc=f"{userinfo[:-len(HIDDEN) - 1]}{at}{host}")
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    if any(value == HIDDEN for _, value in query):
+        parts = parts._replace(query=urlencode([(k, v) for k, v in query if v != HIDDEN]))
+    return urlunsplit(parts)
+
+
+def trial_storage_url(recorded: str, given: str | None = None) -> str:
+    """The URL that opens the storage a trial's study.json records (`recorded`, its password hidden): `recorded`
+    when it hid none; else `given` (`analyze --storage`, else $OPTUNA_STORAGE) when it is the same storage (its
+    URL, password hidden, is `recorded`); else `recorded` without a password, which the driver completes from its
+    own files (PostgreSQL's ~/.pgpass or $PGPASSFILE, MySQL's option file named by `?read_default_file=`)."""
+    bare = without_hidden_password(recorded)
+    if bare == recorded:
+        return recorded
+    for candidate in (given, os.environ.get(STORAGE_ENV)):
+        if candidate and normalize_url(hide_passwords(absolute_url(candidate))) == normalize_url(recorded):
+            return candidate
+    return bare
+
+
+def _open_trial_storage(info_path: Path, recorded: str, given: str | None):
+    """`open_storage` on `trial_storage_url`; a storage that does not open without the password study.json hid is
+    one line saying how to give it."""
+    url = trial_storage_url(recorded, given)
+    try:
+        return open_storage(url, heartbeat=None)
+    except HeadsearchError as e:
+        if url != without_hidden_password(recorded):
+            raise
+        raise HeadsearchError(
+            f"{info_path} names storage {recorded}, its password hidden, and it does not open without one ({e}): pass"
+            f" the full URL as --storage (or ${STORAGE_ENV}), or give the driver the password (~/.pgpass or"
+            " $PGPASSFILE for PostgreSQL, an option file as ?read_default_file= for MySQL)") from None
+
+
+def upload_to_trial(run_dir: Path, paths: Sequence[Path], storage: str | None = None) -> str | None:
     """When the run is a search trial (study.json beside it), attach the files to its study as artifacts;
     return where they went ("<study> trial <N> (<artifact folder>)"), or None for a run of no study.
+    `storage`: the study's storage URL with its password, for a study.json that hid it (`trial_storage_url`).
 
     Optuna keeps artifact records in a trial's attributes, which are frozen once the trial finished,
     so they go to the study, named `trial<N>-<file>`.
@@ -105,7 +154,7 @@ def upload_to_trial(run_dir: Path, paths: Sequence[Path]) -> str | None:
     from optuna.artifacts import FileSystemArtifactStore, upload_artifact
 
     info = json.loads(info_path.read_text())
-    storage = open_storage(info["storage"], heartbeat=None)
+    storage = _open_trial_storage(info_path, info["storage"], storage)
     study = optuna.load_study(study_name=info["study"], storage=storage)
     store_dir = default_artifact_dir(info["storage"])
     store_dir.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ import yaml
 from optuna.trial import TrialState
 
 from headsearch.errors import HeadsearchError
-from headsearch.io import write_atomic
+from headsearch.io import hide_passwords, write_atomic
 from headsearch.search.objectives import CONVERGENCE, Objective, known_names, objective_for, objectives_of
 from headsearch.search.report import load_study, pareto_front, trial_state
 from headsearch.tasks import get_task, resolve_config
@@ -147,7 +147,7 @@ def trial_yaml(study, t, storage_url: str, path: Path) -> str:
     objectives = objectives_of(study)
     lines = [
         f"headsearch export: study {study.study_name}, trial {t.number} ({trial_state(t)})",
-        f"storage: {storage_url}",
+        f"storage: {hide_passwords(storage_url)}",
         f"architecture: {a.get('arch', '')}",
         "objectives: " + ", ".join(f"{o.name} = {_num(v)} ({o.direction})" for o, v in zip(objectives, t.values or [])),
     ]

@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 from headsearch.environment import env_value
 from headsearch.errors import HeadsearchError, cause_chain
+from headsearch.io import hide_passwords
 from headsearch.search.optuna_private import PRIVATE_STORAGE_CALLS, inner_backend
 from headsearch.search.storage import storage_scheme
 from headsearch.search.storage.locks import Silence
@@ -96,6 +97,7 @@ def _make_patient(obj, url: str, patience: float, say) -> None:
     cls = type(obj)
     if getattr(cls, "_headsearch_patient", False):
         return
+    url = hide_passwords(url)  # only said (on stderr, in worker logs), never opened
 
     def retrying(name: str, method):
         def call(self, *args, **kwargs):

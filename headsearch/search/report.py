@@ -27,6 +27,7 @@ from optuna.trial import TrialState
 
 from headsearch.config import stable_key
 from headsearch.errors import HeadsearchError
+from headsearch.io import hide_passwords
 from headsearch.jsonsafe import json_safe
 from headsearch.search.costs import study_cost_summary
 from headsearch.search.hypervolume import dominates, front_indices, hypervolume, minimised, scale_minimised
@@ -158,7 +159,7 @@ class AnytimePoint:
 @dataclass
 class StudyReport:
     study: str
-    storage: str
+    storage: str  # its password hidden (`io.hide_passwords`): the report is printed and written
     task: str | None
     primary_metric: str | None
     epochs: int | None  # epochs per trial
@@ -396,7 +397,7 @@ def summarize(storage_url: str, study_name: str | None = None, *, study=None) ->
     rung_check, rung_warning = check_rungs(trials, meta)
     costs = study_cost_summary(study)
     return StudyReport(
-        study=study.study_name, storage=storage_url, task=meta.get("task"), primary_metric=primary,
+        study=study.study_name, storage=hide_passwords(storage_url), task=meta.get("task"), primary_metric=primary,
         epochs=meta.get("epochs"), objectives=objectives, counts=counts,
         front=_front_rows(pareto_front(study), objectives),
         importances=param_importances(study, objectives),

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from headsearch.errors import HeadsearchError
-from headsearch.io import nearest_existing, write_atomic
+from headsearch.io import hide_passwords_in_argv, nearest_existing, write_atomic
 
 LIBRARIES = ("headsearch", "torch", "torchvision", "numpy", "optuna", "sacrebleu", "tokenizers", "safetensors", "datasets")
 
@@ -97,7 +97,9 @@ def environment() -> dict[str, Any]:
 
 
 def create_run_dir(path: Path, config_yaml: str, argv: list[str] | None = None) -> Path:
-    """Create the directory with config.yaml, command.txt and env.json (versions, machine, date)."""
+    """Create the directory with config.yaml, command.txt and env.json (versions, machine, date). command.txt is
+    the command line with a URL's password hidden (`--storage postgresql://user:***@host/db`): run directories are
+    shared and uploaded, and the study.json of a search trial says which storage it was anyway."""
     path = Path(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -105,6 +107,6 @@ def create_run_dir(path: Path, config_yaml: str, argv: list[str] | None = None) 
         raise HeadsearchError(f"cannot create the output directory {path}: {e.strerror}") from None
     write_atomic(path / "config.yaml", config_yaml)
     argv = list(sys.argv if argv is None else argv)
-    write_atomic(path / "command.txt", shlex.join(argv) + "\n")
+    write_atomic(path / "command.txt", shlex.join(hide_passwords_in_argv(argv)) + "\n")
     write_atomic(path / "env.json", json.dumps(environment(), indent=2) + "\n")
     return path

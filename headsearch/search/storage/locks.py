@@ -20,6 +20,7 @@ from typing import Any, Iterator
 # The timings (LOCK_SILENCE, LOCK_RENEW, ...) are read at each use, never copied: a test or worker script sets them.
 import headsearch.search.storage.timings as timings
 from headsearch.errors import HeadsearchError
+from headsearch.io import hide_passwords
 
 _log = logging.getLogger(__name__)
 
@@ -29,10 +30,11 @@ class LockHold:
     waiter broke a file lock this worker had not renewed for LOCK_SILENCE seconds (it was paused or hung), a
     Redis lock expired, the database ended the session that held an advisory lock. Another worker may then
     have been inside at the same time. The holder goes on (it never removes a lock that is not its own) and
-    a warning says so once; `reason` says how it was lost. `kind`: the schema lock of a database yields one too."""
+    a warning says so once; `reason` says how it was lost. `kind`: the schema lock of a database yields one too.
+    `what` names the lock and where it is, a URL's password hidden (it is said in warnings)."""
 
     def __init__(self, what: str, kind: str = "budget lock"):
-        self.what, self.kind, self.lost, self.reason = what, kind, False, ""
+        self.what, self.kind, self.lost, self.reason = hide_passwords(what), kind, False, ""
 
     def lose(self, reason: str) -> None:
         if not self.lost:

@@ -71,8 +71,8 @@ def _redis_lock(url: str, study_name: str) -> Iterator[LockHold]:
             except redis.exceptions.LockError:  # expired while held (a pause beyond LOCK_SILENCE)
                 hold.lose(f"it expired (not renewed for {timings.LOCK_SILENCE} s) and another worker may hold it")
             except redis.exceptions.RedisError as e:
-                _log.warning("headsearch: could not release the budget lock %s in %s (%s): it expires by itself"
-                             " after %s s", name, url, e, timings.LOCK_SILENCE)
+                _log.warning("headsearch: could not release the budget lock %s (%s): it expires by itself"
+                             " after %s s", hold.what, e, timings.LOCK_SILENCE)
     finally:
         with contextlib.suppress(Exception):
             client.close()
