@@ -1,12 +1,13 @@
-"""Writing files so that a reader (or a crash) never sees half of one.
-
-`hide_passwords` shows the password of every URL in a text as `***`: what headsearch prints, writes or records goes
-through it (storage URLs carry database passwords, and run directories are shared).
+"""Writing files so that a reader (or a crash) never sees half of one, and no one a password.
 
 `write_atomic` writes a whole file through a temporary sibling named `.NAME.PID-XXXX.tmp` and a rename;
 the PID in the name lets the next write to the same path remove the temporary files of a process that
 was killed mid-write (SIGKILL, a power cut), which nothing else would. `append_line` appends a whole
 line or nothing.
+
+`hide_passwords` shows the password of every URL in a text as `***`: what headsearch prints, writes or records
+(a storage URL, an error naming one, a command line) goes through it, for storage URLs carry database passwords
+and run directories are shared.
 """
 from __future__ import annotations
 
@@ -27,10 +28,9 @@ _QUERY_PASSWORD = re.compile(r"(?P<key>(?:^|(?<=[?&;\s]))(?:password|passwd|pwd)
 def hide_passwords(text: str) -> str:
     """`text` with the password of every URL in it replaced by `***`: `postgresql://user:***@host/db`, SQLAlchemy's
     form, for any scheme (redis://:***@host too), and `?password=***` (`passwd`, `pwd`) in a query or a libpq
-    connection string. The user and
-    the rest of the URL stay as written, so a masked URL still says which storage it is. The password ends at the
-    URL's last `@` (urllib's reading; SQLAlchemy's is the first), so an unescaped `@` in a password hides more,
-    never less. Already hidden text is unchanged."""
+    connection string. The user and the rest of the URL stay as written, so a masked URL still says which storage
+    it is. The password ends at the URL's last `@` (urllib's reading; SQLAlchemy's is the first), so an unescaped
+    `@` in a password hides more, never less. Hidden text is unchanged: masking twice is masking once."""
     return _QUERY_PASSWORD.sub(rf"\g<key>{HIDDEN}", _URL.sub(_hide_userinfo_password, text))
 
 
@@ -40,12 +40,6 @@ def _hide_userinfo_password(m: re.Match) -> str:
     if not at or not colon or "/" in user:  # no userinfo, no password in it, or an "@" further down the path
         return m[0]
     return f"{m['scheme']}{user}:{HIDDEN}@{host}"
-
-
-def hide_passwords_in_argv(argv: list[str]) -> list[str]:
-    """A command line as it may be recorded (a run directory's command.txt): the password of a URL in any argument
-    (`--storage URL`, `--storage=URL`, a bare URL) hidden, the rest as given."""
-    return [hide_passwords(str(arg)) for arg in argv]
 
 
 def nearest_existing(path: Path) -> Path:

@@ -7,8 +7,11 @@ password connects, so a run whose URL holds one succeeds, and everything it left
 from __future__ import annotations
 
 import json
-import os
+import socket
 import subprocess
+import sys
+import time
+import urllib.request
 import warnings
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -18,7 +21,7 @@ import pytest
 import yaml
 
 from headsearch.errors import HeadsearchError
-from headsearch.io import hide_passwords, hide_passwords_in_argv
+from headsearch.io import hide_passwords
 from headsearch.search.artifacts import TRIAL_LINK, upload_to_trial, write_trial_link
 from headsearch.search.storage import budget_lock, open_storage, timings
 from headsearch.search.notes import write_dashboard_notes
@@ -64,9 +67,7 @@ def test_passwords_in_queries_and_command_lines_are_hidden_too():
     assert hide_passwords("postgresql://u:a/b@c@h/db") == "postgresql://u:***@h/db"  # unescaped: hide more, not less
     unchanged = ["sqlite:////tmp/a@b/x.db", "journal:/tmp/x.log", "https://example.org/a:b@c", "mypassword=kept"]
     assert [hide_passwords(text) for text in unchanged] == unchanged
-    argv = ["headsearch", "run", "--storage", "postgresql://u:pw@h/db", "--storage=redis://:pw@h:6379", "--trials", "3"]
-    assert hide_passwords_in_argv(argv) == ["headsearch", "run", "--storage", "postgresql://u:***@h/db",
-                                            "--storage=redis://:***@h:6379", "--trials", "3"]
+    assert hide_passwords("--storage=redis://:pw@h:6379") == "--storage=redis://:***@h:6379"
 
 
 @pytest.mark.processes
@@ -157,10 +158,42 @@ def test_analyze_finds_the_storage_of_a_masked_study_json(tmp_path, pg_url, pg_s
     assert "pgpass" in message and "\n" not in message
 
 
+@pytest.mark.server
+@pytest.mark.processes
+def test_the_dashboards_own_lines_hide_the_password(tmp_path, pg_url, pg_study, optuna_dashboard):
+    url = with_password(pg_url)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        optuna.create_study(study_name=pg_study, storage=open_storage(url, heartbeat=None))
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "headsearch", "dashboard", "--storage", url, "--study", pg_study,
+                             "--port", str(port), "--artifact-dir", str(tmp_path / "artifacts")], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # until it serves
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/api/studies", timeout=5).close()
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=5)
+                time.sleep(0.3)
+    finally:
+        proc.terminate()
+        out, err = proc.communicate(timeout=30)
+    assert f"storage {hide_passwords(url)}, artifacts in" in err
+    assert PASSWORD not in out + err
+    assert PASSWORD not in json.dumps(StudyStorage(open_storage(url, heartbeat=None), pg_study).system_attrs())
+
+
 def test_a_run_directorys_command_line_hides_the_password(tmp_path):
     from headsearch.training.rundir import create_run_dir
 
-    argv = ["headsearch", "run", "--storage", "postgresql://u:s3cretPW@h/db", "--storage=redis://:s3cretPW@h:6379"]
+    argv = ["headsearch", "run", "--storage", "postgresql://u:s3cretPW@h/db", "--storage=redis://:s3cretPW@h:6379",
+            "--trials", "3"]
     create_run_dir(tmp_path / "run", "task: x\n", argv)
     assert files_holding(tmp_path / "run", PASSWORD) == []
-    assert "--storage 'postgresql://u:***@h/db'" in (tmp_path / "run" / "command.txt").read_text()
+    assert (tmp_path / "run" / "command.txt").read_text() == (
+        "headsearch run --storage 'postgresql://u:***@h/db' '--storage=redis://:***@h:6379' --trials 3\n")

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from headsearch.errors import HeadsearchError
-from headsearch.io import hide_passwords_in_argv, nearest_existing, write_atomic
+from headsearch.io import hide_passwords, nearest_existing, write_atomic
 
 LIBRARIES = ("headsearch", "torch", "torchvision", "numpy", "optuna", "sacrebleu", "tokenizers", "safetensors", "datasets")
 
@@ -107,6 +107,7 @@ def create_run_dir(path: Path, config_yaml: str, argv: list[str] | None = None) 
         raise HeadsearchError(f"cannot create the output directory {path}: {e.strerror}") from None
     write_atomic(path / "config.yaml", config_yaml)
     argv = list(sys.argv if argv is None else argv)
-    write_atomic(path / "command.txt", shlex.join(hide_passwords_in_argv(argv)) + "\n")
+    # A URL's password hidden in any argument: `--storage URL`, `--storage=URL`, a bare URL.
+    write_atomic(path / "command.txt", shlex.join(hide_passwords(str(arg)) for arg in argv) + "\n")
     write_atomic(path / "env.json", json.dumps(environment(), indent=2) + "\n")
     return path
