@@ -22,7 +22,7 @@ import yaml
 
 from headsearch.errors import HeadsearchError
 from headsearch.io import hide_passwords
-from headsearch.search.artifacts import TRIAL_LINK, upload_to_trial, write_trial_link
+from headsearch.search.artifacts import TRIAL_LINK, upload_to_trial, without_hidden_password, write_trial_link
 from headsearch.search.storage import budget_lock, open_storage, timings
 from headsearch.search.notes import write_dashboard_notes
 from headsearch.search.study import StudyStorage
@@ -68,6 +68,15 @@ def test_passwords_in_queries_and_command_lines_are_hidden_too():
     unchanged = ["sqlite:////tmp/a@b/x.db", "journal:/tmp/x.log", "https://example.org/a:b@c", "mypassword=kept"]
     assert [hide_passwords(text) for text in unchanged] == unchanged
     assert hide_passwords("--storage=redis://:pw@h:6379") == "--storage=redis://:***@h:6379"
+
+
+def test_a_hidden_password_is_dropped_for_the_driver_to_find_and_nothing_else_changes():
+    assert without_hidden_password("postgresql+psycopg2://u:***@h:5432/db") == "postgresql+psycopg2://u@h:5432/db"
+    assert without_hidden_password("redis://:***@h:6379/0") == "redis://@h:6379/0"
+    assert without_hidden_password("mysql://u@h/db?password=***&charset=utf8") == "mysql://u@h/db?charset=utf8"
+    assert without_hidden_password("mysql://u@h/db?charset=utf8&passwd=***") == "mysql://u@h/db?charset=utf8"
+    for url in ("sqlite:////tmp/x.db", "sqlite:///x.db", "journal:/tmp/x.log", "postgresql://u@h/db?sslmode=require"):
+        assert without_hidden_password(url) == url
 
 
 @pytest.mark.processes

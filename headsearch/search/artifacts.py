@@ -13,11 +13,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Sequence
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from headsearch.errors import HeadsearchError
 from headsearch.io import HIDDEN, hide_passwords, write_atomic
@@ -97,17 +97,17 @@ def write_trial_link(run_dir: Path, storage_url: str, study_name: str, number: i
         {"storage": hide_passwords(absolute_url(storage_url)), "study": study_name, "trial": number}) + "\n")
 
 
+# What `hide_passwords` leaves of a password: `user:***@` after the scheme, a `password=***` query parameter.
+_HIDDEN_USERINFO = re.compile(rf"^(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/?#@]*?):{re.escape(HIDDEN)}@")
+_HIDDEN_QUERY = re.compile(rf"(?<=[?&])(?:password|passwd|pwd)={re.escape(HIDDEN)}(?:&|(?=#|$))", re.IGNORECASE)
+
+
 def without_hidden_password(url: str) -> str:
     """`url` (as `hide_passwords` showed it) with no password at all: `user:***@host` becomes `user@host`, a
-    `password=***` query parameter goes. Unchanged when it hid none."""
-    parts = urlsplit(url)
-    userinfo, at, host = parts.netloc.rpartition("@")
-    if userinfo.endswith(f":{HIDDEN}"):
-        parts = parts._replace(netloc=f"{userinfo[:-len(HIDDEN) - 1]}{at}{host}")
-    query = parse_qsl(parts.query, keep_blank_values=True)
-    if any(value == HIDDEN for _, value in query):
-        parts = parts._replace(query=urlencode([(k, v) for k, v in query if v != HIDDEN]))
-    return urlunsplit(parts)
+    `password=***` query parameter goes. Unchanged, character for character, when it hid none (string edits,
+    not urllib's round trip, which turns sqlite:////abs/path into sqlite://abs/path)."""
+    bare = _HIDDEN_QUERY.sub("", _HIDDEN_USERINFO.sub(r"\g<head>@", url))
+    return url if bare == url else re.sub(r"[?&](?=#|$)", "", bare)  # a query left empty
 
 
 def trial_storage_url(recorded: str, given: str | None = None) -> str:
