@@ -23,8 +23,8 @@ import yaml
 from headsearch.errors import HeadsearchError
 from headsearch.io import hide_passwords
 from headsearch.search.artifacts import TRIAL_LINK, upload_to_trial, without_hidden_password, write_trial_link
-from headsearch.search.storage import budget_lock, open_storage, timings
 from headsearch.search.notes import write_dashboard_notes
+from headsearch.search.storage import budget_lock, open_storage, timings
 from headsearch.search.study import StudyStorage
 from test_search import load, run_cmd, space_dict, sub_env
 
