@@ -3,7 +3,9 @@
 "Take the budget lock, count, ask" makes the trial budget exact across any number of workers on any
 number of machines sharing one storage; the fence behind it (`Scheduler._fence`) keeps it exact when the
 lock did not hold. An architecture some trial holds is never trained twice: a proposal of one is told FAIL
-(`duplicate_of`) and the sampler asked again. A dead worker's running trial is failed and retried
+(`duplicate_of`) and the sampler asked again; who holds it is read again from the storage once the proposal's
+config is written (`Scheduler._held_before`), so a worker whose count went stale while the lock did not hold
+gives way to the trial created before its own. A dead worker's running trial is failed and retried
 (`DeadTrials`).
 """
 from __future__ import annotations
@@ -93,7 +95,7 @@ class Scheduler:
             if next_point is not None or waiting:  # a grid's point, or an enqueued one (a retry, a warm start)
                 study.sampler = self.make_sampler(len(trials))
                 trial = self._ask(study)
-                if next_point is not None or self._unless_held(study, trial, trials) is not None:
+                if next_point is not None or self._unless_held(study, trial) is not None:
                     return trial
                 continue  # an enqueued architecture that a trial holds already: told FAIL, not trained
             return self._ask_unheld(study, trials, done)
@@ -115,7 +117,7 @@ class Scheduler:
                 study.enqueue_trial(point)
             study.sampler = self.make_sampler(len(trials))
             trial = self._ask(study)
-            if self._unless_held(study, trial, trials) is not None:
+            if self._unless_held(study, trial) is not None:
                 return trial
             trials.append(self.handle.store_of(study).frozen_trial(trial.number))
         return done  # not reached: the last attempt takes an unheld point or returns
@@ -144,17 +146,18 @@ class Scheduler:
         self.handle.store_of(study).ended(trial.number)
         raise _OverBudget
 
-    def _unless_held(self, study, trial, trials: list):
-        """`trial`, its config sampled and kept for its beginning; or None when a trial in `trials` holds its
-        architecture already: then it is told FAIL with user_attr duplicate_of (neither trained nor counted).
-        A config that cannot be built is returned as is (its beginning rejects it and says why)."""
+    def _unless_held(self, study, trial):
+        """`trial`, its config sampled and kept for its beginning; or None when a trial created before it holds
+        its architecture already (`_held_before`): then it is told FAIL with user_attr duplicate_of (neither
+        trained nor counted). A config that cannot be built is returned as is (its beginning rejects it and
+        says why)."""
         try:
             cfg = self.archs.sample_config(trial, self.definition.device)
         except ConfigError:
             return trial
         config = cfg.to_dict()
         trial.set_user_attr("config", config)
-        holder = self.archs.holder(trials, config_key(config), trial.number)
+        holder = self._held_before(study, trial, config_key(config))
         if holder is None:
             self.sampled[trial.number] = cfg
             return trial
@@ -162,6 +165,21 @@ class Scheduler:
         trial.set_user_attr("arch", arch_summary(cfg))
         study.tell(trial, state=TrialState.FAIL)
         return None
+
+    def _held_before(self, study, trial, key: str):
+        """The trial created before `trial`, in the storage's own order (trial ids, as in `_fence`), that holds
+        the architecture `key`, or None: read again from the storage after `trial`'s config is written, not
+        taken from the trials counted under the lock, which are stale when the lock did not hold (a worker
+        paused past its silence limit counted before another worker took the lock and asked; both then seed
+        their samplers alike and propose the same architecture). Each of two such workers writes its config
+        before it reads, and only the later trial (the higher id) gives way: the storage's order is the same for
+        every reader, so the two workers never both give way nor both train. One extra read per ask, with the
+        lock or without it. Not covered: two asks within the same instant, the later one reading before the
+        earlier one's config is written (a worker resuming exactly while the lock's new holder is between its
+        ask and its config)."""
+        mine = trial_id(trial)
+        before = [t for t in study.get_trials(deepcopy=False) if trial_id(t) < mine]
+        return self.archs.holder(before, key, trial.number)
 
     def config_of(self, trial, device) -> tuple[RunConfig, bool]:
         """The config sampled for `trial` under the lock (recorded already: True), or sampled now (False;
