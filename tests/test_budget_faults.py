@@ -6,7 +6,7 @@ faults made with signals and sleeps. Each test names the row of the issue's tabl
    with room in the budget, it gives way to the architecture the other worker took (issue 50, item 5);
 3. a killed worker's trial on a journal or a Redis journal: its lease lapses, it is failed and retried;
 5. a RUNNING trial that never recorded a heartbeat (SQLite, PostgreSQL, MariaDB): failed and retried;
-7. `--enqueue` beyond `--trials`: the extra enqueued trials are fenced, not trained;
+7. `--enqueue` beyond `--trials`: the extra enqueued trials are fenced, not trained, and `run` says so first;
 10. `--heartbeat 0` on a database: waiting workers do not spin.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ from headsearch.search.storage import timings
 from headsearch.search.liveness import TrialLeases
 from headsearch.search.record import config_key, holds_architecture
 from headsearch.search.runner import WAIT, Search, SearchSettings
-from headsearch.search.scheduler import enqueue_first
+from headsearch.search.scheduler import enqueue_first, enqueued_beyond_budget
 from headsearch.search.snapshot import trial_state
 from test_search import load, shared_storage
 
@@ -232,6 +232,33 @@ def test_enqueued_trials_beyond_the_budget_are_fenced_not_trained(tmp_path, plan
     trials = load(url, "s").get_trials(deepcopy=False)
     assert [trial_state(t) for t in trials] == ["complete", "complete", "over_budget"]
     assert not (tmp_path / "runs" / "s" / "trial-00002").exists()
+
+
+def test_run_says_before_any_trial_that_enqueued_architectures_exceed_the_budget(cli, tmp_path, planted):
+    """Row 7, said up front (issue 50, item 8a): `run --trials 1` with two architectures enqueued says on the plan's
+    line, before any trial, how many are enqueued, how many will run and what to do; a resumed study counts the
+    places its finished trials took."""
+    space = tmp_path / "space.yaml"
+    space.write_text(SPACE)
+    for name, fields in (("add", "fusion: add"), ("output", "skip: output")):
+        (tmp_path / f"{name}.yaml").write_text(fields + "\n")
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    args = ["run", "--task", NAME, "--space", space, "--storage", url, "--study", "s", "--preset", "tiny",
+            "--run-root", tmp_path / "runs", "--device", "cpu", "--pruner", "none",
+            "--enqueue", tmp_path / "add.yaml", "--enqueue", tmp_path / "output.yaml"]
+    result = cli([*args, "--trials", "1"])
+    assert result.exit_code == 0, result.output
+    line = "2 architectures enqueued, more than --trials 1: 1 will run and 1 will not; raise --trials to 2 to train them all"
+    plan = next(l for l in result.output.splitlines() if l.startswith("plan: "))
+    assert plan.endswith(line), result.output
+    assert [trial_state(t) for t in load(url, "s").get_trials(deepcopy=False)] == ["complete", "over_budget"]
+    study = load(url, "s")
+    study.enqueue_trial(study.trials[1].params)  # as a resume enqueues the fenced one again, with a third
+    study.enqueue_trial(study.trials[0].params)
+    assert enqueued_beyond_budget(study, 2) == ("2 architectures enqueued, more than the 1 place --trials 2 leaves"
+                                                " (1 taken): 1 will run and 1 will not; raise --trials to 3 to train"
+                                                " them all")
+    assert enqueued_beyond_budget(study, 3) is None
 
 
 def test_heartbeat_0_on_a_database_does_not_spin_while_others_run(tmp_path, planted, monkeypatch):

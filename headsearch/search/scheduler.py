@@ -249,3 +249,19 @@ def enqueue_first(study, params) -> list[int]:
             have.append(p)
             out.append(i)
     return out
+
+
+def enqueued_beyond_budget(study, trials: int) -> str | None:
+    """Said with the plan, before any trial, when the trials waiting to run (`--enqueue`'s architectures, a
+    resumed study's retries) are more than the places `trials` (--trials) leaves: the extra ones are fenced
+    (`Scheduler._fence`), never trained, and the user should know before the search, not from the report."""
+    all_trials = study.get_trials(deepcopy=False)
+    waiting = sum(1 for t in all_trials if t.state == TrialState.WAITING)
+    taken = sum(1 for t in all_trials if counts_toward_budget(t)) - waiting
+    room = max(0, trials - taken)
+    if waiting <= room:
+        return None
+    left = f"--trials {trials}" if taken == 0 else f"the {room} place{'s' * (room != 1)} --trials {trials} leaves ({taken} taken)"
+    return (f"{waiting} architectures enqueued, more than {left}: {room} will run and {waiting - room} will not;"
+            f" raise --trials to {taken + waiting} to train them all")
+
