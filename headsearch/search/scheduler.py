@@ -4,8 +4,8 @@
 number of machines sharing one storage; the fence behind it (`Scheduler._fence`) keeps it exact when the
 lock did not hold. An architecture some trial holds is never trained twice: a proposal of one is told FAIL
 (`duplicate_of`) and the sampler asked again; who holds it is read again from the storage once the proposal's
-config is written (`Scheduler._held_before`), so a worker whose count went stale while the lock did not hold
-gives way to the trial created before its own. A dead worker's running trial is failed and retried
+config is written (`Scheduler._held_elsewhere`), so a worker whose count went stale while the lock did not hold
+gives way to the trial another worker asked meanwhile. A dead worker's running trial is failed and retried
 (`DeadTrials`).
 """
 from __future__ import annotations
@@ -147,8 +147,8 @@ class Scheduler:
         raise _OverBudget
 
     def _unless_held(self, study, trial):
-        """`trial`, its config sampled and kept for its beginning; or None when a trial created before it holds
-        its architecture already (`_held_before`): then it is told FAIL with user_attr duplicate_of (neither
+        """`trial`, its config sampled and kept for its beginning; or None when another trial holds its
+        architecture already (`_held_elsewhere`): then it is told FAIL with user_attr duplicate_of (neither
         trained nor counted). A config that cannot be built is returned as is (its beginning rejects it and
         says why)."""
         try:
@@ -157,7 +157,7 @@ class Scheduler:
             return trial
         config = cfg.to_dict()
         trial.set_user_attr("config", config)
-        holder = self._held_before(study, trial, config_key(config))
+        holder = self._held_elsewhere(study, trial, config_key(config))
         if holder is None:
             self.sampled[trial.number] = cfg
             return trial
@@ -166,20 +166,21 @@ class Scheduler:
         study.tell(trial, state=TrialState.FAIL)
         return None
 
-    def _held_before(self, study, trial, key: str):
-        """The trial created before `trial`, in the storage's own order (trial ids, as in `_fence`), that holds
-        the architecture `key`, or None: read again from the storage after `trial`'s config is written, not
-        taken from the trials counted under the lock, which are stale when the lock did not hold (a worker
-        paused past its silence limit counted before another worker took the lock and asked; both then seed
-        their samplers alike and propose the same architecture). Each of two such workers writes its config
-        before it reads, and only the later trial (the higher id) gives way: the storage's order is the same for
-        every reader, so the two workers never both give way nor both train. One extra read per ask, with the
-        lock or without it. Not covered: two asks within the same instant, the later one reading before the
-        earlier one's config is written (a worker resuming exactly while the lock's new holder is between its
-        ask and its config)."""
+    def _held_elsewhere(self, study, trial, key: str):
+        """The trial besides `trial` that holds the architecture `key`, the earliest in the storage's own order
+        (trial ids, as in `_fence`), or None. Read again from the storage once `trial`'s config is written, not
+        taken from the trials counted under the lock: those are stale when the lock did not hold (a worker
+        paused past its silence limit counted before another worker broke its lock and asked; both seed their
+        samplers with the same count and propose the same architecture). Two workers proposing one architecture
+        at once each write their config before they read, so the later reader sees the other's: it gives way to
+        an earlier trial (the paused worker's is the later one), and to a later one too, whose worker read
+        before this config was written and so went on. Every worker reads the same trials in the same order,
+        so the architecture is never trained twice; at worst both give way and ask again, which costs an ask,
+        not a place of the budget. While the lock holds no later trial exists yet, so this is the check under
+        the lock. One extra read per ask."""
         mine = trial_id(trial)
-        before = [t for t in study.get_trials(deepcopy=False) if trial_id(t) < mine]
-        return self.archs.holder(before, key, trial.number)
+        others = sorted((t for t in study.get_trials(deepcopy=False) if trial_id(t) != mine), key=trial_id)
+        return self.archs.holder(others, key)
 
     def config_of(self, trial, device) -> tuple[RunConfig, bool]:
         """The config sampled for `trial` under the lock (recorded already: True), or sampled now (False;
