@@ -3,9 +3,10 @@
 Cheap by design: the planted-token task of test_custom_task.py (a trial trains in a fraction of a second),
 faults made with signals and sleeps. Each test names the row of the issue's table it covers:
 1. a worker paused past its lock between counting and asking (journal, Redis): the fence makes it back off;
+   with room in the budget, it gives way to the architecture the other worker took (issue 50, item 5);
 3. a killed worker's trial on a journal or a Redis journal: its lease lapses, it is failed and retried;
 5. a RUNNING trial that never recorded a heartbeat (SQLite, PostgreSQL, MariaDB): failed and retried;
-7. `--enqueue` beyond `--trials`: the extra enqueued trials are fenced, not trained;
+7. `--enqueue` beyond `--trials`: the extra enqueued trials are fenced, not trained, and `run` says so first;
 10. `--heartbeat 0` on a database: waiting workers do not spin.
 """
 from __future__ import annotations
@@ -27,8 +28,9 @@ from test_custom_task import NAME, SPACE, TASK
 
 from headsearch.search.storage import timings
 from headsearch.search.liveness import TrialLeases
+from headsearch.search.record import config_key, holds_architecture
 from headsearch.search.runner import WAIT, Search, SearchSettings
-from headsearch.search.scheduler import enqueue_first
+from headsearch.search.scheduler import enqueue_first, enqueued_beyond_budget
 from headsearch.search.snapshot import trial_state
 from test_search import load, shared_storage
 
@@ -58,7 +60,7 @@ def states(url: str, study: str) -> list[str]:
 
 
 # A worker in its own process, as on another node: it opens the search, runs `scheduler.next_trial` (count, then ask,
-# under the budget lock) and then does what the test asks: stop itself just before `ask` (a pause: GC, a
+# under the budget lock) and then does what the test asks: stop itself just before its first `ask` (a pause: GC, a
 # stopped process, a frozen NFS client) or die just after it (kill -9, preemption).
 WORKER = """
 import os, signal, sys, warnings
@@ -76,6 +78,7 @@ study = search.open()
 if {pause!r}:
     real_ask = study.ask
     def paused_ask(*args, **kwargs):
+        study.ask = real_ask  # one pause, before the first ask
         print("asking", flush=True)
         os.kill(os.getpid(), signal.SIGSTOP)
         return real_ask(*args, **kwargs)
@@ -132,6 +135,38 @@ def test_a_worker_paused_between_count_and_ask_backs_off_at_the_fence(kind, requ
     assert [trial_state(t) for t in trials] == ["running", "over_budget"], [t.state for t in trials]
     assert trials[1].user_attrs["over_budget"] == 1
     assert sum(t.state in COUNTED for t in trials) == 1
+
+
+@pytest.mark.parametrize("kind", ["journal", "redis"])
+def test_a_worker_paused_between_count_and_ask_does_not_take_the_architecture_another_took(kind, request, tmp_path,
+                                                                                          planted, processes,
+                                                                                          monkeypatch):
+    """Row 1, with room in the budget (issue 50, item 5). Budget 3. Worker A counts 0 trials under the lock and
+    stops before asking; B breaks A's silent lock, counts 0 and asks trial 0, its sampler seeded by that count.
+    A resumes and asks trial 1 with the same seed (its count is stale), so its sampler proposes B's architecture;
+    the fence lets it pass (one trial before it, budget 3), and A trained the same architecture twice. Now A
+    reads again who holds each architecture: trial 0, created before its own, so trial 1 is told FAIL as a
+    duplicate and A asks again (reseeded), taking an architecture no trial holds."""
+    monkeypatch.setattr(timings, "LOCK_SILENCE", 1.0)
+    monkeypatch.setattr(timings, "LOCK_RENEW", 0.2)
+    url, study = shared_storage(kind, request, tmp_path)
+    s = settings(tmp_path, url, study, trials=3, sampler="random")
+    a = start_worker(processes, s, pause=True)
+    assert a.stdout.readline().strip() == "asking", a.stderr.read()
+    wait_for(lambda: stopped(a.pid), "worker A to stop")
+    b = Search(s)
+    b_study = b.open()
+    trial_b = b.scheduler.next_trial(b_study)  # waits out A's silent lock, then takes it
+    assert trial_b is not WAIT and trial_b is not None and trial_b.number == 0
+    os.kill(a.pid, signal.SIGCONT)
+    out, err = a.communicate(timeout=60)
+    assert a.returncode == 0, err[-2000:]
+    trials = load(url, study).get_trials(deepcopy=False)
+    assert [trial_state(t) for t in trials] == ["running", "duplicate", "running"], [t.user_attrs for t in trials]
+    assert trials[1].user_attrs["duplicate_of"] == 0 and trials[1].user_attrs["config"] == trials[0].user_attrs["config"]
+    assert out.strip().splitlines()[-1] == "got 2"
+    held = [config_key(t.user_attrs["config"]) for t in trials if holds_architecture(t)]
+    assert len(held) == 2 == len(set(held)), held  # two trials to train, two architectures
 
 
 @pytest.mark.floor  # the retry callback differs between Optuna 4.0 and 5
@@ -197,6 +232,33 @@ def test_enqueued_trials_beyond_the_budget_are_fenced_not_trained(tmp_path, plan
     trials = load(url, "s").get_trials(deepcopy=False)
     assert [trial_state(t) for t in trials] == ["complete", "complete", "over_budget"]
     assert not (tmp_path / "runs" / "s" / "trial-00002").exists()
+
+
+def test_run_says_before_any_trial_that_enqueued_architectures_exceed_the_budget(cli, tmp_path, planted):
+    """Row 7, said up front (issue 50, item 8a): `run --trials 1` with two architectures enqueued says on the plan's
+    line, before any trial, how many are enqueued, how many will run and what to do; a resumed study counts the
+    places its finished trials took."""
+    space = tmp_path / "space.yaml"
+    space.write_text(SPACE)
+    for name, fields in (("add", "fusion: add"), ("output", "skip: output")):
+        (tmp_path / f"{name}.yaml").write_text(fields + "\n")
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    args = ["run", "--task", NAME, "--space", space, "--storage", url, "--study", "s", "--preset", "tiny",
+            "--run-root", tmp_path / "runs", "--device", "cpu", "--pruner", "none",
+            "--enqueue", tmp_path / "add.yaml", "--enqueue", tmp_path / "output.yaml"]
+    result = cli([*args, "--trials", "1"])
+    assert result.exit_code == 0, result.output
+    line = "2 architectures enqueued, more than --trials 1: 1 will run and 1 will not; raise --trials to 2 to train them all"
+    plan = next(l for l in result.output.splitlines() if l.startswith("plan: "))
+    assert plan.endswith(line), result.output
+    assert [trial_state(t) for t in load(url, "s").get_trials(deepcopy=False)] == ["complete", "over_budget"]
+    study = load(url, "s")
+    study.enqueue_trial(study.trials[1].params)  # as a resume enqueues the fenced one again, with a third
+    study.enqueue_trial(study.trials[0].params)
+    assert enqueued_beyond_budget(study, 2) == ("2 architectures enqueued, more than the 1 place --trials 2 leaves"
+                                                " (1 taken): 1 will run and 1 will not; raise --trials to 3 to train"
+                                                " them all")
+    assert enqueued_beyond_budget(study, 3) is None
 
 
 def test_heartbeat_0_on_a_database_does_not_spin_while_others_run(tmp_path, planted, monkeypatch):

@@ -113,6 +113,54 @@ def test_too_few_seeds_and_a_missing_study_trial_are_refused(cli, tmp_path):
 # ------------------------------------------------------------------------------ a real comparison
 
 
+def small_cifar_folder(cifar_dir: Path, folder: Path, train: int = 700, test: int = 200) -> Path:
+    """The first `train` training and `test` test images of CIFAR-10, as a user's small --data-dir."""
+    import numpy as np
+
+    folder.mkdir()
+    for name, n in (("train_0.npz", train), ("test.npz", test)):
+        with np.load(cifar_dir / name) as d:
+            np.savez(folder / name, x=d["x"][:n], y=d["y"][:n], label_names=d["label_names"])
+    return folder
+
+
+def test_the_data_check_honours_set_val_size_on_a_small_folder(tmp_path, cifar_dir, write_yaml):
+    """Issue 50, item 8b. The comparison's data check (before any study exists) loaded the data with the preset's
+    search budget, not the runs' configs: a folder of 700 images was refused for val_size 1000 whatever --set
+    data.val_size said, so a small folder could not be compared at all. Now it checks the first config as its runs
+    train it: --set reaches the check, and a --set the folder cannot hold is what the refusal names."""
+    from headsearch.errors import ConfigError
+    from headsearch.search.compare import comparison_search
+
+    small = small_cifar_folder(cifar_dir, tmp_path / "small")
+    configs = [str(p) for p in small_configs(tmp_path, write_yaml)]
+    sets = {"data": {"val_size": 100, "train_limit": 256}}
+    s, _ = comparison_search(configs, "vit-cifar10", seeds=2, storage=f"sqlite:///{tmp_path / 'c.db'}",
+                             run_root=str(tmp_path / "runs"), preset="tiny", sets=sets, data_dir=str(small), device="cpu")
+    assert (s.base.data.val_size, s.base.data.train_limit) == (100, 256)
+    s.check_data()  # was: val_size=1000 does not fit 700 training images
+    too_big = {"data": {"val_size": 700}}
+    s, _ = comparison_search(configs, "vit-cifar10", seeds=2, storage=f"sqlite:///{tmp_path / 'c.db'}",
+                             run_root=str(tmp_path / "runs"), preset="tiny", sets=too_big, data_dir=str(small), device="cpu")
+    with pytest.raises(ConfigError, match="val_size=700 does not fit 700 training images"):
+        s.check_data()
+    assert not (tmp_path / "c.db").exists()
+
+
+@pytest.mark.slow
+def test_compare_on_a_small_folder_with_set_val_size(cli, tmp_path, cifar_dir, write_yaml, one_thread):
+    """Issue 50, item 8b, as a user meets it: `compare --data-dir SMALL --set data.val_size=100` trains and compares
+    (it said `val_size=1000 does not fit 700 training images` and exited 2)."""
+    small = small_cifar_folder(cifar_dir, tmp_path / "small")
+    result = cli(["compare", *small_configs(tmp_path, write_yaml), "--task", "vit-cifar10", "--preset", "tiny",
+                  "--seeds", 2, "--data-dir", small, "--set", "data.val_size=100", "--set", "train.max_steps_per_epoch=1",
+                  "--epochs", 1, "--storage", f"sqlite:///{tmp_path / 'c.db'}", "--study", "cmp",
+                  "--run-root", tmp_path / "runs", "--device", "cpu", "--format", "json"])
+    assert result.exit_code == 0, (result.stderr, result.exception)
+    out = json.loads(result.stdout)
+    assert [len(c["runs"]) for c in out["configs"]] == [2, 2] and not out["missing"]
+
+
 @pytest.mark.slow
 def test_compare_two_configs_over_two_seeds(cli, tmp_path, cifar_dir, write_yaml, one_thread):
     """The acceptance case on the CPU: means, stds and paired differences equal a recomputation from each run's

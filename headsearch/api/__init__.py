@@ -306,18 +306,26 @@ def _train_trials(s, trials: int, watch: Callable | None, argv: Sequence[str] | 
                   grid=None):
     """Open (or resume) the study of Search `s`, enqueue `first`, run its trials under `watch` (module
     docstring); the study. Failed worker processes raise `SearchFailed` once the watch has stopped."""
-    from headsearch.search.scheduler import enqueue_first
+    from headsearch.search.scheduler import enqueue_first, enqueued_beyond_budget
     from headsearch.search.workers import failure_line, open_search, run_search
 
     study = open_search(s)  # malformed data fails here, before a study exists
+    beyond = None
     if first is not None:
         enqueue_first(study, first)
+        beyond = enqueued_beyond_budget(study, s.settings.trials) if first else None
     with (watch(study, trials, grid) if watch is not None else nullcontext()) as display:
-        hooks = dict(poll=display.refresh, announce=display.announce, on_cost=display.on_cost) if display is not None else {}
+        hooks = dict(poll=display.refresh, announce=_beside(display.announce, beyond), on_cost=display.on_cost) \
+            if display is not None else {}
         failures = run_search(s, [display] if display is not None else [], argv=list(argv) if argv else None, **hooks)
     if failures:
         raise SearchFailed(failure_line(failures), 2 if all(f.bad_input for f in failures) else 1, failures)
     return study
+
+
+def _beside(announce: Callable[[str], None], note: str | None) -> Callable[[str], None]:
+    """`announce`, saying `note` (if any) on the plan's line."""
+    return announce if note is None else (lambda line: announce(f"{line}; {note}"))
 
 
 def _compared(s, grid, out: Path, watch, argv, on_written) -> dict[str, Any]:

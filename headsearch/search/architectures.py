@@ -124,11 +124,10 @@ class SpaceArchitectures:
         archs = self.listing()
         return archs is not None and len(self.held(trials)) >= len(archs)
 
-    def holder(self, trials: Sequence, key: str, number: int):
-        """A trial other than `number` that holds the architecture `key`: finished (complete, pruned, failed
-        for good) or running. Training it again would repeat it."""
-        return next((t for t in trials if t.number != number and holds_architecture(t)
-                     and config_key(t.user_attrs.get("config")) == key), None)
+    def holder(self, trials: Sequence, key: str):
+        """The first of `trials` that holds the architecture `key`: finished (complete, pruned, failed for
+        good) or running. Training it again would repeat it."""
+        return next((t for t in trials if holds_architecture(t) and config_key(t.user_attrs.get("config")) == key), None)
 
     def untried_point(self, trials: Sequence, seed_index: int) -> dict[str, Any] | None:
         """The parameters of an architecture of the space that no trial holds, drawn at random (seeded by the

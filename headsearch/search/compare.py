@@ -14,6 +14,7 @@ over the seeds both finished) with its bootstrap interval and paired t-test (hea
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -149,7 +150,11 @@ class ConfigGrid:
         return tuple(dict.fromkeys(c.config.arch.fusion for c in self.candidates))
 
     def base_config(self, cfg: RunConfig, apply) -> RunConfig:
-        return cfg
+        """The first config as its runs train it (its preset, --epochs and --set applied; the search's seed):
+        what the search checks before any study exists (the data folder loads and holds its val_size and
+        train_limit, the model fits) and the plan measures. The preset's search budget that `cfg` carries is
+        no comparison's: with it, a small --data-dir was refused for the preset's val_size whatever --set said."""
+        return dataclasses.replace(self.candidates[0].config, seed=cfg.seed)
 
     def sample(self, trial, base: RunConfig) -> dict[str, Any]:
         """Config i with seed s, as overrides of everything (the base config plays no part)."""

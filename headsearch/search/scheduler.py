@@ -3,7 +3,9 @@
 "Take the budget lock, count, ask" makes the trial budget exact across any number of workers on any
 number of machines sharing one storage; the fence behind it (`Scheduler._fence`) keeps it exact when the
 lock did not hold. An architecture some trial holds is never trained twice: a proposal of one is told FAIL
-(`duplicate_of`) and the sampler asked again. A dead worker's running trial is failed and retried
+(`duplicate_of`) and the sampler asked again; who holds it is read again from the storage once the proposal's
+config is written (`Scheduler._held_elsewhere`), so a worker whose count went stale while the lock did not hold
+gives way to the trial another worker asked meanwhile. A dead worker's running trial is failed and retried
 (`DeadTrials`).
 """
 from __future__ import annotations
@@ -93,7 +95,7 @@ class Scheduler:
             if next_point is not None or waiting:  # a grid's point, or an enqueued one (a retry, a warm start)
                 study.sampler = self.make_sampler(len(trials))
                 trial = self._ask(study)
-                if next_point is not None or self._unless_held(study, trial, trials) is not None:
+                if next_point is not None or self._unless_held(study, trial) is not None:
                     return trial
                 continue  # an enqueued architecture that a trial holds already: told FAIL, not trained
             return self._ask_unheld(study, trials, done)
@@ -115,7 +117,7 @@ class Scheduler:
                 study.enqueue_trial(point)
             study.sampler = self.make_sampler(len(trials))
             trial = self._ask(study)
-            if self._unless_held(study, trial, trials) is not None:
+            if self._unless_held(study, trial) is not None:
                 return trial
             trials.append(self.handle.store_of(study).frozen_trial(trial.number))
         return done  # not reached: the last attempt takes an unheld point or returns
@@ -144,17 +146,18 @@ class Scheduler:
         self.handle.store_of(study).ended(trial.number)
         raise _OverBudget
 
-    def _unless_held(self, study, trial, trials: list):
-        """`trial`, its config sampled and kept for its beginning; or None when a trial in `trials` holds its
-        architecture already: then it is told FAIL with user_attr duplicate_of (neither trained nor counted).
-        A config that cannot be built is returned as is (its beginning rejects it and says why)."""
+    def _unless_held(self, study, trial):
+        """`trial`, its config sampled and kept for its beginning; or None when another trial holds its
+        architecture already (`_held_elsewhere`): then it is told FAIL with user_attr duplicate_of (neither
+        trained nor counted). A config that cannot be built is returned as is (its beginning rejects it and
+        says why)."""
         try:
             cfg = self.archs.sample_config(trial, self.definition.device)
         except ConfigError:
             return trial
         config = cfg.to_dict()
         trial.set_user_attr("config", config)
-        holder = self.archs.holder(trials, config_key(config), trial.number)
+        holder = self._held_elsewhere(study, trial, config_key(config))
         if holder is None:
             self.sampled[trial.number] = cfg
             return trial
@@ -162,6 +165,22 @@ class Scheduler:
         trial.set_user_attr("arch", arch_summary(cfg))
         study.tell(trial, state=TrialState.FAIL)
         return None
+
+    def _held_elsewhere(self, study, trial, key: str):
+        """The trial besides `trial` that holds the architecture `key`, the earliest in the storage's own order
+        (trial ids, as in `_fence`), or None. Read again from the storage once `trial`'s config is written, not
+        taken from the trials counted under the lock: those are stale when the lock did not hold (a worker
+        paused past its silence limit counted before another worker broke its lock and asked; both seed their
+        samplers with the same count and propose the same architecture). Two workers proposing one architecture
+        at once each write their config before they read, so the later reader sees the other's: it gives way to
+        an earlier trial (the paused worker's is the later one), and to a later one too, whose worker read
+        before this config was written and so went on. Every worker reads the same trials in the same order,
+        so the architecture is never trained twice; at worst both give way and ask again, which costs an ask,
+        not a place of the budget. While the lock holds no later trial exists yet, so this is the check under
+        the lock. One extra read per ask."""
+        mine = trial_id(trial)
+        others = sorted((t for t in study.get_trials(deepcopy=False) if trial_id(t) != mine), key=trial_id)
+        return self.archs.holder(others, key)
 
     def config_of(self, trial, device) -> tuple[RunConfig, bool]:
         """The config sampled for `trial` under the lock (recorded already: True), or sampled now (False;
@@ -231,3 +250,19 @@ def enqueue_first(study, params) -> list[int]:
             have.append(p)
             out.append(i)
     return out
+
+
+def enqueued_beyond_budget(study, trials: int) -> str | None:
+    """Said with the plan, before any trial, when the trials waiting to run (`--enqueue`'s architectures, a
+    resumed study's retries) are more than the places `trials` (--trials) leaves: the extra ones are fenced
+    (`Scheduler._fence`), never trained, and the user should know before the search, not from the report."""
+    all_trials = study.get_trials(deepcopy=False)
+    waiting = sum(1 for t in all_trials if t.state == TrialState.WAITING)
+    taken = sum(1 for t in all_trials if counts_toward_budget(t)) - waiting
+    room = max(0, trials - taken)
+    if waiting <= room:
+        return None
+    left = f"--trials {trials}" if taken == 0 else f"the {room} place{'s' * (room != 1)} --trials {trials} leaves ({taken} taken)"
+    return (f"{waiting} architectures enqueued, more than {left}: {room} will run and {waiting - room} will not;"
+            f" raise --trials to {taken + waiting} to train them all")
+
