@@ -31,6 +31,27 @@ def test_the_sbatch_script_runs_the_task_script_for_every_array_task():
 
 
 @pytest.mark.processes
+@pytest.mark.parametrize("task_exit, requeued", [(143, True), (0, False), (1, False)])
+def test_a_task_stopped_by_sigterm_is_requeued(tmp_path, task_exit, requeued):
+    """The sbatch script under stand-ins for `srun` (the task's exit code: 143 is headsearch stopped by the time
+    limit's early SIGTERM, or by preemption) and `scontrol` (what it was asked, recorded): a task stopped by SIGTERM
+    goes back to the queue, where the same command resumes the study; one that ended otherwise does not."""
+    sbatch = (SLURM / "search.sbatch").read_text()
+    assert "#SBATCH --signal=TERM@" in sbatch and "#SBATCH --requeue" in sbatch
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(f"#!/bin/bash\nexit {task_exit}\n")
+    (bin_dir / "scontrol").write_text(f"#!/bin/bash\necho \"$*\" >> {tmp_path / 'scontrol.txt'}\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "4242"}
+    proc = subprocess.run(["bash", str(SLURM / "search.sbatch")], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert proc.returncode == task_exit, proc.stderr
+    asked = (tmp_path / "scontrol.txt").read_text().splitlines() if (tmp_path / "scontrol.txt").exists() else []
+    assert asked == (["requeue 4242"] if requeued else [])
+
+
+@pytest.mark.processes
 @pytest.mark.slow
 def test_three_nodes_starting_together_on_a_fresh_database_fill_the_budget_exactly(pg_url, cifar_dir, tmp_path):
     """The array's first submission: three tasks start at once on a new, empty database (Optuna creates its tables
