@@ -17,7 +17,8 @@ import time
 import pytest
 from optuna.trial import TrialState
 
-from headsearch.errors import device_fault
+from headsearch.errors import Terminated, device_fault, interruption
+from headsearch.search.workers import sigterm_raises
 from test_search import (SLOWER_TRAIN, StoragePoller, finished, load, run_cmd, running_after_a_complete_trial,
                          sqlite_url, sub_env, wait_until, write_space)  # noqa: F401 (write_space: a fixture)
 
@@ -105,6 +106,30 @@ def test_sigterm_to_the_parent_alone_stops_its_workers_within_slurms_kill_wait(
     assert sorted(t.user_attrs.get("fail_reason") for t in trials if t.state == TrialState.FAIL) == ["interrupted (SIGTERM)"] * 2
     alive = subprocess.run(["pgrep", "-g", str(proc.pid), "-f", "spawn_main"], capture_output=True, text=True).stdout.split()
     assert alive == [], f"worker processes left running: {alive}"
+
+
+def test_sigterm_raises_once_and_gives_the_handler_back():
+    """In process, as an API user's program runs a search: SIGTERM raises `Terminated` (a KeyboardInterrupt, 143),
+    a second one does not interrupt its unwinding, and the program's own handler is back afterwards."""
+    heard = []
+    previous = signal.signal(signal.SIGTERM, lambda *_: heard.append("own"))
+    try:
+        with pytest.raises(Terminated) as stopped:
+            with sigterm_raises():
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)  # the handler runs at the next instruction: never reached
+        try:
+            with sigterm_raises():
+                raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            pass
+        assert isinstance(stopped.value, KeyboardInterrupt) and stopped.value.exit_code == 143
+        assert interruption(stopped.value) == "interrupted (SIGTERM)"
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+        assert heard == ["own"]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 # ------------------------------------------------------------------------------------------ device faults
@@ -205,3 +230,21 @@ def test_a_device_fault_in_every_worker_is_one_event_and_its_trials_are_retried(
     study = load(url, "s")
     assert len(finished(study)) == n
     assert len(study.trials) == n + 2  # the budget, plus the two trials the fault stopped
+
+
+@pytest.mark.processes
+@pytest.mark.slow
+def test_a_device_fault_in_one_process_is_one_line_and_its_trial_is_retried(tmp_path, spa_file, tokenizer_cache,
+                                                                            write_space):
+    (tmp_path / "faulty_task.py").write_text(textwrap.dedent(FAULTY_TASK))
+    cmd = run_cmd(write_space(tmp_path / "space.yaml"), sqlite_url(tmp_path / "h.db"), "s", 1, spa_file,
+                  tmp_path / "runs", "--pruner", "none")
+    cmd[cmd.index("--task") + 1] = "faulty_task:TASK"
+    env = {**sub_env(tokenizer_cache), "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+           "HS_TEST_DEVICE_FAULT": "1"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    check_one_line(proc.stderr, "error: device fault (CUDA error: an illegal memory access was encountered): the device"
+                                " is unusable; finished trials are kept in the study; run the same command to resume")
+    [trial] = load(sqlite_url(tmp_path / "h.db"), "s").get_trials(deepcopy=False)
+    assert trial.user_attrs["fail_reason"] == "interrupted (device fault: CUDA error: an illegal memory access was encountered)"

@@ -78,6 +78,32 @@ def with_space_line(line: str, search) -> str:
     return f"{line}; {note}" if note else line
 
 
+@contextlib.contextmanager
+def sigterm_raises():
+    """SIGTERM (a cluster's time limit or preemption) raises `Terminated` in the main thread, as Ctrl-C raises
+    KeyboardInterrupt, instead of ending the process at once with its trial left RUNNING until a later run waits
+    out 3 heartbeats: the trial is told FAIL as `interrupted (SIGTERM)` and retried by the next run. Once: a
+    second SIGTERM (a scheduler signalling every process of the job, the parent forwarding its own) does not
+    interrupt the first one's telling. The handler before it is back afterwards (an API user's); off the main
+    thread nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    raised: list[int] = []
+
+    def raise_once(signum, _frame):
+        if not raised:
+            raised.append(signum)
+            raise Terminated(signum)
+
+    previous = signal.signal(signal.SIGTERM, raise_once)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+@sigterm_raises()  # a cluster's stop, wherever it finds this process (the parent's wait: `interrupt_flag`)
 def run_search(search, callbacks: Sequence = (), argv: list[str] | None = None,
                poll: Callable[[], None] | None = None, every: float = 2.0,
                announce: Callable[[str], None] | None = None, on_cost: Callable | None = None) -> list[WorkerFailure]:
@@ -86,7 +112,8 @@ def run_search(search, callbacks: Sequence = (), argv: list[str] | None = None,
     NVIDIA MPS started for them when several share a GPU and it can be (stopped when they end), calling
     `poll()` every `every` seconds until they end. `announce(line)` hears the plan, once, before any trial.
     With the cost-aware sampler every architecture's cost is measured first (`measure_costs_first`;
-    `on_cost(done, total, ArchCost)` hears each one) and the plan line says what that took.
+    `on_cost(done, total, ArchCost)` hears each one) and the plan line says what that took. SIGTERM stops it as
+    Ctrl-C does (`sigterm_raises`), raising `Terminated`.
     Returns the worker processes that failed (none in process: errors raise there)."""
     plan = search.machine_plan()
     costs, failures = measure_costs_first(search, poll, every, on_cost)
@@ -96,8 +123,7 @@ def run_search(search, callbacks: Sequence = (), argv: list[str] | None = None,
     if len(plan.devices) == 1:
         if announce is not None:
             announce("; ".join([with_space_line(plan.describe(), search), *extra]))
-        with sigterm_raises():
-            search.run_worker(0, callbacks=callbacks, argv=argv)
+        search.run_worker(0, callbacks=callbacks, argv=argv)
         return []
     with managed_mps(plan.mps) as mps:
         if announce is not None:
@@ -175,31 +201,6 @@ def interrupt_flag():
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
-
-
-@contextlib.contextmanager
-def sigterm_raises():
-    """SIGTERM (a cluster's time limit or preemption) raises `Terminated` in the main thread, as Ctrl-C raises
-    KeyboardInterrupt, instead of ending the process at once with its trial left RUNNING until a later run waits
-    out 3 heartbeats: the trial is told FAIL as `interrupted (SIGTERM)` and retried by the next run. Once: a
-    second SIGTERM (a scheduler signalling every process of the job, the parent forwarding its own) does not
-    interrupt the first one's telling. The handler before it is back afterwards (an API user's); off the main
-    thread nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    raised: list[int] = []
-
-    def raise_once(signum, _frame):
-        if not raised:
-            raised.append(signum)
-            raise Terminated(signum)
-
-    previous = signal.signal(signal.SIGTERM, raise_once)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 def failure_line(failures: Sequence[WorkerFailure]) -> str:
