@@ -253,7 +253,10 @@ def stop_workers(procs, stop: KeyboardInterrupt, grace: float = 5.0, patience: f
     for p in procs:
         p.join(timeout=max(0.0, deadline - time.monotonic()))
         if p.is_alive():
-            p.kill() if term else p.terminate()
+            if term:
+                p.kill()  # a second SIGTERM would be ignored
+            else:
+                p.terminate()
             p.join(timeout=5)
 
 
