@@ -2,8 +2,10 @@
 three nodes run it, against one PostgreSQL study on a new, empty database. The budget is exact, each node trains in its own process, and no
 architecture is trained twice."""
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -49,6 +51,28 @@ def test_a_task_stopped_by_sigterm_is_requeued(tmp_path, task_exit, requeued):
     assert proc.returncode == task_exit, proc.stderr
     asked = (tmp_path / "scontrol.txt").read_text().splitlines() if (tmp_path / "scontrol.txt").exists() else []
     assert asked == (["requeue 4242"] if requeued else [])
+
+
+@pytest.mark.processes
+@pytest.mark.slow
+def test_the_batch_shell_signalled_too_still_requeues(tmp_path):
+    """Preemption (or the time limit itself) sends SIGTERM to the batch shell as well as to headsearch: the shell
+    waits for `srun` (here a stand-in that exits 143 a moment later, as headsearch does) and requeues the task."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(f"#!/bin/bash\ntouch {tmp_path / 'started'}\nsleep 2\nexit 143\n")
+    (bin_dir / "scontrol").write_text(f"#!/bin/bash\necho \"$*\" >> {tmp_path / 'scontrol.txt'}\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "4242"}
+    proc = subprocess.Popen(["bash", str(SLURM / "search.sbatch")], cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "started").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 143, err
+    assert (tmp_path / "scontrol.txt").read_text().splitlines() == ["requeue 4242"]
 
 
 @pytest.mark.processes
