@@ -6,6 +6,7 @@ recognises (a full disk, an I/O error), which get one line and exit code 1.
 """
 import errno
 import os
+import signal
 from typing import Iterator
 
 from headsearch.io import hide_passwords
@@ -34,6 +35,24 @@ class Diverged(RuntimeError):
     def __init__(self, step: int, epoch: int, loss: float):
         self.step, self.epoch, self.loss = step, epoch, loss
         super().__init__(f"training diverged: non-finite loss ({loss}) at step {step} (epoch {epoch})")
+
+
+class Terminated(KeyboardInterrupt):
+    """A stop signal other than Ctrl-C: SIGTERM, which a cluster sends at its time limit and on preemption
+    (Slurm: SIGKILL follows after KillWait, 30 s by default). A KeyboardInterrupt, so that every path that
+    ends a run on Ctrl-C (the trainer's record, a cohort's slots, the trial told FAIL as interrupted, the
+    CLI's one line) ends it the same way; `signal_name` says which signal it was, `exit_code` is the
+    shell's 128 + its number (143 for SIGTERM: what a scheduler reads as "stopped by SIGTERM")."""
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        self.signal_name = signal.Signals(signum).name
+        self.exit_code = 128 + int(signum)
+        super().__init__(self.signal_name)
+
+
+def interruption(e: KeyboardInterrupt) -> str:
+    """What stopped a run, as its trial's fail reason says it: `interrupted (Ctrl-C)`, `interrupted (SIGTERM)`."""
+    return f"interrupted ({e.signal_name if isinstance(e, Terminated) else 'Ctrl-C'})"
 
 
 # errno values that mean the machine failed a write, not the input: a full disk or quota, an I/O error,
@@ -72,3 +91,24 @@ def cause_chain(e: BaseException, *, suppressed: bool) -> Iterator[BaseException
         yield err
         err = err.__cause__ if err.__cause__ is not None else (
             None if err.__suppress_context__ and not suppressed else err.__context__)
+
+
+# What CUDA (and NVIDIA MPS) say of an error that leaves the device unusable for every process on it, not of a
+# fault in one model: a sticky error (the CUDA context is lost; under MPS a fatal fault in one client reaches
+# every client on the GPU), an uncorrectable ECC error, the MPS server gone, the device taken or lost. Not here,
+# on purpose: "device-side assert triggered" (an index out of range in the model: its own trial's fault, for
+# good; the other MPS clients see it as one of the errors below) and out of memory (a size, told apart).
+DEVICE_FAULTS = ("illegal memory access", "unspecified launch failure", "misaligned address", "illegal instruction",
+                 "hardware stack error", "ecc error", "mps client", "mps server", "busy or unavailable",
+                 "cudaerrordevicesunavailable", "cudaerrorillegaladdress", "cudaerrorlaunchfailure",
+                 "gpu has fallen off the bus")
+
+
+def device_fault(e: BaseException) -> str | None:
+    """The first line of `e` (or of what caused it) when it is a device fault (`DEVICE_FAULTS`): the device is
+    unusable, the trial it stopped is not to blame (a search retries it) and the process must stop; else None."""
+    for err in cause_chain(e, suppressed=True):
+        text = str(err).strip()
+        if any(marker in text.lower() for marker in DEVICE_FAULTS):
+            return text.splitlines()[0]
+    return None

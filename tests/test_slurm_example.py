@@ -2,8 +2,10 @@
 three nodes run it, against one PostgreSQL study on a new, empty database. The budget is exact, each node trains in its own process, and no
 architecture is trained twice."""
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +30,49 @@ def test_the_sbatch_script_runs_the_task_script_for_every_array_task():
     assert "#SBATCH --array=" in sbatch and "srun bash examples/slurm/task.sh" in sbatch
     checked = subprocess.run(["bash", "-n", str(SLURM / "search.sbatch")], capture_output=True, text=True)
     assert checked.returncode == 0, checked.stderr
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("task_exit, requeued", [(143, True), (0, False), (1, False)])
+def test_a_task_stopped_by_sigterm_is_requeued(tmp_path, task_exit, requeued):
+    """The sbatch script under stand-ins for `srun` (the task's exit code: 143 is headsearch stopped by the time
+    limit's early SIGTERM, or by preemption) and `scontrol` (what it was asked, recorded): a task stopped by SIGTERM
+    goes back to the queue, where the same command resumes the study; one that ended otherwise does not."""
+    sbatch = (SLURM / "search.sbatch").read_text()
+    assert "#SBATCH --signal=TERM@" in sbatch and "#SBATCH --requeue" in sbatch
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(f"#!/bin/bash\nexit {task_exit}\n")
+    (bin_dir / "scontrol").write_text(f"#!/bin/bash\necho \"$*\" >> {tmp_path / 'scontrol.txt'}\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "4242"}
+    proc = subprocess.run(["bash", str(SLURM / "search.sbatch")], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert proc.returncode == task_exit, proc.stderr
+    asked = (tmp_path / "scontrol.txt").read_text().splitlines() if (tmp_path / "scontrol.txt").exists() else []
+    assert asked == (["requeue 4242"] if requeued else [])
+
+
+@pytest.mark.processes
+@pytest.mark.slow
+def test_the_batch_shell_signalled_too_still_requeues(tmp_path):
+    """Preemption (or the time limit itself) sends SIGTERM to the batch shell as well as to headsearch: the shell
+    waits for `srun` (here a stand-in that exits 143 a moment later, as headsearch does) and requeues the task."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(f"#!/bin/bash\ntouch {tmp_path / 'started'}\nsleep 2\nexit 143\n")
+    (bin_dir / "scontrol").write_text(f"#!/bin/bash\necho \"$*\" >> {tmp_path / 'scontrol.txt'}\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "4242"}
+    proc = subprocess.Popen(["bash", str(SLURM / "search.sbatch")], cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "started").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 143, err
+    assert (tmp_path / "scontrol.txt").read_text().splitlines() == ["requeue 4242"]
 
 
 @pytest.mark.processes

@@ -44,8 +44,10 @@ def fail_on_fault(e: BaseException, kept: str) -> None:
 def exits(kept: Optional[str] = None, interrupted: Optional[str] = None):
     """The one place a command's exceptions become its exit, as a decorator (`@exits(...)`) or a `with`
     block: bad input (`HeadsearchError`) one line, exit code 2 (or the error's `exit_code`, as
-    `api.SearchFailed` gives); Ctrl-C "interrupted: <interrupted>", 130; an environment fault one line
-    saying what is `kept`, 1. Without `interrupted` (`kept`), Ctrl-C (a fault) goes on as Python raises it."""
+    `api.SearchFailed` gives); Ctrl-C "interrupted: <interrupted>", 130, and SIGTERM (`errors.Terminated`)
+    "interrupted (SIGTERM): <interrupted>", 143; a device fault (`errors.device_fault`) one line and
+    <interrupted>, 1; an environment fault one line saying what is `kept`, 1. Without `interrupted` (`kept`),
+    Ctrl-C and a device fault (an environment fault) go on as Python raises them."""
     return _Exits(kept, interrupted)
 
 
@@ -57,14 +59,16 @@ class _Exits:
         return None
 
     def __exit__(self, kind, e, tb) -> bool:
-        from headsearch.errors import HeadsearchError
+        from headsearch.errors import HeadsearchError, device_fault
 
         if e is None or isinstance(e, (typer.Exit, typer.Abort, SystemExit)):
             return False
         if isinstance(e, HeadsearchError):
             fail(str(e), code=getattr(e, "exit_code", 2))
         if isinstance(e, KeyboardInterrupt) and self.interrupted is not None:
-            fail(f"interrupted: {self.interrupted}", code=130)
+            fail(f"{stopped_by(e)}: {self.interrupted}", code=getattr(e, "exit_code", 130))
+        if isinstance(e, Exception) and self.interrupted is not None and (fault := device_fault(e)) is not None:
+            fail(f"device fault ({fault}): the device is unusable; {self.interrupted}", code=1)
         if isinstance(e, Exception) and self.kept is not None:
             fail_on_fault(e, self.kept)
         return False
@@ -76,6 +80,13 @@ class _Exits:
                 return command(*args, **kwargs)
 
         return guarded
+
+
+def stopped_by(e: KeyboardInterrupt) -> str:
+    """How the one line names a stop: "interrupted" (Ctrl-C), "interrupted (SIGTERM)" (a scheduler's stop)."""
+    from headsearch.errors import Terminated
+
+    return f"interrupted ({e.signal_name})" if isinstance(e, Terminated) else "interrupted"
 
 
 def check_format(fmt: str, known: tuple[str, ...]) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Sequence
 
+from headsearch.errors import device_fault
 from headsearch.search.backends import SoloBackend
 from headsearch.search.liveness import Heartbeat
 from headsearch.search.scheduler import WAIT, Scheduler
@@ -79,8 +80,9 @@ class TrialLoop:
             self.context.current_trial = None  # kept while an error propagates: the worker's failure line names it
 
     def _interrupt(self, e: BaseException) -> None:
-        """Tell every trial still in a slot how it ended: as it ended if it had, else interrupted."""
-        stopped = e if isinstance(e, KeyboardInterrupt) else RuntimeError(
+        """Tell every trial still in a slot how it ended: as it ended if it had, else interrupted (by a device
+        fault too: as the device failed every trial on it, not the one whose step saw it first)."""
+        stopped = e if isinstance(e, KeyboardInterrupt) or device_fault(e) else RuntimeError(
             f"the cohort's worker stopped: {type(e).__name__}: {e}")
         for end in self.backend.interrupt():
             self.beats.pop(end.slot).__exit__(None, None, None)

@@ -20,7 +20,7 @@ from optuna.trial import TrialState
 
 from headsearch.analysis.tracking import diversity_callbacks
 from headsearch.config import RunConfig
-from headsearch.errors import ConfigError, Diverged
+from headsearch.errors import ConfigError, Diverged, device_fault, interruption
 from headsearch.search.artifacts import write_trial_link
 from headsearch.search.liveness import StorageUnavailable, finished_trial_error
 from headsearch.search.record import arch_summary, record_result
@@ -158,7 +158,7 @@ class TrialLife:
             if out_of_memory:
                 torch.cuda.empty_cache()
         else:
-            reason = "interrupted (Ctrl-C)" if isinstance(error, KeyboardInterrupt) else f"{type(error).__name__}: {error}"
+            reason = fail_reason(error)
             # Retried: after Ctrl-C another process (a dashboard, a poller) may hold SQLite's lock for a moment,
             # and the interruption must not turn into a storage error that leaves the trial RUNNING.
             with_storage_retries(lambda: trial.set_user_attr("fail_reason", reason))
@@ -182,6 +182,17 @@ class TrialLife:
         frozen = next(t for t in study.get_trials(deepcopy=True) if t.number == number)
         for callback in self.optuna_callbacks:
             callback(study, frozen)
+
+
+def fail_reason(error: BaseException) -> str:
+    """Why a trial failed, as its record keeps it: an interruption (Ctrl-C, SIGTERM) or a device fault (the
+    device unusable, whatever trained on it: `headsearch.errors.device_fault`) is `interrupted (...)` and retried;
+    any other error, `Type: message`, is for good (`headsearch.search.record.failed_for_good`)."""
+    if isinstance(error, KeyboardInterrupt):
+        return interruption(error)
+    if (fault := device_fault(error)) is not None:
+        return f"interrupted (device fault: {fault})"
+    return f"{type(error).__name__}: {error}"
 
 
 def with_storage_retries(write, attempts: int = 5, wait: float = 0.2):

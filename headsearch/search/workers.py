@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from headsearch.errors import HeadsearchError
+from headsearch.errors import HeadsearchError, Terminated, device_fault
 from headsearch.io import write_atomic
 from headsearch.machine.mps import managed_mps
 from headsearch.machine.plan import Plan, worker_seat
@@ -31,19 +31,33 @@ from headsearch.search.runner import Search
 from headsearch.search.settings import SearchSettings
 
 
+# A worker stopped by a device fault (`headsearch.errors.device_fault`) exits with this code, its one line
+# naming the trial it was running, then DEVICE_FAULT, then the fault's first line.
+DEVICE_FAULT_EXIT = 3
+DEVICE_FAULT = "device fault, the trial kept for retry by a resumed run: "
+
+
 @dataclass(frozen=True)
 class WorkerFailure:
     """A worker process that ended badly: exit code 2 for bad input (`message` is its one line), else a
-    crash (`message` names the trial it was running and the error; the traceback is in `log`)."""
+    crash or a device fault (`message` names the trial it was running and the error; the traceback is in
+    `log`). `device`: its GPU (None: the CPU); `at`: when it wrote its line (the epoch's seconds)."""
 
     index: int | str  # a worker's index, or COSTS_WORKER
     exit_code: int
     message: str
     log: Path
+    device: str | None = None
+    at: float | None = None
 
     @property
     def bad_input(self) -> bool:
         return self.exit_code == 2
+
+    @property
+    def device_fault(self) -> str | None:
+        """The device fault that stopped it (the error's first line), if one did."""
+        return (self.message.partition(DEVICE_FAULT)[2] or None) if self.exit_code == DEVICE_FAULT_EXIT else None
 
 
 def open_search(search):
@@ -64,6 +78,32 @@ def with_space_line(line: str, search) -> str:
     return f"{line}; {note}" if note else line
 
 
+@contextlib.contextmanager
+def sigterm_raises():
+    """SIGTERM (a cluster's time limit or preemption) raises `Terminated` in the main thread, as Ctrl-C raises
+    KeyboardInterrupt, instead of ending the process at once with its trial left RUNNING until a later run waits
+    out 3 heartbeats: the trial is told FAIL as `interrupted (SIGTERM)` and retried by the next run. Once: a
+    second SIGTERM (a scheduler signalling every process of the job, the parent forwarding its own) does not
+    interrupt the first one's telling. The handler before it is back afterwards (an API user's); off the main
+    thread nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    raised: list[int] = []
+
+    def raise_once(signum, _frame):
+        if not raised:
+            raised.append(signum)
+            raise Terminated(signum)
+
+    previous = signal.signal(signal.SIGTERM, raise_once)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+@sigterm_raises()  # a cluster's stop, wherever it finds this process (the parent's wait: `interrupt_flag`)
 def run_search(search, callbacks: Sequence = (), argv: list[str] | None = None,
                poll: Callable[[], None] | None = None, every: float = 2.0,
                announce: Callable[[str], None] | None = None, on_cost: Callable | None = None) -> list[WorkerFailure]:
@@ -72,7 +112,8 @@ def run_search(search, callbacks: Sequence = (), argv: list[str] | None = None,
     NVIDIA MPS started for them when several share a GPU and it can be (stopped when they end), calling
     `poll()` every `every` seconds until they end. `announce(line)` hears the plan, once, before any trial.
     With the cost-aware sampler every architecture's cost is measured first (`measure_costs_first`;
-    `on_cost(done, total, ArchCost)` hears each one) and the plan line says what that took.
+    `on_cost(done, total, ArchCost)` hears each one) and the plan line says what that took. SIGTERM stops it as
+    Ctrl-C does (`sigterm_raises`), raising `Terminated`.
     Returns the worker processes that failed (none in process: errors raise there)."""
     plan = search.machine_plan()
     costs, failures = measure_costs_first(search, poll, every, on_cost)
@@ -95,12 +136,12 @@ def run_search(search, callbacks: Sequence = (), argv: list[str] | None = None,
                     if poll is not None and not interrupted:
                         poll()
                 if interrupted:
-                    raise KeyboardInterrupt
-            except KeyboardInterrupt:
-                stop_workers(procs)  # before MPS stops, and so that none goes on training alone
+                    raise KeyboardInterrupt if interrupted[0] == signal.SIGINT else Terminated(interrupted[0])
+            except KeyboardInterrupt as e:
+                stop_workers(procs, e)  # before MPS stops, and so that none goes on training alone
                 raise
     logs = worker_log_dir(search)
-    return [worker_failure(i, p.exitcode, logs) for i, p in enumerate(procs) if p.exitcode]
+    return [worker_failure(i, p.exitcode, logs, plan.devices[i]) for i, p in enumerate(procs) if p.exitcode]
 
 
 def measure_costs_first(search, poll: Callable[[], None] | None = None, every: float = 2.0,
@@ -134,59 +175,88 @@ def measure_costs_first(search, poll: Callable[[], None] | None = None, every: f
                     on_cost(len(heard) - before, total - before, cost)
             if poll is not None:
                 poll()
-    except KeyboardInterrupt:
-        stop_workers([proc])
+    except KeyboardInterrupt as e:
+        stop_workers([proc], e)
         raise
     if proc.exitcode:
-        return None, [worker_failure(COSTS_WORKER, proc.exitcode, worker_log_dir(search))]
+        return None, [worker_failure(COSTS_WORKER, proc.exitcode, worker_log_dir(search), plan.devices[0])]
     return CostSummary(total, measured, sum(float(c["seconds"]) for c in stored_costs(study).values())), []
 
 
 @contextlib.contextmanager
 def interrupt_flag():
-    """A list that Ctrl-C (SIGINT) appends to while the parent waits for its workers, instead of raising
-    KeyboardInterrupt wherever the parent happens to be: raised inside a garbage collector's weakref callback,
-    Python prints it as "Exception ignored" and drops it, and the workers would train on (seen in CI). Off the
-    main thread (where no handler can be set) it stays empty and Ctrl-C raises as usual."""
-    flag: list[bool] = []
+    """A list that Ctrl-C (SIGINT) and SIGTERM append their number to while the parent waits for its workers,
+    instead of raising KeyboardInterrupt (`Terminated`) wherever the parent happens to be: raised inside a garbage
+    collector's weakref callback, Python prints it as "Exception ignored" and drops it, and the workers would
+    train on (seen in CI). Off the main thread (where no handler can be set) it stays empty and the signals act
+    as they would."""
+    flag: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield flag
         return
-    previous = signal.signal(signal.SIGINT, lambda *_: flag.append(True))
+    previous = {signum: signal.signal(signum, lambda signum, _: flag.append(signum))
+                for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield flag
     finally:
-        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
 
 def failure_line(failures: Sequence[WorkerFailure]) -> str:
     """One line for failed worker processes: the first failure's reason (bad input: as one process says
-    it), where its log is, and how many others failed."""
+    it), where its log is, and how many others failed. Workers a device fault stopped are one event, said once
+    (`device_fault_line`)."""
+    faults = [f for f in failures if f.device_fault is not None]
     first = failures[0]
-    if first.bad_input:
-        line = first.message
+    if faults:
+        line, others = device_fault_line(faults), len(failures) - len(faults)
+    elif first.bad_input:
+        line, others = first.message, len(failures) - 1
     else:
         who = "the process measuring the costs" if first.index == COSTS_WORKER else f"worker {first.index}"
-        line = f"{who} failed {first.message} (traceback in {first.log})"
-    others = len(failures) - 1
+        line, others = f"{who} failed {first.message} (traceback in {first.log})", len(failures) - 1
     return line + (f"; {others} other worker(s) failed too, logs beside it" if others else "")
 
 
-def stop_workers(procs, grace: float = 5.0, patience: float = 60.0) -> None:
+def device_fault_line(faults: Sequence[WorkerFailure]) -> str:
+    """The workers a device fault stopped, in one line: under NVIDIA MPS a fatal fault in one client reaches every
+    client on the GPU, so N workers failing at once are one event, not N architectures' faults."""
+    where = ", ".join(dict.fromkeys(f"GPU {f.device}" if f.device is not None else "the CPU" for f in faults))
+    times = [f.at for f in faults if f.at is not None]
+    within = f" within {max(times) - min(times):.0f} s" if len(times) > 1 else ""
+    who = f"{len(faults)} workers stopped{within}" if len(faults) > 1 else f"worker {faults[0].index} stopped"
+    return (f"device fault on {where}: {who} ({faults[0].device_fault}); their trials are kept for retry: rerun"
+            f" the same command (tracebacks in {faults[0].log.parent})")
+
+
+# After SIGTERM the workers get this long to tell their trials and exit before they are killed: a worker's stop
+# takes a second or two (its epoch interrupted, the trial told FAIL; storage retries at worst ~6 s), and with
+# MPS's stop (up to 10 s, `managed_mps`) and the summary the parent exits within Slurm's KillWait (30 s).
+TERM_PATIENCE = 12.0
+
+
+def stop_workers(procs, stop: KeyboardInterrupt, grace: float = 5.0, patience: float = 60.0) -> None:
     """After Ctrl-C: a terminal's Ctrl-C reached the workers too (one process group), so give them `grace`
     seconds to record their running trial as failed and exit; send SIGINT to any still running (the
-    parent alone was interrupted, e.g. by `kill -INT`), wait `patience` seconds, then terminate the rest."""
-    deadline = time.monotonic() + grace
+    parent alone was interrupted, e.g. by `kill -INT`), wait `patience` seconds, then terminate the rest.
+    After SIGTERM (`stop` is `Terminated`: a scheduler's stop, with its kill to follow): forward it at once (a
+    worker that had it already ignores it, `sigterm_raises`), wait `TERM_PATIENCE` seconds, kill the rest."""
+    term = isinstance(stop, Terminated)
+    deadline = time.monotonic() + (0.0 if term else grace)
     for p in procs:
         p.join(timeout=max(0.0, deadline - time.monotonic()))
     for p in procs:
         if p.is_alive():
-            os.kill(p.pid, signal.SIGINT)
-    deadline = time.monotonic() + patience
+            os.kill(p.pid, signal.SIGTERM if term else signal.SIGINT)
+    deadline = time.monotonic() + (TERM_PATIENCE if term else patience)
     for p in procs:
         p.join(timeout=max(0.0, deadline - time.monotonic()))
         if p.is_alive():
-            p.terminate()
+            if term:
+                p.kill()  # a second SIGTERM would be ignored
+            else:
+                p.terminate()
             p.join(timeout=5)
 
 
@@ -194,16 +264,17 @@ def worker_log_dir(search) -> Path:
     return Path(search.settings.run_root) / search.study_name / "workers"
 
 
-def worker_failure(index: int | str, exit_code: int, log_dir: Path) -> WorkerFailure:
-    """What worker `index` left in `log_dir` when it failed: its one-line reason, else how it ended."""
-    log = log_dir / f"worker-{index}.log"
+def worker_failure(index: int | str, exit_code: int, log_dir: Path, device: str | None = None) -> WorkerFailure:
+    """What worker `index` (on `device`) left in `log_dir` when it failed: its one-line reason and when it wrote
+    it, else how it ended."""
+    log, failed = log_dir / f"worker-{index}.log", log_dir / f"worker-{index}.failed"
     try:
-        message = (log_dir / f"worker-{index}.failed").read_text().strip()
+        message, at = failed.read_text().strip(), failed.stat().st_mtime
     except OSError:
-        message = ""
+        message, at = "", None
     if not message:
         message = f"killed by signal {-exit_code}" if exit_code < 0 else f"exited with code {exit_code}"
-    return WorkerFailure(index, exit_code, message, log)
+    return WorkerFailure(index, exit_code, message, log, device, at)
 
 
 def run_workers(search, argv: list[str] | None = None) -> list:
@@ -247,8 +318,9 @@ def _worker_search(settings: SearchSettings, gpu: str | None, n_processes: int, 
 
 
 def _logged(search, index, body: Callable[[], object]) -> None:
-    """Run `body` with this process's output in worker-INDEX.log; a failure leaves its one line in
-    worker-INDEX.failed and exits 2 (bad input) or 1."""
+    """Run `body` with this process's output in worker-INDEX.log (SIGTERM stops it as Ctrl-C does:
+    `sigterm_raises`); a failure leaves its one line in worker-INDEX.failed and exits 2 (bad input), 3 (a
+    device fault: the device is unusable, so this worker stops; its trial was kept for retry) or 1."""
     log_dir = worker_log_dir(search)
     log_dir.mkdir(parents=True, exist_ok=True)
     failed = log_dir / f"worker-{index}.failed"
@@ -256,7 +328,8 @@ def _logged(search, index, body: Callable[[], object]) -> None:
     with open(log_dir / f"worker-{index}.log", "a") as log:
         sys.stdout = sys.stderr = log
         try:
-            body()
+            with sigterm_raises():
+                body()
         except KeyboardInterrupt:
             pass
         except HeadsearchError as e:  # bad input: the same one line as in one process
@@ -266,6 +339,9 @@ def _logged(search, index, body: Callable[[], object]) -> None:
         except BaseException as e:
             traceback.print_exc()
             where = f"in trial {search.current_trial}: " if search.current_trial is not None else "outside a trial: "
+            if (fault := device_fault(e)) is not None:
+                write_atomic(failed, f"{where}{DEVICE_FAULT}{fault}\n")
+                raise SystemExit(DEVICE_FAULT_EXIT)
             reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
             write_atomic(failed, f"{where}{type(e).__name__}{': ' + reason if reason else ''}\n")
             raise SystemExit(1)

@@ -10,7 +10,7 @@ import time
 import torch
 
 from headsearch.config import TrainConfig
-from headsearch.errors import ConfigError, Diverged
+from headsearch.errors import ConfigError, Diverged, device_fault
 from headsearch.tasks import BoundTask, Task
 from headsearch.training.capture import CaptureBrokeCuda
 from headsearch.training.fastpath import StepMode, compile_blocks, resolve_mode
@@ -47,8 +47,8 @@ def prepare_steps(task: Task, t: TrainConfig, bound: BoundTask, model: torch.nn.
         except (KeyboardInterrupt, Diverged, ConfigError, CaptureBrokeCuda):
             raise  # not the fast path's fault (a slower mode would meet it too), or nothing can run after it
         except Exception as e:  # torch.cuda.OutOfMemoryError included: a RuntimeError
-            if candidate.name == "off":
-                raise
+            if candidate.name == "off" or device_fault(e) is not None:
+                raise  # the last mode's, or the device unusable (a sticky CUDA error): no other mode can run
             out_of_memory = isinstance(e, torch.cuda.OutOfMemoryError)
             reason = " ".join(str(e).split())[:160] or type(e).__name__
             failed = "ran out of device memory" if out_of_memory else "failed"
