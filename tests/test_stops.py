@@ -71,12 +71,15 @@ def test_sigterm_fails_the_running_trial_as_interrupted_and_the_same_command_ret
     now = {t.number: t for t in load(url, "s").get_trials(deepcopy=False)}
     assert now[victim.number].state == TrialState.FAIL
     assert now[victim.number].user_attrs["fail_reason"] == "interrupted (SIGTERM)"
+    [retry] = [t for t in now.values() if t.state == TrialState.WAITING]  # its architecture goes first next time
+    assert retry.params == now[victim.number].params
 
     again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
     assert again.returncode == 0, again.stderr[-3000:]
     study = load(url, "s")
     assert len(finished(study)) == n
     assert len(study.trials) == n + 1  # the budget, plus the interrupted trial
+    assert study.trials[retry.number].state == TrialState.COMPLETE  # the retry trained the interrupted architecture
     done_before = {t.number: t.values for t in trials if t.state == TrialState.COMPLETE}
     for number, values in done_before.items():
         assert study.trials[number].values == values
@@ -103,6 +106,7 @@ def test_sigterm_to_the_parent_alone_stops_its_workers_within_slurms_kill_wait(
     check_one_line(err, RESUME_LINE)
     trials = load(url, "s").get_trials(deepcopy=False)
     assert [t.state for t in trials].count(TrialState.RUNNING) == 0
+    assert [t.state for t in trials].count(TrialState.WAITING) == 2  # both architectures re-enqueued
     assert sorted(t.user_attrs.get("fail_reason") for t in trials if t.state == TrialState.FAIL) == ["interrupted (SIGTERM)"] * 2
     alive = subprocess.run(["pgrep", "-g", str(proc.pid), "-f", "spawn_main"], capture_output=True, text=True).stdout.split()
     assert alive == [], f"worker processes left running: {alive}"
@@ -221,9 +225,10 @@ def test_a_device_fault_in_every_worker_is_one_event_and_its_trials_are_retried(
     for i in range(2):  # each worker's own line says so too
         assert "device fault" in (tmp_path / "runs" / "s" / "workers" / f"worker-{i}.failed").read_text()
     trials = load(url, "s").get_trials(deepcopy=False)
-    assert [t.state for t in trials] == [TrialState.FAIL] * 2
-    assert [t.user_attrs["fail_reason"] for t in trials] == [
+    assert [t.state for t in trials] == [TrialState.FAIL] * 2 + [TrialState.WAITING] * 2  # retried first next time
+    assert [t.user_attrs["fail_reason"] for t in trials[:2]] == [
         "interrupted (device fault: CUDA error: an illegal memory access was encountered)"] * 2
+    assert sorted(map(str, (t.params for t in trials[2:]))) == sorted(map(str, (t.params for t in trials[:2])))
 
     again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert again.returncode == 0, again.stderr[-3000:]
@@ -246,5 +251,6 @@ def test_a_device_fault_in_one_process_is_one_line_and_its_trial_is_retried(tmp_
     assert proc.returncode == 1, proc.stderr[-3000:]
     check_one_line(proc.stderr, "error: device fault (CUDA error: an illegal memory access was encountered): the device"
                                 " is unusable; finished trials are kept in the study; run the same command to resume")
-    [trial] = load(sqlite_url(tmp_path / "h.db"), "s").get_trials(deepcopy=False)
+    trial, retry = load(sqlite_url(tmp_path / "h.db"), "s").get_trials(deepcopy=False)
+    assert (retry.state, retry.params) == (TrialState.WAITING, trial.params)
     assert trial.user_attrs["fail_reason"] == "interrupted (device fault: CUDA error: an illegal memory access was encountered)"

@@ -20,9 +20,9 @@ from optuna.trial import TrialState
 
 from headsearch.analysis.tracking import diversity_callbacks
 from headsearch.config import RunConfig
-from headsearch.errors import ConfigError, Diverged, device_fault, interruption
+from headsearch.errors import ConfigError, Diverged, Terminated, device_fault, interruption
 from headsearch.search.artifacts import write_trial_link
-from headsearch.search.liveness import StorageUnavailable, finished_trial_error
+from headsearch.search.liveness import StorageUnavailable, finished_trial_error, retry_callback
 from headsearch.search.record import arch_summary, record_result
 from headsearch.search.trial_pruning import TrialPruning
 from headsearch.training.clock import AloneClock
@@ -163,6 +163,9 @@ class TrialLife:
             # and the interruption must not turn into a storage error that leaves the trial RUNNING.
             with_storage_retries(lambda: trial.set_user_attr("fail_reason", reason))
             with_storage_retries(lambda: study.tell(trial, state=TrialState.FAIL))
+            if stopped_by_the_machine(error):  # its architecture goes first in the next run, as a dead worker's does
+                frozen = self.handle.store_of(study).frozen_trial(trial.number)
+                with_storage_retries(lambda: retry_callback()(study, frozen))
             if reraise:
                 raise error
             return "FAIL"
@@ -193,6 +196,14 @@ def fail_reason(error: BaseException) -> str:
     if (fault := device_fault(error)) is not None:
         return f"interrupted (device fault: {fault})"
     return f"{type(error).__name__}: {error}"
+
+
+def stopped_by_the_machine(error: BaseException) -> bool:
+    """Whether a trial was stopped by its machine, not by its user or its architecture: a scheduler's SIGTERM (a
+    time limit, a preemption) or a device fault. Its architecture is re-enqueued (Optuna's retry callback, up to
+    twice), so the next run trains it first, as it retries a dead worker's trial; after Ctrl-C the user chose to
+    stop, and the sampler chooses again."""
+    return isinstance(error, Terminated) or (isinstance(error, Exception) and device_fault(error) is not None)
 
 
 def with_storage_retries(write, attempts: int = 5, wait: float = 0.2):
