@@ -1,0 +1,77 @@
+"""`headsearch storage-server`: Optuna's gRPC proxy (Optuna >= 4.2) in front of a database, so that thousands of
+workers reach the study through one process and its few database connections instead of a pool each.
+
+Workers pass `--storage grpc://HOST:PORT` (the row `grpc` of `schemes.SCHEMES`). What the proxy does not pass,
+and how headsearch keeps its promises without it: no heartbeats (a running trial's lease is a system attribute of
+the trial: liveness "stored leases"), no budget lock (the database is out of the workers' reach: the fence makes
+the budget exact, `schemes._fence_only`). A database outage behind the proxy reaches the workers as the proxy's
+error naming the driver's, which their patient storage waits out like the proxy's own absence
+(`liveness.unavailable`).
+"""
+from __future__ import annotations
+
+import socket
+import warnings
+from typing import Callable
+
+from headsearch.errors import ConfigError, HeadsearchError
+from headsearch.search.storage.schemes import check_grpc_optuna, open_storage, storage_scheme
+
+DEFAULT_PORT = 13000  # Optuna's default for its proxy
+
+
+def shown_url(url: str) -> str:
+    """`url` as it may be printed: a password in it replaced by *** (SQLAlchemy's own rendering)."""
+    try:
+        from sqlalchemy.engine import make_url
+
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # not a SQLAlchemy URL: nothing in it is a password SQLAlchemy knows of
+        return url
+
+
+def worker_url(host: str, port: int) -> str:
+    """The grpc:// URL workers on other machines give as --storage: this machine's name for a wildcard host."""
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostname()
+    return f"grpc://{f'[{host}]' if ':' in host else host}:{port}"
+
+
+def open_served_storage(url: str):
+    """The database storage the proxy serves: a row that opens Optuna's RDBStorage (liveness "heartbeats": SQLite,
+    PostgreSQL, MySQL), behind Optuna's cache of finished trials (`optuna.storages.get_storage`, as Optuna's own
+    docs for the proxy advise). A journal, a Redis journal or a grpc:// URL is one line: the proxy serves a
+    database only (Optuna's proxy does not serve a JournalStorage)."""
+    import optuna
+
+    scheme = storage_scheme(url)
+    if scheme.liveness != "heartbeats":
+        raise ConfigError(f"storage-server serves a database (sqlite:///FILE.db, postgresql://USER@HOST/DB or"
+                          f" mysql://USER@HOST/DB), not {scheme.name} storage {shown_url(url)}: pass a database URL")
+    return optuna.storages.get_storage(open_storage(url, heartbeat=None))
+
+
+def serve_storage(url: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *,
+                  on_ready: Callable[[str], None] | None = None) -> None:
+    """Serve the database `url` through Optuna's gRPC proxy on host:port until interrupted (KeyboardInterrupt:
+    the caller's SIGINT or SIGTERM). `on_ready(grpc_url)` once the database is open, before serving: the URL to
+    give workers. Bad input (an Optuna without the proxy, a URL that is not a database's, one that cannot be
+    opened, an address that cannot be bound) is one HeadsearchError line before anything is served."""
+    check_grpc_optuna("headsearch storage-server")
+    storage = open_served_storage(url)
+    try:
+        import grpc  # noqa: F401  (Optuna imports it lazily: missing, say so now)
+        from google import protobuf  # noqa: F401
+    except ImportError:
+        raise HeadsearchError("storage-server needs grpcio and protobuf: pip install 'headsearch[grpc]'") from None
+    import optuna
+    from optuna.storages import run_grpc_proxy_server
+
+    if on_ready is not None:
+        on_ready(worker_url(host, port))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+        try:
+            run_grpc_proxy_server(storage, host=host, port=port)
+        except RuntimeError as e:  # grpc's "Failed to bind to address ..."
+            raise HeadsearchError(f"cannot serve on {host}:{port}: {str(e).splitlines()[0]}") from None
