@@ -314,7 +314,8 @@ def test_connections_one_worker_holds_and_a_full_database_mid_search(pg_url, pro
 
     with limited_role(pg_url, 10) as url:
         proc = outage_run(processes, tmp_path, url, trials=3, patience=60)
-        admin = sa.create_engine(pg_url, poolclass=sa.pool.NullPool)
+        # Autocommit: pg_stat_activity is read once per transaction.
+        admin = sa.create_engine(pg_url, poolclass=sa.pool.NullPool, isolation_level="AUTOCOMMIT")
         most = 0
         name = url.rsplit("/", 1)[1]
         while proc.poll() is None:
@@ -325,7 +326,9 @@ def test_connections_one_worker_holds_and_a_full_database_mid_search(pg_url, pro
         out, err = proc.communicate()
         assert proc.returncode == 0, err[-3000:]
         print(f"connections one worker held at most: {most}")
-        assert 2 <= most <= 4, most  # the storage's pool (1-2 in use) and the budget lock's own connection
+        # Four of the storage's pool (kept open by SQLAlchemy once the training loop, the heartbeat thread and the
+        # progress display's reads overlapped), and the budget lock's own while it is held: docs/searching.md.
+        assert 3 <= most <= 5, most
 
         held = _hold(url, 10)  # every connection the role may have
         proc = outage_run(processes, tmp_path, url, trials=4, patience=60)
