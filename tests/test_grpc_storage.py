@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -332,11 +333,13 @@ def test_connections_one_worker_holds_and_a_full_database_mid_search(pg_url, pro
 
         held = _hold(url, 10)  # every connection the role may have
         proc = outage_run(processes, tmp_path, url, trials=4, patience=60)
-        time.sleep(4)
-        assert proc.poll() is None  # waiting, not failed
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+        reader.start()
+        wait_for(lambda: any("too many connections for role" in line for line in lines) or proc.poll() is not None,
+                 "the worker to meet the full database", 120)
+        assert proc.poll() is None, lines  # waiting, not failed
         for conn in held:
             conn.close()
-        out, err = proc.communicate(timeout=240)
-        assert proc.returncode == 0, err[-3000:]
-        assert "too many connections for role" in err
+        assert proc.wait(timeout=240) == 0, "".join(lines)[-3000:]
         admin.dispose()
