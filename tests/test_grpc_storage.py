@@ -31,7 +31,7 @@ from test_search import load
 from headsearch.search.liveness import StorageUnavailable, TrialLeases, open_patiently, unavailable
 from headsearch.search.runner import Search
 from headsearch.search.snapshot import trial_state
-from headsearch.search.storage import schemes
+from headsearch.search.storage import budget_lock, schemes, storage_scheme
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_PROXY = hasattr(optuna.storages, "GrpcStorageProxy")  # Optuna >= 4.2
@@ -127,6 +127,14 @@ def test_storage_server_on_a_port_in_use_or_a_bad_database_is_one_line(cli, tmp_
         cli.error_line(result, f"cannot serve on 127.0.0.1:{port}", "in use")
     result = cli(["storage-server", "--storage", f"sqlite:///{tmp_path / 'no' / 'h.db'}", "--port", str(free_port())])
     cli.error_line(result, "does not exist")
+
+
+def test_the_grpc_row_takes_no_lock_and_says_the_fence_keeps_the_budget():
+    """The database behind the proxy is out of the workers' reach: the row's budget lock is a hold that says so,
+    and its trials' liveness is a lease kept in the storage itself."""
+    with budget_lock("grpc://127.0.0.1:13000", "s") as hold:
+        assert "the fence alone" in hold.what and not hold.lost
+    assert storage_scheme("grpc://127.0.0.1:13000").liveness == "stored leases"
 
 
 @needs_proxy

@@ -190,7 +190,7 @@ class TrialLeases:
         path = scheme.file(self.url)
         self.folder = None
         self._redis = None
-        self._storage = storage if scheme.liveness == "stored leases" else None
+        self._store = storage if scheme.liveness == "stored leases" else None
         if path is not None:
             safe = re.sub(r"[^\w.-]", "_", study_name)[:60]
             self.folder = Path(os.path.realpath(path)).with_name(Path(path).name + ".leases") / \
@@ -208,17 +208,17 @@ class TrialLeases:
     def _key(self, number: int) -> str:
         return f"headsearch:lease:{self.study_name}:{number}"
 
-    def _trial_id(self, number: int) -> int:
+    def _id_of(self, number: int) -> int:
         if number not in self._ids:
-            study_id = self._storage.get_study_id_from_name(self.study_name)
-            self._ids[number] = self._storage.get_trial_id_from_study_id_trial_number(study_id, number)
+            study_id = self._store.get_study_id_from_name(self.study_name)
+            self._ids[number] = self._store.get_trial_id_from_study_id_trial_number(study_id, number)
         return self._ids[number]
 
     def renew(self, number: int) -> None:
         """Start or renew the lease of trial `number` (its worker is alive)."""
         n = self._counts[number] = self._counts.get(number, 0) + 1
-        if self._storage is not None:
-            self._storage.set_trial_system_attr(self._trial_id(number), self.LEASE_ATTR, f"{self.owner} {n}")
+        if self._store is not None:
+            self._store.set_trial_system_attr(self._id_of(number), self.LEASE_ATTR, f"{self.owner} {n}")
         elif self.folder is not None:
             self.folder.mkdir(parents=True, exist_ok=True)
             tmp = self.folder / f".{number}.{self.owner.replace(':', '-')}.tmp"
@@ -233,7 +233,7 @@ class TrialLeases:
         is never judged again (and a finished trial's attributes cannot be written)."""
         self._counts.pop(number, None)
         try:
-            if self._storage is not None:
+            if self._store is not None:
                 self._ids.pop(number, None)
             elif self.folder is not None:
                 (self.folder / str(number)).unlink(missing_ok=True)
@@ -244,8 +244,8 @@ class TrialLeases:
 
     def read(self, number: int) -> Any:
         """What the lease of trial `number` holds now (None: no lease)."""
-        if self._storage is not None:
-            return self._storage.get_trial(self._trial_id(number)).system_attrs.get(self.LEASE_ATTR)
+        if self._store is not None:
+            return self._store.get_trial(self._id_of(number)).system_attrs.get(self.LEASE_ATTR)
         if self.folder is not None:
             try:
                 return (self.folder / str(number)).read_text()
