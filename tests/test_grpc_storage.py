@@ -58,11 +58,11 @@ class StorageServer:
     def url(self) -> str:
         return f"grpc://127.0.0.1:{self.port}"
 
-    def start(self) -> str:
+    def start(self, patience: float = 120) -> str:
         """Start it; returns the line it printed on stdout."""
         self.proc = self.processes.start([sys.executable, "-m", "headsearch", "storage-server", "--storage", self.db_url,
                                           "--port", str(self.port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                         text=True, env=env())
+                                         text=True, env={**env(), "HEADSEARCH_STORAGE_PATIENCE": str(patience)})
         line = self.proc.stdout.readline()
         assert line, self.proc.communicate(timeout=30)
         return line.strip()
@@ -259,6 +259,53 @@ def test_report_export_and_dashboard_read_a_study_through_grpc(grpc_server, optu
     detail = _get_json(f"{base}/api/studies/{summary['study_id']}")
     assert sum(t["state"] == "Complete" for t in detail["trials"]) == 2
     grpc_server.processes.stop(proc)
+
+
+@pytest.mark.server
+@pytest.mark.processes
+@needs_proxy
+def test_a_database_that_refuses_the_proxy_is_an_outage_to_the_workers(pg_url, processes):
+    """The database behind the proxy goes away for it (its sessions ended, every connection its role may have
+    taken). Optuna reports that as a StorageInternalError about invalid data, which a worker would take for a bug;
+    the proxy waits it out for its patience (2 s here), then its error is one a worker counts as an outage to
+    wait out. Once the database takes connections again, the same call goes through."""
+    import sqlalchemy as sa
+    from optuna.storages import GrpcStorageProxy
+
+    with limited_role(pg_url, 4) as url:
+        server = StorageServer(processes, url)
+        server.start(patience=2)
+        proxy = GrpcStorageProxy(host="127.0.0.1", port=server.port)
+        assert proxy.get_all_studies() == []
+        name = url.rsplit("/", 1)[1]
+        admin = sa.create_engine(pg_url, poolclass=sa.pool.NullPool, isolation_level="AUTOCOMMIT")
+        with admin.connect() as conn:
+            conn.execute(sa.text(f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{name}'"))
+        wait_for(lambda: _connections(admin, name) == 0, "the proxy's sessions to end", 30)
+        held = _hold(url, 4)
+        with pytest.raises(Exception) as got:
+            proxy.get_all_studies()
+        why = unavailable(got.value)
+        assert why is not None and why.startswith("the database behind the storage server: "), got.value
+        assert "too many connections for role" in why
+        for conn in held:
+            conn.close()
+        wait_for(lambda: _answers(proxy), "the proxy to reach the database again", 30)
+        admin.dispose()
+
+
+def _connections(admin, role: str) -> int:
+    import sqlalchemy as sa
+
+    with admin.connect() as conn:
+        return conn.execute(sa.text(f"SELECT count(*) FROM pg_stat_activity WHERE usename = '{role}'")).scalar()
+
+
+def _answers(proxy) -> bool:
+    try:
+        return proxy.get_all_studies() == []
+    except Exception:
+        return False
 
 
 # ------------------------------------------------------------------- a database full of connections (item 3)

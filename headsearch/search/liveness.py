@@ -34,6 +34,11 @@ from headsearch.search.storage import open_storage, storage_scheme
 from headsearch.search.storage.locks import Silence
 
 
+# What StorageUnavailable says after why (a grpc:// worker finds it in its proxy's error, `_grpc_unavailable`).
+_STOPPED = (": the search stopped; finished trials are kept, and the same command resumes once the storage is back"
+            " (the running trial is retried)")
+
+
 class StorageUnavailable(HeadsearchError):
     """The storage could not be reached for `patience` seconds: the search stops; resuming retries its trials."""
 
@@ -62,9 +67,9 @@ def unavailable(e: BaseException) -> str | None:
 
 def _grpc_unavailable(err: BaseException) -> str | None:
     """Why a call through Optuna's gRPC proxy (a grpc:// storage) found no storage: the proxy does not answer
-    (status UNAVAILABLE: stopped, restarting, unreachable), or it answered with the error of the database behind
-    it that does not (status UNKNOWN, the proxy's exception in the details as SQLAlchemy names it: "Exception
-    calling application: (psycopg2.OperationalError) ..."). None for any other error."""
+    (status UNAVAILABLE: stopped, restarting, unreachable), or the database behind it stayed away for the
+    proxy's own patience (`headsearch storage-server` serves a patient storage: its StorageUnavailable line
+    comes back as the details of status UNKNOWN). None for any other error."""
     code = getattr(err, "code", None)
     if not (type(err).__module__ or "").startswith("grpc") or not callable(code):
         return None
@@ -72,9 +77,9 @@ def _grpc_unavailable(err: BaseException) -> str | None:
     first = details.splitlines()[0] if details else ""
     if code().name == "UNAVAILABLE":
         return f"the storage server does not answer: {first}"[:200]
-    driver = re.search(r"\(([\w.]+)\.(\w+)\) (.*)", first)
-    if code().name == "UNKNOWN" and driver and driver[2] in _GONE and driver[1].startswith(_DRIVERS):
-        return f"the database behind the storage server: {driver[3]}"[:200]
+    behind = re.search(rf"unreachable for \d+ s \((.*)\){re.escape(_STOPPED)}", first)
+    if code().name == "UNKNOWN" and behind:
+        return f"the database behind the storage server: {behind[1]}"[:200]
     return None
 
 
@@ -144,10 +149,7 @@ def _retried(call: Callable[[], Any], url: str, patience: float, say, waits: Cal
             why = unavailable(e)
             waited = time.monotonic() - start
             if waited >= patience:
-                raise StorageUnavailable(
-                    f"storage {url} unreachable for {waited:.0f} s ({why}): the search stopped; finished trials"
-                    " are kept, and the same command resumes once the storage is back (the running trial is"
-                    " retried)") from None
+                raise StorageUnavailable(f"storage {url} unreachable for {waited:.0f} s ({why}){_STOPPED}") from None
             say(f"storage {url} unreachable ({why}); retrying for up to {patience - waited:.0f} s more")
             time.sleep(min(wait, max(0.0, patience - waited)))
             wait = min(wait * 2, 5.0)
