@@ -106,6 +106,19 @@ def test_a_grpc_url_needs_optuna_4_2_or_an_answering_server(cli, monkeypatch, tm
         cli.error_line(result, "headsearch storage-server needs optuna >= 4.2")
 
 
+def test_an_optuna_without_the_proxy_refuses_grpc_in_one_line_saying_to_upgrade(cli, monkeypatch, tmp_path):
+    """The floor's Optuna (4.0) has no gRPC proxy (the floor run of the test above meets the real one); here an
+    Optuna without it, on any installed version: `run`, `report` and `storage-server` say to upgrade."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delattr(optuna.storages, "GrpcStorageProxy", raising=False)
+    monkeypatch.setattr(optuna, "__version__", "4.1.0")
+    result = cli(["report", "--storage", "grpc://127.0.0.1:13000", "--study", "s"])
+    cli.error_line(result, "storage grpc://127.0.0.1:13000 needs optuna >= 4.2 (installed: 4.1.0)", "pip install -U")
+    result = cli(["storage-server", "--storage", "sqlite:///x.db", "--port", str(free_port())])
+    cli.error_line(result, "headsearch storage-server needs optuna >= 4.2 (installed: 4.1.0)")
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("url, kind", [("journal:x.log", "journal"), ("redis://127.0.0.1:6379", "redis"),
                                        ("grpc://127.0.0.1:13000", "grpc")])
 def test_storage_server_refuses_what_is_not_a_database(url, kind, cli, tmp_path, monkeypatch):
@@ -127,6 +140,13 @@ def test_storage_server_on_a_port_in_use_or_a_bad_database_is_one_line(cli, tmp_
         cli.error_line(result, f"cannot serve on 127.0.0.1:{port}", "in use")
     result = cli(["storage-server", "--storage", f"sqlite:///{tmp_path / 'no' / 'h.db'}", "--port", str(free_port())])
     cli.error_line(result, "does not exist")
+
+
+@needs_proxy
+def test_a_grpc_url_without_grpcio_is_the_rows_driver_line(cli, monkeypatch):
+    monkeypatch.setitem(sys.modules, "grpc", None)  # what `import grpc` meets where grpcio is not installed
+    result = cli(["report", "--storage", "grpc://127.0.0.1:13000", "--study", "s"])
+    cli.error_line(result, "the grpc driver is not installed", "pip install 'headsearch[grpc]' (grpcio, protobuf)")
 
 
 def test_the_grpc_row_takes_no_lock_and_says_the_fence_keeps_the_budget():
