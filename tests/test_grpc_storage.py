@@ -33,6 +33,8 @@ from headsearch.search.runner import Search
 from headsearch.search.snapshot import trial_state
 from headsearch.search.storage import budget_lock, schemes, storage_scheme
 
+# Optuna calls its gRPC proxy experimental; headsearch uses it knowingly (its row and storage-server silence it too).
+pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
 ROOT = Path(__file__).resolve().parents[1]
 HAS_PROXY = hasattr(optuna.storages, "GrpcStorageProxy")  # Optuna >= 4.2
 needs_proxy = pytest.mark.skipif(not HAS_PROXY, reason="Optuna's gRPC proxy is Optuna >= 4.2")
