@@ -31,7 +31,7 @@ from test_search import load
 from headsearch.search.liveness import StorageUnavailable, TrialLeases, open_patiently, unavailable
 from headsearch.search.runner import Search
 from headsearch.search.snapshot import trial_state
-from headsearch.search.storage import budget_lock, schemes, storage_scheme
+from headsearch.search.storage import budget_lock, proxy, storage_scheme
 
 # Optuna calls its gRPC proxy experimental; headsearch uses it knowingly (its row and storage-server silence it too).
 pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
@@ -95,7 +95,7 @@ def test_a_grpc_url_without_a_port_is_one_line(cli, tmp_path):
 def test_a_grpc_url_needs_optuna_4_2_or_an_answering_server(cli, monkeypatch, tmp_path):
     """On Optuna < 4.2 (the floor is 4.0) a grpc:// URL is refused in one line saying to upgrade; from 4.2 on, a
     server that does not answer is one line too, not a worker waiting for ever."""
-    monkeypatch.setattr(schemes, "GRPC_READY", 1.0)
+    monkeypatch.setattr(proxy, "GRPC_READY", 1.0)
     monkeypatch.chdir(tmp_path)
     url = f"grpc://127.0.0.1:{free_port()}"
     result = cli(["report", "--storage", url, "--study", "s"])

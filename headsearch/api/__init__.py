@@ -188,8 +188,8 @@ def storage_server(storage: str, *, host: str = "127.0.0.1", port: int = 13000,
                    on_ready: Callable[[str], None] | None = None) -> None:
     """`headsearch storage-server`: serve the database `storage` (sqlite, postgresql, mysql) through Optuna's gRPC
     proxy on host:port until interrupted; workers anywhere pass `--storage grpc://HOST:PORT` (`on_ready` gets that
-    URL once the database is open). See `headsearch.search.storage.proxy`."""
-    from headsearch.search.storage.proxy import serve_storage
+    URL once the database is open). See `headsearch.search.storage_server`."""
+    from headsearch.search.storage_server import serve_storage
 
     serve_storage(storage, host, port, on_ready=on_ready)
 

@@ -162,7 +162,7 @@ def storage_server(
 
     from headsearch import api
     from headsearch.cli.study_commands import unavailable_port
-    from headsearch.search.storage.proxy import shown_url
+    from headsearch.search.storage_server import shown_url
 
     if not 0 < port < 65536:
         fail(f"--port {port} is not a port number (1-65535)")

@@ -1,98 +1,81 @@
-"""`headsearch storage-server`: Optuna's gRPC proxy (Optuna >= 4.2) in front of a database, so that thousands of
-workers reach the study through one process and its few database connections instead of a pool each.
+"""The row of grpc:// URLs: Optuna's gRPC proxy (Optuna >= 4.2, `GrpcStorageProxy`) in front of a database, so
+that thousands of workers reach the study through one process and its few database connections instead of a
+pool each. The server they reach is `headsearch storage-server` (`headsearch.search.storage_server`).
 
-Workers pass `--storage grpc://HOST:PORT` (the row `grpc` of `schemes.SCHEMES`). What the proxy does not pass,
-and how headsearch keeps its promises without it: no heartbeats (a running trial's lease is a system attribute of
-the trial: liveness "stored leases"), no budget lock (the database is out of the workers' reach: the fence makes
-the budget exact, `schemes._fence_only`). A database outage behind the proxy is waited out by the proxy, and
-past its patience reaches the workers as its one line, which they count as an outage (`liveness.unavailable`).
+What the proxy does not pass, and how headsearch keeps its promises without it: no heartbeats (a running trial's
+lease is a system attribute of the trial: liveness "stored leases"), no budget lock (the database is out of the
+workers' reach: the fence makes the budget exact, `_fence_only`).
 """
 from __future__ import annotations
 
-import socket
-import threading
+import contextlib
 import warnings
-from typing import Callable
 
 from headsearch.errors import ConfigError, HeadsearchError
-from headsearch.search.storage.schemes import check_grpc_optuna, open_storage, storage_scheme
+from headsearch.search.storage.locks import LockHold
+from headsearch.search.storage.schemes import StorageScheme, register_storage
 
-DEFAULT_PORT = 13000  # Optuna's default for its proxy
-
-
-def shown_url(url: str) -> str:
-    """`url` as it may be printed: a password in it replaced by *** (SQLAlchemy's own rendering)."""
-    try:
-        from sqlalchemy.engine import make_url
-
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # not a SQLAlchemy URL: nothing in it is a password SQLAlchemy knows of
-        return url
+GRPC_OPTUNA = "4.2"  # Optuna's first release with GrpcStorageProxy and run_grpc_proxy_server
+GRPC_READY = 10.0  # seconds a grpc:// storage may take to answer when it is opened
 
 
-def worker_url(host: str, port: int) -> str:
-    """The grpc:// URL workers on other machines give as --storage: this machine's name for a wildcard host."""
-    if host in ("0.0.0.0", "::", ""):
-        host = socket.gethostname()
-    return f"grpc://{f'[{host}]' if ':' in host else host}:{port}"
-
-
-def open_served_storage(url: str):
-    """The database storage the proxy serves: a row that opens Optuna's RDBStorage (liveness "heartbeats": SQLite,
-    PostgreSQL, MySQL), behind Optuna's cache of finished trials (`optuna.storages.get_storage`, as Optuna's own
-    docs for the proxy advise). A journal, a Redis journal or a grpc:// URL is one line: the proxy serves a
-    database only (Optuna's proxy does not serve a JournalStorage).
-
-    Patient (`liveness.patient`, HEADSEARCH_STORAGE_PATIENCE): a database outage is waited out here, each worker's
-    call waiting with it. Optuna's RDBStorage reports a lost database as a StorageInternalError ("... invalid
-    data in the commit ...") that a worker could not tell from a bug; past the patience, the worker gets this
-    storage's StorageUnavailable line instead, which it counts as an outage (`liveness.unavailable`)."""
+def check_grpc_optuna(what: str) -> None:
+    """One ConfigError line when the installed Optuna has no gRPC proxy (before 4.2): `what` needs it."""
     import optuna
 
-    from headsearch.search.liveness import patient
-
-    scheme = storage_scheme(url)
-    if scheme.liveness != "heartbeats":
-        raise ConfigError(f"storage-server serves a database (sqlite:///FILE.db, postgresql://USER@HOST/DB or"
-                          f" mysql://USER@HOST/DB), not {scheme.name} storage {shown_url(url)}: pass a database URL")
-    return patient(optuna.storages.get_storage(open_storage(url, heartbeat=None)), shown_url(url))
+    if not hasattr(optuna.storages, "GrpcStorageProxy"):
+        raise ConfigError(f"{what} needs optuna >= {GRPC_OPTUNA} (installed: {optuna.__version__}): pip install -U"
+                          f" 'optuna>={GRPC_OPTUNA}'")
 
 
-def _when_serving(host: str, port: int, on_ready: Callable[[str], None]) -> None:
-    """`on_ready(url)` once the server answers on host:port (Optuna's server binds and serves in one blocking call):
-    a worker given the URL from then on finds it there. Nothing if it never answers (the bind failed: said so)."""
-    import grpc
-
-    local = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
-    with grpc.insecure_channel(f"{f'[{local}]' if ':' in local else local}:{port}") as channel:
-        try:
-            grpc.channel_ready_future(channel).result(timeout=60)
-        except grpc.FutureTimeoutError:
-            return
-    on_ready(worker_url(host, port))
+def grpc_address(url: str) -> tuple[str, int]:
+    """('HOST', PORT) of grpc://HOST:PORT; one ConfigError line for any other form."""
+    rest = url[len("grpc://"):]
+    host, sep, port = rest.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in rest:
+        raise ConfigError(f"storage {url}: write grpc://HOST:PORT (the address `headsearch storage-server` printed)")
+    return host.strip("[]"), int(port)
 
 
-def serve_storage(url: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *,
-                  on_ready: Callable[[str], None] | None = None) -> None:
-    """Serve the database `url` through Optuna's gRPC proxy on host:port until interrupted (KeyboardInterrupt:
-    the caller's SIGINT or SIGTERM). `on_ready(grpc_url)`, from another thread, once it answers: the URL to give
-    workers. Bad input (an Optuna without the proxy, a URL that is not a database's, one that cannot be opened,
-    an address that cannot be bound) is one HeadsearchError line before anything is served."""
-    check_grpc_optuna("headsearch storage-server")
-    storage = open_served_storage(url)
-    try:
-        import grpc  # noqa: F401  (Optuna imports it lazily: missing, say so now)
-        from google import protobuf  # noqa: F401
-    except ImportError:
-        raise HeadsearchError("storage-server needs grpcio and protobuf: pip install 'headsearch[grpc]'") from None
-    import optuna
-    from optuna.storages import run_grpc_proxy_server
+def _check_grpc(url: str) -> None:
+    check_grpc_optuna(f"storage {url}")
+    grpc_address(url)
 
-    if on_ready is not None:
-        threading.Thread(target=_when_serving, args=(host, port, on_ready), daemon=True).start()
+
+def _open_grpc(url: str, heartbeat: int | None, max_retry: int):
+    """Optuna's GrpcStorageProxy on the server `headsearch storage-server` runs, once it answers (within
+    GRPC_READY seconds: a wrong address is one line, not a worker waiting). No heartbeat passes through the
+    proxy: the row's leases live in the trials themselves ("stored leases")."""
+    import grpc  # noqa: F401  (the proxy imports it lazily; missing: the row's driver line now, not at a call)
+    from google import protobuf  # noqa: F401
+    from optuna.storages import GrpcStorageProxy
+
+    host, port = grpc_address(url)
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-        try:
-            run_grpc_proxy_server(storage, host=host, port=port)
-        except RuntimeError as e:  # grpc's "Failed to bind to address ..."
-            raise HeadsearchError(f"cannot serve on {host}:{port}: {str(e).splitlines()[0]}") from None
+        warnings.filterwarnings("ignore", message=".*GrpcStorageProxy is experimental")
+        proxy = GrpcStorageProxy(host=host, port=port)
+    try:
+        proxy.wait_server_ready(timeout=GRPC_READY)
+    except ConnectionError:
+        raise HeadsearchError(f"storage {url}: no storage server answered at {host}:{port} within {GRPC_READY:.0f} s:"
+                              " start one with `headsearch storage-server --storage DB-URL`, or pass another"
+                              " --storage") from None
+    return proxy
+
+
+@contextlib.contextmanager
+def _fence_only(url: str, study_name: str):
+    """No budget lock on grpc://: the database behind the proxy is out of the workers' reach, and the proxy
+    passes Optuna's calls only. The budget is exact through the fence alone (`Scheduler._fence`): every trial
+    is created by the one database behind the proxy, whose trial ids give one order of creation that every
+    worker reads alike, and a trial asked when the trials created before it fill the budget is told FAIL as
+    over-budget before it trains. Without the lock the fence is met more often (two workers asking at once),
+    at the cost of an over-budget FAIL record each time, not of a trial. The one gap a lock would also close:
+    two creations committed in the opposite order of their ids (one database transaction's window)."""
+    yield LockHold(f"none on {url}: the fence alone")
+
+
+register_storage(StorageScheme(
+    name="grpc", example="grpc://HOST:PORT", claims=lambda url: url.startswith("grpc://"),
+    open=_open_grpc, budget_lock=_fence_only, check=_check_grpc,
+    driver="pip install 'headsearch[grpc]' (grpcio, protobuf)", liveness="stored leases"))
