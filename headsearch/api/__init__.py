@@ -31,7 +31,7 @@ from headsearch.errors import ConfigError, HeadsearchError
 from headsearch.search.storage import DEFAULT_STORAGE
 
 __all__ = ["SearchFailed", "StudyReportFiles", "TrainedRun", "analyze", "bench", "compare", "export", "load_model",
-           "report", "robust", "search", "search_study", "study_report", "table", "train", "trials"]
+           "report", "robust", "search", "search_study", "storage_server", "study_report", "table", "train", "trials"]
 
 
 @dataclass(frozen=True)
@@ -182,6 +182,16 @@ def export(storage: str = DEFAULT_STORAGE, study: str | None = None, *, out: str
     if sum([trial is not None, pareto, best is not None]) != 1:
         raise ConfigError("pass exactly one of --trial N, --pareto, --best METRIC")
     return export_configs(storage, study, trial=trial, pareto=pareto, best=best, out_dir=Path(out))
+
+
+def storage_server(storage: str, *, host: str = "127.0.0.1", port: int = 13000,
+                   on_ready: Callable[[str], None] | None = None) -> None:
+    """`headsearch storage-server`: serve the database `storage` (sqlite, postgresql, mysql) through Optuna's gRPC
+    proxy on host:port until interrupted; workers anywhere pass `--storage grpc://HOST:PORT` (`on_ready` gets that
+    URL once the database is open). See `headsearch.search.storage_server`."""
+    from headsearch.search.storage_server import serve_storage
+
+    serve_storage(storage, host, port, on_ready=on_ready)
 
 
 def analyze(run_dir: str | Path, *, out: str | Path | None = None, samples: int = 256, ablate: bool = True,

@@ -150,6 +150,37 @@ for registered in (report, export, dashboard, compare, bench, table):
     command()(registered)
 
 
+@command("storage-server")
+@exits()
+def storage_server(
+    storage: str = setting_option("storage", "The database to serve: sqlite:///FILE.db, postgresql://USER@HOST/DB or mysql://USER@HOST/DB."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0 to be reachable from other machines)."),
+    port: int = typer.Option(13000, "--port", help="Port to listen on."),
+) -> None:
+    """Serve a database to many workers through Optuna's gRPC proxy: they pass --storage grpc://HOST:PORT."""
+    import signal
+
+    from headsearch import api
+    from headsearch.cli.study_commands import unavailable_port
+    from headsearch.search.storage_server import shown_url
+
+    if not 0 < port < 65536:
+        fail(f"--port {port} is not a port number (1-65535)")
+    port_problem = unavailable_port(host, port)  # gRPC itself binds a port in use without a word (SO_REUSEPORT)
+    if port_problem:
+        fail(f"cannot serve on {host}:{port}: {port_problem}")
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a scheduler's SIGTERM stops it as Ctrl-C does
+
+    def ready(url: str) -> None:
+        typer.echo(f"storage server for {shown_url(storage)}: workers pass --storage {url}")
+        typer.echo("Ctrl-C (or SIGTERM) stops it", err=True)
+
+    try:
+        api.storage_server(storage, host=host, port=port, on_ready=ready)
+    except KeyboardInterrupt:
+        typer.echo("storage server stopped", err=True)
+
+
 @command()
 @exits(kept="files already written are whole; free space (or fix the disk) and analyze again")
 def analyze(

@@ -14,7 +14,7 @@ import typer
 from headsearch.cli.checks import check_artifact_folder, check_output_folder, check_study_to_read
 from headsearch.cli.common import check_format, echo_json, exits, fail, right_columns, setting_option
 
-STORAGE_HELP = "Optuna storage URL of the search (sqlite:///FILE.db, postgresql://..., journal:FILE.log, redis://...)."
+STORAGE_HELP = "Optuna storage URL of the search (sqlite:///FILE.db, postgresql://..., journal:FILE.log, redis://..., grpc://HOST:PORT)."
 STUDY_HELP = "Study name (default: the only study in the storage)."
 FORMATS = ("table", "json", "csv")
 

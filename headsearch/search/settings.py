@@ -159,7 +159,7 @@ class SearchSettings:
              " at its epoch (0-100, default 25).")
     # -- storage and workers
     storage: str = setting(DEFAULT_STORAGE, part=WORKERS, envvar=STORAGE_ENV,
-                           help="Optuna storage URL (sqlite, postgresql, journal:FILE, redis).")
+                           help="Optuna storage URL (sqlite, postgresql, mysql, journal:FILE, redis, grpc).")
     study: str | None = setting(None, part=WORKERS, check=_study_name,
                                 help="Study name (default <task>-<space>[-<preset>]).")
     workers: int | None = setting(None, part=WORKERS, check=_integer(1), problem="give a number of processes >= 1",

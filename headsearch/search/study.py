@@ -14,8 +14,7 @@ from typing import Any, Mapping, Sequence
 
 from headsearch.config import stable_key
 from headsearch.errors import ConfigError, HeadsearchError
-from headsearch.search.liveness import TrialLeases, patient
-from headsearch.search.storage import open_storage, storage_scheme
+from headsearch.search.liveness import open_patiently, patient, trial_leases
 
 # How a trial runs, not what it computes: a study may be resumed with --compile on or off.
 EXECUTION_ONLY = {"train": ("compile", "channels_last")}
@@ -156,7 +155,7 @@ class StudyStorage:
         self.lock_url = lock_url
         self.study_id = storage.get_study_id_from_name(study_name)
         self._ids: dict[int, int] = {}  # trial number -> trial id (fixed once the trial exists)
-        self.leases = leases  # TrialLeases where the storage's row declares liveness "leases" (a journal), or None
+        self.leases = leases  # TrialLeases where the storage's row keeps leases (a journal, grpc://), or None
         self.heartbeat = heartbeat  # seconds between a running trial's heartbeats or lease renewals (None: none)
 
     @property
@@ -205,10 +204,11 @@ def open_study(storage_url: str, heartbeat: int | None, study_name: str, *, metr
     """Create the study, or load it and check it is the same search (`attrs`: its `headsearch` attributes).
     Returns (the study, its `StudyStorage`). For an RDB storage the study reads through Optuna's cache of
     finished trials around the same `RDBStorage`; writes go straight to the database either way. The storage
-    is patient (headsearch.search.liveness): an unreachable storage is waited for up to `patience` seconds."""
+    is patient (headsearch.search.liveness): an unreachable storage is waited for up to `patience` seconds, and so
+    is a database that refuses this worker's connection for having too many when it is opened."""
     import optuna
 
-    storage = patient(open_storage(storage_url, heartbeat), storage_url, patience)
+    storage = patient(open_patiently(storage_url, heartbeat, patience), storage_url, patience)
     study = optuna.create_study(storage=storage, study_name=study_name, directions=list(directions),
                                 sampler=sampler, pruner=pruner, load_if_exists=True)
     stored = study.user_attrs.get("headsearch")
@@ -219,7 +219,7 @@ def open_study(storage_url: str, heartbeat: int | None, study_name: str, *, metr
             study.set_metric_names(list(metric_names))
     else:
         check_same_search(stored, attrs, study_name, storage_url)
-    leases = TrialLeases(storage_url, study_name) if storage_scheme(storage_url).liveness == "leases" else None
+    leases = trial_leases(storage_url, study_name, storage)
     return study, StudyStorage(storage, study_name, leases=leases, heartbeat=heartbeat, lock_url=storage_url)
 
 

@@ -38,6 +38,9 @@ LIVENESS = {
     "heartbeats": "`open` gives Optuna's RDBStorage (`open_rdb_storage`), whose running trials record heartbeats",
     "leases": "headsearch keeps a lease per running trial (`liveness.TrialLeases`): in a folder beside the row's"
               " `file(url)`, or in the Redis of a URL normalised to redis://",
+    "stored leases": "headsearch keeps a lease per running trial in the storage itself, a system attribute of the"
+                     " trial (`liveness.TrialLeases`), for a storage through which nothing but Optuna's calls passes"
+                     " (Optuna's gRPC proxy: no heartbeats)",
     "none": "nothing: a killed worker's trial stays RUNNING and holds its place in the budget; a worker (a resumed"
             " search too) stops when only running trials are left, rather than wait for them",
 }
