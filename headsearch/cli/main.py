@@ -162,7 +162,7 @@ def storage_server(
 
     from headsearch import api
     from headsearch.cli.study_commands import unavailable_port
-    from headsearch.search.storage_server import shown_url
+    from headsearch.io import hide_passwords
 
     if not 0 < port < 65536:
         fail(f"--port {port} is not a port number (1-65535)")
@@ -172,7 +172,7 @@ def storage_server(
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a scheduler's SIGTERM stops it as Ctrl-C does
 
     def ready(url: str) -> None:
-        typer.echo(f"storage server for {shown_url(storage)}: workers pass --storage {url}")
+        typer.echo(f"storage server for {hide_passwords(storage)}: workers pass --storage {url}")
         typer.echo("Ctrl-C (or SIGTERM) stops it", err=True)
 
     try:

@@ -11,23 +11,12 @@ import warnings
 from typing import Callable
 
 from headsearch.errors import ConfigError, HeadsearchError
+from headsearch.io import hide_passwords
 from headsearch.search.liveness import patient
 from headsearch.search.storage import open_storage, storage_scheme
 from headsearch.search.storage.proxy import check_grpc_optuna
 
 DEFAULT_PORT = 13000  # Optuna's default for its proxy
-
-
-
-
-def shown_url(url: str) -> str:
-    """`url` as it may be printed: a password in it replaced by *** (SQLAlchemy's own rendering)."""
-    try:
-        from sqlalchemy.engine import make_url
-
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # not a SQLAlchemy URL: nothing in it is a password SQLAlchemy knows of
-        return url
 
 
 def worker_url(host: str, port: int) -> str:
@@ -49,12 +38,11 @@ def open_served_storage(url: str):
     storage's StorageUnavailable line instead, which it counts as an outage (`liveness.unavailable`)."""
     import optuna
 
-
     scheme = storage_scheme(url)
     if scheme.liveness != "heartbeats":
         raise ConfigError(f"storage-server serves a database (sqlite:///FILE.db, postgresql://USER@HOST/DB or"
-                          f" mysql://USER@HOST/DB), not {scheme.name} storage {shown_url(url)}: pass a database URL")
-    return patient(optuna.storages.get_storage(open_storage(url, heartbeat=None)), shown_url(url))
+                          f" mysql://USER@HOST/DB), not {scheme.name} storage {hide_passwords(url)}: pass a database URL")
+    return patient(optuna.storages.get_storage(open_storage(url, heartbeat=None)), hide_passwords(url))
 
 
 def _when_serving(host: str, port: int, on_ready: Callable[[str], None]) -> None:
