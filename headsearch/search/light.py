@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import resource
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from headsearch.errors import HeadsearchError
 from headsearch.search.simulate import TableCohort
@@ -57,24 +58,31 @@ class SleepingTable(TableCohort):
     def __init__(self, table: dict[str, Any], rng: random.Random, scale: float):
         super().__init__(table, 1, rng)
         self.scale, self.slept = scale, 0.0
+        self.ends: list[float] = []  # when each trial's last epoch ended (time.time(): comparable across processes)
 
     def train_epoch(self):
         seconds = (self.events[0][0] - self.now) * self.scale
         time.sleep(seconds)
         self.slept += seconds
-        return super().train_epoch()
+        ended = super().train_epoch()
+        if ended:
+            self.ends.append(time.time())
+        return ended
 
 
 class LockTimes:
-    """The budget lock's waits and holds in this worker (`Scheduler.on_lock`), in seconds."""
+    """The budget lock's waits and holds in this worker (`Scheduler.on_lock`), in seconds, and when each ask
+    began (time.time())."""
 
     def __init__(self) -> None:
         self.waits: list[float] = []
         self.holds: list[float] = []
+        self.starts: list[float] = []
 
     def __call__(self, wait: float, hold: float) -> None:
         self.waits.append(wait)
         self.holds.append(hold)
+        self.starts.append(time.time() - wait - hold)
 
 
 def light_search(table: dict[str, Any], *, storage: str, study: str, trials: int, space: str | None = None,
@@ -92,18 +100,31 @@ def light_search(table: dict[str, Any], *, storage: str, study: str, trials: int
     return Search(s, resolved_base=base, seat=TableSeat())
 
 
-def run_light_worker(search, table: dict[str, Any], scale: float, seed: int = 0) -> dict[str, Any]:
-    """Run `search`'s worker loop over a `SleepingTable` until the budget is spent; what it measured."""
+def run_light_worker(search, table: dict[str, Any], scale: float, seed: int = 0,
+                     ready: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Run `search`'s worker loop over a `SleepingTable` until the budget is spent; what it measured. `ready()`
+    is called once the study is open, before the first ask (a benchmark starts its workers' loops together)."""
     times = LockTimes()
     search.scheduler.on_lock = times
     study = search.open()
+    if ready is not None:
+        ready()
     backend = SleepingTable(table, random.Random(seed), scale)
-    started = time.monotonic()
+    started = time.time()
     search.run(study, backend)
-    wall = time.monotonic() - started
-    return {"wall": wall, "slept": backend.slept, "epochs": backend.epochs_trained, "lock_waits": times.waits,
+    return {"started": started, "ended": time.time(), "slept": backend.slept, "epochs": backend.epochs_trained,
+            "trial_ends": backend.ends, "ask_starts": times.starts, "lock_waits": times.waits,
             "lock_holds": times.holds, "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "torch": "torch" in sys.modules}
+
+
+def barrier(folder: Path) -> Callable[[], None]:
+    """`ready` for `run_light_worker`: say so in `folder` (a file ready.PID), then wait for the file `go` there."""
+    def ready() -> None:
+        (folder / f"ready.{os.getpid()}").touch()
+        while not (folder / "go").exists():
+            time.sleep(0.05)
+    return ready
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heartbeat", type=int, default=None)
     p.add_argument("--run-root", default="runs")
     p.add_argument("--report", type=Path, default=None, help="write what the worker measured here (JSON)")
+    p.add_argument("--barrier", type=Path, default=None,
+                   help="a folder: once the study is open, write ready.PID there and wait for the file go")
     args = p.parse_args(argv)
     import optuna
 
@@ -128,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         table = load_table(args.table)
         search = light_search(table, storage=args.storage, study=args.study, trials=args.trials, space=args.space,
                               heartbeat=args.heartbeat, run_root=args.run_root)
-        measured = run_light_worker(search, table, args.scale, args.seed)
+        measured = run_light_worker(search, table, args.scale, args.seed,
+                                    barrier(args.barrier) if args.barrier else None)
     except HeadsearchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
