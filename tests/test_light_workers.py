@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_grpc_storage import HAS_PROXY, StorageServer
 
 REPO = Path(__file__).resolve().parents[1]
 TABLE = REPO / "benchmarks" / "tables" / "vit-cifar10-deep-head-tiny.json"
@@ -66,6 +67,18 @@ def test_four_light_workers_on_postgresql_keep_the_budget_and_train_no_architect
                                                                                           tmp_path):
     start_light_workers(processes, pg_url, pg_study, 4, 10, tmp_path)
     assert_promises_kept(pg_url, pg_study, 10)
+
+
+@pytest.mark.server
+@pytest.mark.processes
+@pytest.mark.skipif(not HAS_PROXY, reason="Optuna's gRPC proxy is Optuna >= 4.2")
+def test_four_light_workers_on_grpc_train_no_architecture_twice_without_a_lock(processes, tmp_path):
+    """grpc:// has no budget lock (the fence alone): two workers asking at once sampled the same architecture and
+    both trained it (15 of 24 trials with 8 light workers) until each looked again after writing its config."""
+    server = StorageServer(processes, f"sqlite:///{tmp_path / 'behind.db'}")
+    server.start()
+    start_light_workers(processes, server.url, "grpc", 4, 10, tmp_path)
+    assert_promises_kept(server.url, "grpc", 10)
 
 
 @pytest.mark.server

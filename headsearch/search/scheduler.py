@@ -49,6 +49,7 @@ class Scheduler:
         # Hears (seconds waited for the budget lock, seconds it was held) after every ask: a cluster's
         # measurements of the lock (benchmarks/cluster.py); None costs nothing.
         self.on_lock: Callable[[float, float], None] | None = None
+        self._hold = LockHold("none yet")  # the budget lock's hold of the ask in progress
 
     def next_trial(self, study):
         """The next trial to run under the budget lock, or None (the budget is spent, the space exhausted),
@@ -58,7 +59,7 @@ class Scheduler:
         store = self.handle.store_of(study)
         lock = contextlib.nullcontext(LockHold("in memory")) if store.lock_url is None else budget_lock(store.lock_url, store.study_name)
         asked = time.perf_counter()
-        with lock:
+        with lock as self._hold:
             held = time.perf_counter()
             try:
                 return self._next_trial_locked(study)
@@ -168,6 +169,11 @@ class Scheduler:
         config = cfg.to_dict()
         trial.set_user_attr("config", config)
         holder = self.archs.holder(trials, config_key(config), trial.number)
+        if holder is None and not self._hold.excludes:
+            # No lock kept the others out (grpc://, or a lock lost): a worker asking at the same time may have
+            # sampled this architecture too. Each looks again after writing its config; of two that wrote
+            # before either looked, at least one sees the other and backs off (both may: never both train).
+            holder = self.archs.holder(study.get_trials(deepcopy=False), config_key(config), trial.number)
         if holder is None:
             self.sampled[trial.number] = cfg
             return trial

@@ -29,10 +29,18 @@ class LockHold:
     waiter broke a file lock this worker had not renewed for LOCK_SILENCE seconds (it was paused or hung), a
     Redis lock expired, the database ended the session that held an advisory lock. Another worker may then
     have been inside at the same time. The holder goes on (it never removes a lock that is not its own) and
-    a warning says so once; `reason` says how it was lost. `kind`: the schema lock of a database yields one too."""
+    a warning says so once; `reason` says how it was lost. `kind`: the schema lock of a database yields one too.
+    `exclusive` False: no lock was taken at all (grpc://, the fence alone), so the holder checks after it wrote
+    what it chose (`Scheduler._unless_held`)."""
 
-    def __init__(self, what: str, kind: str = "budget lock"):
+    def __init__(self, what: str, kind: str = "budget lock", exclusive: bool = True):
         self.what, self.kind, self.lost, self.reason = what, kind, False, ""
+        self.exclusive = exclusive
+
+    @property
+    def excludes(self) -> bool:
+        """Whether no other worker was inside at the same time, as far as this one knows."""
+        return self.exclusive and not self.lost
 
     def lose(self, reason: str) -> None:
         if not self.lost:

@@ -489,7 +489,7 @@ def _fence_only(url: str, study_name: str):
     worker reads alike, and a trial asked when the trials created before it fill the budget is told FAIL as
     over-budget before it trains. Without the lock the fence is met more often (two workers asking at once),
     at the cost of an over-budget FAIL record each time, never of a trial too many."""
-    yield LockHold(f"none on {url}: the fence alone")
+    yield LockHold(f"none on {url}: the fence alone", exclusive=False)
 
 
 # -- the built-in rows, in the order their URLs are tried (and listed) -------------------------------------
