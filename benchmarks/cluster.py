@@ -44,6 +44,11 @@ REDIS = "redis://127.0.0.1:6379/14"
 LEARNING_RATES = 20  # the widened space: every architecture of the table at this many learning rates
 READY_SECONDS = 600  # workers given to import and open the study (64 processes on 2 cores take a while)
 STORAGES = ("postgresql", "grpc", "journal", "redis")
+# Connections a worker on PostgreSQL may hold at once (its pool's 1 + the budget lock's, measured here), and those
+# left to other clients of the server: a row that would pass max_connections is not run (the server's other users
+# would be refused) but reported as the knee it is.
+CONNECTIONS_PER_WORKER = 2
+HEADROOM = 20
 
 
 def main() -> None:
@@ -76,6 +81,10 @@ def main() -> None:
             for n in map(int, args.workers.split(",")):
                 for storage in storages:
                     for pool in args.pool.split(",") if storage == "postgresql" else ["1+1"]:
+                        if storage == "postgresql" and (why := too_many_connections(args.pg, n)):
+                            rows.append([f"{regime} ({scale:g})", f"postgresql (pool {pool})", n, why] + [""] * 10)
+                            print(" | ".join(map(str, rows[-1])), flush=True)
+                            continue
                         r = run_row(args, work, table_path, space_path, storage, n, scale, pool)
                         reference.setdefault(regime, r)
                         rows.append(table_row(regime, scale, storage, pool, n, r, reference[regime]))
@@ -194,7 +203,12 @@ def run_workers(url, study, table, space, n, trials, scale, pool, folder: Path) 
             break
         time.sleep(0.1)
     (folder / "go").touch()
-    codes = [p.wait() for p in procs]
+    try:
+        codes = [p.wait() for p in procs]
+    finally:  # interrupted: no worker left behind
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
     for i, code in enumerate(codes):
         if code:
             print(f"worker {i} exited {code}: {(folder / f'w{i}.log').read_text()[-600:]}", file=sys.stderr)
@@ -236,6 +250,20 @@ def measure(url: str, study: str, trials: int, codes: list[int], reports: list[d
 
 
 # -- the storages ---------------------------------------------------------------------------------------------------
+
+
+def too_many_connections(url: str, n: int) -> str | None:
+    """Why `n` workers are not run directly on PostgreSQL (the connections they need), or None."""
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    with engine.connect() as conn:
+        most = int(conn.execute(sa.text("SHOW max_connections")).scalar())
+    engine.dispose()
+    need = CONNECTIONS_PER_WORKER * n
+    if need <= most - HEADROOM:
+        return None
+    return f"not run: {n} workers need {need} connections or more, max_connections is {most}"
 
 
 def create_database(url: str) -> None:

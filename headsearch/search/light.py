@@ -119,10 +119,15 @@ def run_light_worker(search, table: dict[str, Any], scale: float, seed: int = 0,
 
 
 def barrier(folder: Path) -> Callable[[], None]:
-    """`ready` for `run_light_worker`: say so in `folder` (a file ready.PID), then wait for the file `go` there."""
+    """`ready` for `run_light_worker`: say so in `folder` (a file ready.PID), then wait for the file `go` there; a
+    worker whose starter died meanwhile stops rather than wait for ever."""
+    parent = os.getppid()
+
     def ready() -> None:
         (folder / f"ready.{os.getpid()}").touch()
         while not (folder / "go").exists():
+            if os.getppid() != parent:
+                raise SystemExit(1)
             time.sleep(0.05)
     return ready
 
