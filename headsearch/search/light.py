@@ -114,8 +114,20 @@ def run_light_worker(search, table: dict[str, Any], scale: float, seed: int = 0,
     search.run(study, backend)
     return {"started": started, "ended": time.time(), "slept": backend.slept, "epochs": backend.epochs_trained,
             "trial_ends": backend.ends, "ask_starts": times.starts, "lock_waits": times.waits,
-            "lock_holds": times.holds, "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "lock_holds": times.holds, "max_rss_mib": peak_rss_mib(),
             "torch": "torch" in sys.modules}
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory: Linux's VmHWM, which starts again at exec (getrusage's ru_maxrss
+    does not: a worker started by a large process would report its starter's size), else ru_maxrss."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 / (1024 if sys.platform == "darwin" else 1)
 
 
 def barrier(folder: Path) -> Callable[[], None]:
