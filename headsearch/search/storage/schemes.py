@@ -234,18 +234,6 @@ def is_mysql(url: str) -> bool:
     return _base_scheme(url) == "mysql"
 
 
-def worker_pool() -> dict[str, int]:
-    """A worker's pool on a database server (opened with heartbeats: only workers ask for them): two threads use it,
-    the loop and its running trial's heartbeat, so one connection is kept and one more opened only while both talk at
-    once, instead of SQLAlchemy's 5 kept (each thread kept its own: 2 a worker, 3 with the budget lock's, measured in
-    benchmarks/cluster.py), so a server's max_connections serves more workers. $HEADSEARCH_WORKER_POOL sets another.
-    The gRPC proxy, one process for every worker, opens its database without heartbeats: SQLAlchemy's pool."""
-    from headsearch.environment import env_value
-
-    kept, extra = env_value("HEADSEARCH_WORKER_POOL")
-    return {"pool_size": kept, "max_overflow": extra}
-
-
 def open_rdb_storage(url: str, heartbeat: int | None, max_retry: int):
     """Optuna's RDBStorage on `url`. With `heartbeat` seconds: a worker records one every `heartbeat` seconds
     while a trial runs, and a trial silent for 3 x `heartbeat` is failed by the next worker that starts a trial,
@@ -262,6 +250,8 @@ def open_rdb_storage(url: str, heartbeat: int | None, max_retry: int):
         if heartbeat:
             kwargs = dict(heartbeat_interval=heartbeat, grace_period=3 * heartbeat)
             if not url.startswith("sqlite"):
+                from headsearch.search.storage.pool import worker_pool
+
                 kwargs["engine_kwargs"] = worker_pool()
             if "heartbeat_stale_trial_callback" in inspect.signature(RDBStorage.__init__).parameters:
                 from optuna.storages import RetryHeartbeatStaleTrialCallback  # Optuna >= 4.9
