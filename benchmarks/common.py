@@ -155,8 +155,9 @@ def command_line() -> str:
     return " ".join(["python", shlex.quote(str(script))] + [shlex.quote(a) for a in sys.argv[1:]])
 
 
-def report(title: str, table: str, device, args, notes: Sequence[str] = ()) -> None:
-    """Print the table, then append it to RESULTS.md with the command, device, versions and date."""
+def report(title: str, table: str, device, args, notes: Sequence[str] = (), machine: str | None = None) -> None:
+    """Print the table, then append it to RESULTS.md with the command, device (or `machine`: a benchmark that
+    loads no torch describes its machine itself), versions and date."""
     print(f"\n{title}\n\n{table}\n")
     for n in notes:
         print(f"- {n}")
@@ -166,7 +167,7 @@ def report(title: str, table: str, device, args, notes: Sequence[str] = ()) -> N
     section = [
         f"\n## {title} ({'quick' if args.quick else 'full'}, {stamp})\n",
         f"- command: `{command_line()}`",
-        f"- device: {device_description(device)}",
+        f"- device: {machine or device_description(device)}",
         f"- versions: {versions()}",
         "",
         table,

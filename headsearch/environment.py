@@ -34,6 +34,14 @@ def _seconds(minimum: float, above: bool) -> Callable[[str], float | None]:
     return parse
 
 
+def _pool(raw: str) -> tuple[int, int] | None:
+    """'KEPT+EXTRA' -> (KEPT >= 1, EXTRA >= 0): a database pool's connections kept, and opened beyond them at need."""
+    kept, plus, extra = raw.replace(" ", "").partition("+")
+    if not (plus and kept.isdigit() and extra.isdigit() and int(kept) >= 1):
+        return None
+    return int(kept), int(extra)
+
+
 @dataclass(frozen=True)
 class EnvSetting:
     name: str
@@ -68,6 +76,8 @@ ENVIRONMENT = {s.name: s for s in (
                "a folder on a local disk for the workers' device locks", folder="the device locks"),
     EnvSetting("HEADSEARCH_STORAGE_PATIENCE", _seconds(0, above=False), lambda: 120.0,
                "the seconds a storage may be unreachable before the search stops, a number >= 0 (e.g. 120)"),
+    EnvSetting("HEADSEARCH_WORKER_POOL", _pool, lambda: (1, 1),
+               "a worker's database connections as KEPT+EXTRA, KEPT >= 1 (e.g. 1+1; SQLAlchemy's default is 5+10)"),
     EnvSetting("HEADSEARCH_STATUS_EVERY", _seconds(0, above=True), lambda: None,
                "the seconds between status lines, a number above 0"),
     EnvSetting("HEADSEARCH_UNHELD_WARM_UP", _flag, lambda: False, "1 to warm a GPU up outside the device hold, or 0"),

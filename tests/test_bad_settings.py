@@ -17,7 +17,7 @@ BAD_PRUNING = {"pruner_startup_trials": -1, "pruner_warmup_epochs": -2, "pruner_
 GOOD_PRUNING = {"pruner_startup_trials": 2, "pruner_warmup_epochs": 0, "pruner_min_epochs": 1,
                 "pruner_reduction_factor": 2, "pruner_noise_margin": 0.5, "pruner_noise": 0.01, "pruner_percentile": 25.0}
 BAD_ENVIRONMENT = {"HEADSEARCH_CACHE": "{file}", "HEADSEARCH_DEVICE_LOCKS": "{file}/locks", "HEADSEARCH_STORAGE_PATIENCE": "-1", "HEADSEARCH_STATUS_EVERY": "abc",
-                   "HEADSEARCH_UNHELD_WARM_UP": "maybe", "HEADSEARCH_SHARED_GRAPH_POOL": "2"}
+                   "HEADSEARCH_UNHELD_WARM_UP": "maybe", "HEADSEARCH_SHARED_GRAPH_POOL": "2", "HEADSEARCH_WORKER_POOL": "0+1"}
 
 
 def test_every_pruning_field_has_one_check_and_the_tests_a_bad_value():

@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from headsearch.config import RunConfig
-from headsearch.training.trainer import Callback
+from headsearch.training.records import Callback
 
 BATCH_SIZE = 64
 

@@ -16,8 +16,8 @@ import torch
 from torch import Tensor, nn
 
 from headsearch.config import ArchConfig
-from headsearch.errors import ConfigError
 from headsearch.models.attention import KVCache
+from headsearch.models.checks import check_seq2seq_arch
 from headsearch.models.transformer import Decoder, Encoder
 
 # Decoding stops once every sentence has ended. On a GPU, reading that flag waits for the device, so
@@ -33,12 +33,6 @@ def sinusoidal_positions(max_len: int, d_model: int) -> Tensor:
     pe[:, 0::2] = torch.sin(pos * inv_freq)
     pe[:, 1::2] = torch.cos(pos * inv_freq[: d_model // 2])
     return pe
-
-
-def check_seq2seq_arch(cfg: ArchConfig) -> None:
-    """What the encoder-decoder needs of an architecture (tasks call it before any data loads)."""
-    if cfg.dec_layers < 1:
-        raise ConfigError("arch.dec_layers = 0: the translation model needs a decoder, set dec_layers (and dec_heads), e.g. 6 and 8")
 
 
 class Seq2Seq(nn.Module):

@@ -11,13 +11,14 @@ must not import torch, so the names live twice, and tests/test_attention.py chec
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from torch import Tensor
+if TYPE_CHECKING:
+    from torch import Tensor
 
 from headsearch.errors import ConfigError
 
-Fuse = Callable[[Tensor, Tensor], Tensor]
+Fuse = Callable[["Tensor", "Tensor"], "Tensor"]
 
 
 def hadamard(heads: Tensor, soft: Tensor) -> Tensor:

@@ -10,18 +10,8 @@ import torch
 from torch import Tensor, nn
 
 from headsearch.config import ArchConfig
-from headsearch.errors import ConfigError
+from headsearch.models.checks import check_vit_arch
 from headsearch.models.transformer import Encoder, LayerWeights
-
-
-def check_vit_arch(cfg: ArchConfig, image_size: int) -> None:
-    """What the ViT needs of an architecture (tasks call it before any data loads)."""
-    if cfg.dec_layers:
-        raise ConfigError(f"arch.dec_layers = {cfg.dec_layers}: the ViT is encoder-only, set it to 0")
-    if image_size % cfg.patch_size:
-        fits = [p for p in range(1, image_size + 1) if image_size % p == 0]
-        raise ConfigError(f"arch.patch_size = {cfg.patch_size} does not divide the {image_size}x{image_size}"
-                          f" images: use one of {', '.join(map(str, fits))}")
 
 
 class ViT(nn.Module):

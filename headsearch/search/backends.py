@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from headsearch.config import RunConfig
 from headsearch.training import train_bound
-from headsearch.training.cohort import Cohort, SlotEnd
-from headsearch.training.trainer import TrainResult
+from headsearch.training.records import SlotEnd, TrainResult
 
 if TYPE_CHECKING:
     from headsearch.machine.fairtime import Seat
@@ -141,5 +140,7 @@ def machine_backend(definition: "SearchDefinition", seat: "Seat", cohort_size: i
     shared under the seat's hold on the device's lock)."""
     if cohort_size <= 1:
         return SoloBackend(seat.device)
+    from headsearch.training.cohort import Cohort  # torch: not loaded by a worker that never trains a cohort
+
     return Cohort(definition.task, cohort_size, seat.device, soft_columns=soft_columns(definition), share=seat.share)
 

@@ -41,10 +41,17 @@ from headsearch.search.trial_life import SearchCallback, TrialLife, TrialRun, wi
 from headsearch.search.trial_pruning import TrialPruning
 from headsearch.tasks import DataSource, Task, apply_overrides, flag_overrides, get_task, resolve_config, task_reference
 from headsearch.training import check_fits, preflight
-from headsearch.training.runtime import resolve_device
 
 __all__ = ["DUPLICATE_ASKS", "WAIT", "Search", "SearchCallback", "SearchSettings", "TrialPruning", "TrialRun",
            "arch_summary", "config_key", "holds_architecture", "record_result", "with_storage_retries"]
+
+
+def resolve_device(device: str | None):
+    """`headsearch.training.runtime.resolve_device`, imported when a search resolves its own device: a worker
+    handed its seat (a light worker's, trials looked up in a table) never loads torch."""
+    from headsearch.training.runtime import resolve_device as resolve
+
+    return resolve(device)
 
 
 @dataclass

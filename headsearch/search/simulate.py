@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import optuna
-import torch
 from optuna.trial import FixedTrial
 
 from headsearch.config import RunConfig
@@ -36,8 +35,7 @@ from headsearch.search.hypervolume import front_indices, hypervolume, scale_mini
 from headsearch.search.objectives import MINIMIZE, Objective
 from headsearch.search.snapshot import count_states
 from headsearch.search.table import arch_key, overrides_of
-from headsearch.training.clock import ALONE_SETTLE, ALONE_STEPS
-from headsearch.training.trainer import EpochRecord, TrainResult
+from headsearch.training.records import EpochRecord, TrainResult
 
 REFERENCE = 1.1  # every objective scaled to [0, 1]: the reference point lies 10% beyond the worst
 SIMULATED_STORAGE = "memory:"  # no URL: the simulator hands `Search.run` an in-memory study itself
@@ -203,6 +201,8 @@ def simulation_search(table: dict[str, Any], *, space: str, trials: int, sampler
 
 def table_candidates(search, table: dict[str, Any]) -> list:
     """The space's architectures with the table's epoch seconds (the mean over its seeds) as their measured cost."""
+    import torch
+
     rows = {arch_key(a["overrides"]): a for a in table["architectures"]}
     seconds = {}
     for key, params in (search.archs.listing() or {}).items():
@@ -215,6 +215,8 @@ def measuring_seconds(table: dict[str, Any]) -> float:
     """What measuring every architecture's cost before training takes (`headsearch.search.costs`) at the table's
     epoch seconds: `measure_alone`'s ALONE_SETTLE + min(ALONE_STEPS, steps per epoch) steps of each, steps per
     epoch from the runs' train_limit and batch size. Its warm-up is not counted: a table does not record it."""
+    from headsearch.training.clock import ALONE_SETTLE, ALONE_STEPS
+
     train, data = table["base_config"]["train"], table["base_config"]["data"]
     if not data.get("train_limit"):
         raise ConfigError("the table's runs name no data.train_limit: the cost measurement's share of an epoch is"

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 import optuna
-import torch
 from optuna.exceptions import StorageInternalError
 from optuna.trial import TrialState
 
@@ -25,10 +24,10 @@ from headsearch.search.artifacts import write_trial_link
 from headsearch.search.liveness import StorageUnavailable, finished_trial_error, retry_callback
 from headsearch.search.record import arch_summary, record_result
 from headsearch.search.trial_pruning import TrialPruning
-from headsearch.training.clock import AloneClock
-from headsearch.training.trainer import Callback
+from headsearch.training.records import Callback
 
 if TYPE_CHECKING:
+    from headsearch.training.clock import AloneClock
     from headsearch.machine.fairtime import Seat
     from headsearch.search.definition import SearchDefinition
     from headsearch.search.scheduler import Scheduler
@@ -151,12 +150,11 @@ class TrialLife:
         elif isinstance(error, optuna.TrialPruned):
             trial.set_user_attr("epochs_run", len(pruning.curve))
             state = TrialState.PRUNED
-        elif isinstance(error, (Diverged, torch.cuda.OutOfMemoryError)):
-            out_of_memory = isinstance(error, torch.cuda.OutOfMemoryError)
+        elif isinstance(error, Diverged) or (out_of_memory := out_of_gpu_memory(error)):
             trial.set_user_attr("fail_reason", "out of GPU memory" if out_of_memory else str(error))
             trial.set_user_attr("epochs_run", len(pruning.curve))
             if out_of_memory:
-                torch.cuda.empty_cache()
+                sys.modules["torch"].cuda.empty_cache()
         else:
             reason = fail_reason(error)
             # Retried: after Ctrl-C another process (a dashboard, a poller) may hold SQLite's lock for a moment,
@@ -204,6 +202,13 @@ def stopped_by_the_machine(error: BaseException) -> bool:
     twice), so the next run trains it first, as it retries a dead worker's trial; after Ctrl-C the user chose to
     stop, and the sampler chooses again."""
     return isinstance(error, Terminated) or (isinstance(error, Exception) and device_fault(error) is not None)
+
+
+def out_of_gpu_memory(error: BaseException) -> bool:
+    """Whether `error` is torch's CUDA out-of-memory error, asked without importing torch: a worker that never
+    trained (a light worker, trials looked up in a table) has no torch loaded and cannot have raised it."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(error, torch.cuda.OutOfMemoryError)
 
 
 def with_storage_retries(write, attempts: int = 5, wait: float = 0.2):

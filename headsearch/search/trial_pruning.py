@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from headsearch.search.pruning import Progress, RulePruner, comparison_trials, judges_progress, progress_of
 from headsearch.search.study import StudyStorage
-from headsearch.training.trainer import Callback, EpochRecord
+from headsearch.training.records import Callback, EpochRecord
 
 
 class TrialPruning(Callback):

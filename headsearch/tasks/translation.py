@@ -155,7 +155,7 @@ def load_run_tokenizer(path: Path):
 
 def check_config(cfg: RunConfig) -> None:
     """What the encoder-decoder needs of an architecture, checked before any data loads or directory exists."""
-    from headsearch.models.seq2seq import check_seq2seq_arch
+    from headsearch.models.checks import check_seq2seq_arch
 
     check_seq2seq_arch(cfg.arch)
 

@@ -75,7 +75,7 @@ IMAGE_SIZE, CHANNELS, CLASSES = 32, 3, 10
 
 def check_config(cfg: RunConfig) -> None:
     """What the ViT needs of an architecture, checked before any data loads or directory exists."""
-    from headsearch.models.vit import check_vit_arch
+    from headsearch.models.checks import check_vit_arch
 
     check_vit_arch(cfg.arch, IMAGE_SIZE)
 

@@ -36,9 +36,9 @@ def device_memory(device) -> int | None:
     """Bytes of memory the device has in all: a GPU's own memory, the machine's RAM for the CPU (None: unknown)."""
     import os
 
-    import torch
-
     if device.type == "cuda":
+        import torch
+
         return torch.cuda.get_device_properties(device).total_memory
     if device.type == "cpu":
         try:

@@ -41,6 +41,7 @@ from headsearch.training.steps import autocast_context, lr_multiplier, lr_multip
 from headsearch.training.clock import AloneClock, measure_alone
 from headsearch.training.devicelock import Share
 from headsearch.training.runtime import seed_everything, steps_per_epoch
+from headsearch.training.records import SlotEnd
 from headsearch.training.trainer import Callback, Run, TrainResult
 
 
@@ -62,17 +63,6 @@ class Slot(Run):
     tag: Any = None  # the caller's (the search: its trial)
     epoch: int = 0  # epochs finished
     steps: int = 0  # optimizer steps taken
-
-
-@dataclass
-class SlotEnd:
-    """A run that left its slot: its result (status completed, stopped, diverged or failed) and, unless it
-    completed, the exception that ended it (a pruner's, `Diverged`, a callback's error)."""
-
-    slot: int
-    tag: Any
-    result: TrainResult
-    error: BaseException | None = None
 
 
 class Cohort:

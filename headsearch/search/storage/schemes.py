@@ -249,6 +249,10 @@ def open_rdb_storage(url: str, heartbeat: int | None, max_retry: int):
         kwargs = {}
         if heartbeat:
             kwargs = dict(heartbeat_interval=heartbeat, grace_period=3 * heartbeat)
+            if not url.startswith("sqlite"):
+                from headsearch.search.storage.pool import worker_pool
+
+                kwargs["engine_kwargs"] = worker_pool()
             if "heartbeat_stale_trial_callback" in inspect.signature(RDBStorage.__init__).parameters:
                 from optuna.storages import RetryHeartbeatStaleTrialCallback  # Optuna >= 4.9
 
