@@ -150,7 +150,8 @@ class TrialLife:
         elif isinstance(error, optuna.TrialPruned):
             trial.set_user_attr("epochs_run", len(pruning.curve))
             state = TrialState.PRUNED
-        elif isinstance(error, Diverged) or (out_of_memory := out_of_gpu_memory(error)):
+        elif isinstance(error, Diverged) or out_of_gpu_memory(error):
+            out_of_memory = out_of_gpu_memory(error)
             trial.set_user_attr("fail_reason", "out of GPU memory" if out_of_memory else str(error))
             trial.set_user_attr("epochs_run", len(pruning.curve))
             if out_of_memory:
