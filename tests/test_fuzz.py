@@ -1752,13 +1752,19 @@ SETTINGS = ["trials", "workers", "trials-per-gpu", "workers and trials-per-gpu",
 
 
 def _override(args: list, extra: list) -> list:
-    """Replace flags of `args` that `extra` sets again (e.g. --trials, --epochs, --preset, --task)."""
-    args = list(args)
-    for i in range(0, len(extra)):
+    """Replace flags of `args` that `extra` sets again (e.g. --trials, --epochs, --preset, --task). `extra` is flags
+    with their values (`--flag VALUE`, or `--flag=VALUE` in one item): only a flag's position is read as a flag, so
+    a drawn value that looks like one (`--sampler --task`) does not remove the real `--task`."""
+    args, i = list(args), 0
+    while i < len(extra):
         flag = extra[i]
-        if isinstance(flag, str) and flag.startswith("--") and "=" not in flag and flag in args:
+        if "=" in flag:
+            i += 1
+            continue
+        if flag in args:
             j = args.index(flag)
             del args[j:j + 2]
+        i += 2
     return args + extra
 
 
