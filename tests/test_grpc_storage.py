@@ -38,6 +38,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalW
 ROOT = Path(__file__).resolve().parents[1]
 HAS_PROXY = hasattr(optuna.storages, "GrpcStorageProxy")  # Optuna >= 4.2
 needs_proxy = pytest.mark.skipif(not HAS_PROXY, reason="Optuna's gRPC proxy is Optuna >= 4.2")
+LIGHT_TABLE = ROOT / "benchmarks" / "tables" / "vit-cifar10-deep-head-tiny.json"
 
 
 def free_port() -> int:
@@ -262,10 +263,16 @@ def _mid_trial(url: str) -> bool:
 @pytest.mark.server
 @pytest.mark.processes
 @pytest.mark.slow
-def test_report_export_and_dashboard_read_a_study_through_grpc(grpc_server, optuna_dashboard, cli, tmp_path,
-                                                               planted):
+def test_report_export_and_dashboard_read_a_study_through_grpc(grpc_server, optuna_dashboard, cli, tmp_path):
+    """A study written through the proxy by a search's own loop (a light worker: trials looked up in a table, so
+    the test pays for reading, not training) is read through it by report, export and the dashboard."""
+    from headsearch.search.light import light_search, run_light_worker
+    from headsearch.search.table import load_table
+
     url = grpc_server.url
-    Search(settings(tmp_path, url, "s", trials=2)).run_worker()
+    table = load_table(LIGHT_TABLE)
+    run_light_worker(light_search(table, storage=url, study="s", trials=2, run_root=str(tmp_path / "runs")), table,
+                     scale=0.0)
     result = cli(["report", "--storage", url, "--study", "s", "--format", "json"])
     assert result.exit_code == 0, result.output
     assert '"complete": 2' in result.stdout

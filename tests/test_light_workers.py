@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from test_grpc_storage import HAS_PROXY, StorageServer
+from test_search import shared_storage
 
 REPO = Path(__file__).resolve().parents[1]
 TABLE = REPO / "benchmarks" / "tables" / "vit-cifar10-deep-head-tiny.json"
@@ -63,10 +64,15 @@ def test_four_light_workers_on_a_journal_keep_the_budget_and_train_no_architectu
 
 @pytest.mark.server
 @pytest.mark.processes
-def test_four_light_workers_on_postgresql_keep_the_budget_and_train_no_architecture_twice(processes, pg_url, pg_study,
-                                                                                          tmp_path):
-    start_light_workers(processes, pg_url, pg_study, 4, 10, tmp_path)
-    assert_promises_kept(pg_url, pg_study, 10)
+@pytest.mark.floor  # each database's budget lock and Optuna's storage of it
+@pytest.mark.parametrize("kind", ["postgresql", "mysql", "redis"])
+def test_four_light_workers_on_a_shared_database_keep_the_budget_and_train_no_architecture_twice(kind, request,
+                                                                                                processes, tmp_path):
+    """Four processes on each shared storage, each behind its own budget lock (an advisory lock, GET_LOCK, a Redis
+    lock): the search's own loop, so what `--workers` runs (test_search.py runs it on SQLite and PostgreSQL)."""
+    url, study = shared_storage(kind, request, tmp_path)
+    start_light_workers(processes, url, study, 4, 10, tmp_path)
+    assert_promises_kept(url, study, 10)
 
 
 @pytest.mark.server
@@ -104,3 +110,57 @@ def test_a_bad_worker_pool_is_one_line(monkeypatch):
         env_value("HEADSEARCH_WORKER_POOL")
     monkeypatch.setenv("HEADSEARCH_WORKER_POOL", "2+0")
     assert env_value("HEADSEARCH_WORKER_POOL") == (2, 0)
+
+
+# --------------------------------------------------------------- asking with no lock (grpc://): racing workers
+
+
+def _scheduler_on_a_table(racing: bool):
+    """A search's scheduler on the tiny table, its study in memory (the simulator's), asking as if no lock held."""
+    import optuna
+
+    from headsearch.search.simulate import simulation_search
+    from headsearch.search.table import load_table
+
+    table = load_table(TABLE)
+    search = simulation_search(table, space=table["space"]["name"], trials=5, sampler="random", pruner="none")
+    storage = optuna.storages.InMemoryStorage()
+    study = optuna.create_study(storage=storage, directions=search.directions)
+    search.adopt(study, storage)
+    search.scheduler.racing = racing
+    return search.scheduler, study
+
+
+def test_without_a_lock_each_worker_seeds_its_proposals_apart_and_with_one_by_the_count_alone():
+    """Seeded by the trials counted alone, workers that read one count at once propose one architecture: 64 light
+    workers on grpc:// made 629 duplicate proposals for 192 trials (49 with a stride of their own). Under a lock
+    the count is the seed, so a search replays the same way."""
+    from headsearch.search.scheduler import RACING_STRIDE
+
+    locked, _ = _scheduler_on_a_table(racing=False)
+    assert locked._seed_index(7) == 7
+    racing, _ = _scheduler_on_a_table(racing=True)
+    offset = racing._seed_index(7) - 7
+    assert offset > 0 and offset % RACING_STRIDE == 0
+    assert racing._seed_index(8) - 8 == offset  # one stride per worker: its own proposals still follow its count
+
+
+def test_a_worker_that_lost_every_race_asks_again_later_instead_of_stopping():
+    """With no lock, other workers may take each architecture this one proposes, the unheld one it falls back on
+    included. It used to return `done` then (None before any trial ran: the worker stopped, 53 of 64 at the start
+    of a grpc:// search); the space has architectures left, so it waits and asks again."""
+    import optuna
+
+    from headsearch.search.scheduler import WAIT
+
+    scheduler, study = _scheduler_on_a_table(racing=True)
+    lost = []
+
+    def taken_meanwhile(study, trial):  # another worker holds it by the time this one looks
+        lost.append(trial.number)
+        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        return None
+
+    scheduler._unless_held = taken_meanwhile
+    assert scheduler._ask_unheld(study, [], None) is WAIT
+    assert len(lost) == 6  # DUPLICATE_ASKS proposals, then the unheld point

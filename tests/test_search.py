@@ -693,11 +693,12 @@ def shared_storage(kind: str, request, tmp_path: Path) -> tuple[str, str]:
 @pytest.mark.processes
 @pytest.mark.floor
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["sqlite", "postgresql", "mysql", "journal", "redis"])
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
 def test_workers_option_runs_exactly_the_budget_on_each_shared_storage(kind, request, tmp_path, spa_file, tokenizer_cache,
                                                                         write_space):
-    """`--workers 2` on every storage headsearch accepts, each with its own budget lock (search/storage/): an
-    flock, an advisory lock, GET_LOCK, an NFS-safe lock file, a Redis lock."""
+    """`--workers 2` on the default storage and the one for many workers, each with its own budget lock
+    (search/storage/): an flock, an advisory lock. The other storages' locks (GET_LOCK, an NFS-safe lock file, a
+    Redis lock) hold four processes of the same loop in tests/test_light_workers.py, at a fifth of the cost."""
     url, study_name = shared_storage(kind, request, tmp_path)
     space = write_space(tmp_path / "space.yaml")
     proc = subprocess.Popen(run_cmd(space, url, study_name, 4, spa_file, tmp_path / "runs", "--workers", 2),

@@ -31,10 +31,12 @@ class LockHold:
     Redis lock expired, the database ended the session that held an advisory lock. Another worker may then
     have been inside at the same time. The holder goes on (it never removes a lock that is not its own) and
     a warning says so once; `reason` says how it was lost. `kind`: the schema lock of a database yields one too.
-    `what` names the lock and where it is, a URL's password hidden (it is said in warnings)."""
+    `what` names the lock and where it is, a URL's password hidden (it is said in warnings). `exclusive`: False
+    where no lock is taken at all (grpc://: the fence alone), so that workers' asks are in no one order."""
 
-    def __init__(self, what: str, kind: str = "budget lock"):
+    def __init__(self, what: str, kind: str = "budget lock", exclusive: bool = True):
         self.what, self.kind, self.lost, self.reason = hide_passwords(what), kind, False, ""
+        self.exclusive = exclusive
 
     def lose(self, reason: str) -> None:
         if not self.lost:

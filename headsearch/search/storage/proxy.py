@@ -72,7 +72,7 @@ def _fence_only(url: str, study_name: str):
     over-budget before it trains. Without the lock the fence is met more often (two workers asking at once),
     at the cost of an over-budget FAIL record each time, not of a trial. The one gap a lock would also close:
     two creations committed in the opposite order of their ids (one database transaction's window)."""
-    yield LockHold(f"none on {url}: the fence alone")
+    yield LockHold(f"none on {url}: the fence alone", exclusive=False)
 
 
 register_storage(StorageScheme(
