@@ -17,7 +17,12 @@ trials of minutes on a GPU make asks rare).
 
     python benchmarks/cluster.py --quick                      # 8 workers, every storage, short trials
     python benchmarks/cluster.py --workers 8,32,64 --storages postgresql,grpc,journal,redis
-    python benchmarks/cluster.py --workers 8,32 --storages postgresql --pool default,lean   # item 3: connections
+    python benchmarks/cluster.py --workers 8,32 --storages postgresql --pool 5+10,1+1   # a worker's connections
+
+Direct PostgreSQL rows need about 3 connections a worker: a row past the server's max_connections (less 20 left to
+its other clients) is not run but reported. 64 workers need a server started with max_connections of 212 or
+more, e.g. a throwaway cluster of your own (initdb, then `pg_ctl -o "-p 5499 -c max_connections=300" start`)
+given as `--pg postgresql+psycopg2://postgres@127.0.0.1:5499/headsearch_cluster`.
 """
 from __future__ import annotations
 
@@ -100,6 +105,8 @@ def main() -> None:
              "reference: the first row of each regime (8 workers on PostgreSQL); asks/s = trials created (duplicates and"
              " fenced ones included) / seconds from the start of the loops to the end of the last trial",
              "outside training: 1 - slept / busy seconds (a worker's start to its first ask after its last trial)"]
+    if "postgresql" in storages or "grpc" in storages:
+        notes.append(f"PostgreSQL: {postgres_line(args.pg)}")
     report("Cluster: light workers against each storage", markdown_table(headers, rows), None, args, notes,
            machine=machine_line())
 
@@ -265,6 +272,18 @@ def too_many_connections(url: str, n: int) -> str | None:
     if need <= most - HEADROOM:
         return None
     return f"not run: {n} workers need {need} connections or more, max_connections is {most}"
+
+
+def postgres_line(url: str) -> str:
+    """The server's version and max_connections, the password hidden: where the PostgreSQL rows ran."""
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    with engine.connect() as conn:
+        version = conn.execute(sa.text("SHOW server_version")).scalar()
+        most = conn.execute(sa.text("SHOW max_connections")).scalar()
+    engine.dispose()
+    return f"{sa.engine.make_url(url).render_as_string(hide_password=True)} (server {version}, max_connections {most})"
 
 
 def create_database(url: str) -> None:

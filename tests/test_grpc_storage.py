@@ -388,6 +388,52 @@ def test_a_database_full_of_connections_is_waited_out_when_opened(pg_url):
         storage.engine.dispose()
 
 
+def pymysql(url: str) -> str:
+    """`url` through PyMySQL, the driver headsearch opens mysql:// with (SQLAlchemy's default is MySQLdb)."""
+    import sqlalchemy as sa
+
+    return sa.engine.make_url(url).set(drivername="mysql+pymysql").render_as_string(hide_password=False)
+
+
+@contextlib.contextmanager
+def limited_mysql_user(mysql_url: str, limit: int):
+    """A MySQL/MariaDB user of its own, allowed `limit` connections (MAX_USER_CONNECTIONS) to the test database:
+    yields the URL that connects as it; dropped at the end."""
+    import sqlalchemy as sa
+
+    name = f"hs_limited_{uuid.uuid4().hex[:8]}"
+    database = sa.engine.make_url(mysql_url).database
+    admin = sa.create_engine(pymysql(mysql_url), isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool)
+    hosts = ("%", "localhost")  # a user at '%' does not cover localhost where an anonymous user exists
+    with admin.connect() as conn:
+        for host in hosts:
+            conn.execute(sa.text(f"CREATE USER '{name}'@'{host}' WITH MAX_USER_CONNECTIONS {limit}"))
+            conn.execute(sa.text(f"GRANT ALL ON `{database}`.* TO '{name}'@'{host}'"))
+    try:
+        yield sa.engine.make_url(mysql_url).set(username=name, password=None).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            for host in hosts:
+                conn.execute(sa.text(f"DROP USER IF EXISTS '{name}'@'{host}'"))
+        admin.dispose()
+
+
+@pytest.mark.server
+def test_a_mysql_user_at_its_connection_limit_is_waited_out_when_opened(mysql_url):
+    """MySQL's per-user limit says "has exceeded the 'max_user_connections' resource" (error 1226), not "too many
+    connections": PostgreSQL's per-role limit was waited out and MySQL's failed at once. Now both wait."""
+    with limited_mysql_user(mysql_url, 3) as url:  # opening takes three, as on PostgreSQL
+        held = _hold(pymysql(url), 3)
+        with pytest.raises(StorageUnavailable) as got:
+            open_patiently(url, None, patience=1)
+        assert "max_user_connections" in str(got.value) and "the same command resumes" in str(got.value)
+        for conn in held:
+            conn.close()
+        storage = open_patiently(url, None, patience=20)
+        assert storage.get_all_studies() is not None
+        storage.engine.dispose()
+
+
 @pytest.mark.server
 @pytest.mark.processes
 @pytest.mark.slow

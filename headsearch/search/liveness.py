@@ -86,10 +86,12 @@ def _grpc_unavailable(err: BaseException) -> str | None:
 
 def server_full(e: BaseException) -> bool:
     """Whether `e` is a database refusing a connection for having too many (PostgreSQL's "sorry, too many
-    clients already", "too many connections for role ...", MySQL's "Too many connections"): the one refusal
-    worth waiting for when a storage is opened (`open_patiently`), as other workers end and free theirs."""
+    clients already", "too many connections for role ...", MySQL's "Too many connections" and a user's "has
+    exceeded the 'max_user_connections' resource"): the one refusal worth waiting for when a storage is opened
+    (`open_patiently`), as other workers end and free theirs."""
     why = unavailable(e)
-    return why is not None and re.search(r"too many (clients|connections)", why, re.IGNORECASE) is not None
+    return why is not None and re.search(r"too many (clients|connections)|exceeded the 'max_user_connections'", why,
+                                         re.IGNORECASE) is not None
 
 
 # The storage calls a search makes (Optuna's BaseStorage, and the heartbeat's): each is retried whole.

@@ -70,8 +70,10 @@ def _fence_only(url: str, study_name: str):
     is created by the one database behind the proxy, whose trial ids give one order of creation that every
     worker reads alike, and a trial asked when the trials created before it fill the budget is told FAIL as
     over-budget before it trains. Without the lock the fence is met more often (two workers asking at once),
-    at the cost of an over-budget FAIL record each time, not of a trial. The one gap a lock would also close:
-    two creations committed in the opposite order of their ids (one database transaction's window)."""
+    at the cost of an over-budget FAIL record each time, not of a trial. Creations never interleave: Optuna's
+    RDBStorage locks the study's row (SELECT ... FOR UPDATE) to create a trial, so ids, numbers and commits
+    follow one order. Workers' asks are in no order, though: the hold says so (`exclusive=False`) and the
+    scheduler seeds each worker's proposals apart (`scheduler.RACING_STRIDE`)."""
     yield LockHold(f"none on {url}: the fence alone", exclusive=False)
 
 
