@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import optuna
@@ -109,27 +108,39 @@ def wait_for(check, what: str, timeout: float = 60) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("kind", ["journal", "redis"])
-def test_a_worker_paused_between_count_and_ask_backs_off_at_the_fence(kind, request, tmp_path, planted, processes,
-                                                                      monkeypatch):
-    """Row 1. Budget 1. Worker A counts 0 under the lock and stops (SIGSTOP) just before asking; its lock is not
-    renewed, so after the silence limit worker B breaks it, counts 0 and asks trial 0. A resumes and asks trial 1,
-    which the lock no longer guards: the fence sees trial 0 before it, tells it FAIL as over-budget, and A counts
-    again. The budget holds: one trial, not two."""
+@pytest.fixture
+def quick_lock_silence(monkeypatch):
+    """A silent budget lock broken after 1 s (renewed every 0.2 s): the pauses below last seconds, not minutes."""
     monkeypatch.setattr(timings, "LOCK_SILENCE", 1.0)
     monkeypatch.setattr(timings, "LOCK_RENEW", 0.2)
-    url, study = shared_storage(kind, request, tmp_path)
-    s = settings(tmp_path, url, study, trials=1)
+
+
+def a_paused_while_b_asks(processes, s: SearchSettings) -> str:
+    """Worker A (a process) counts under the budget lock and stops (SIGSTOP) just before asking; worker B (this
+    process) waits out A's silent lock, takes it and asks trial 0; then A is continued and runs to its end.
+    Returns A's stdout."""
     a = start_worker(processes, s, pause=True)
     assert a.stdout.readline().strip() == "asking", a.stderr.read()
     wait_for(lambda: stopped(a.pid), "worker A to stop")
     b = Search(s)
-    b_study = b.open()
-    trial_b = b.scheduler.next_trial(b_study)  # waits out A's silent lock, then takes it
+    trial_b = b.scheduler.next_trial(b.open())  # waits out A's silent lock, then takes it
     assert trial_b is not WAIT and trial_b is not None and trial_b.number == 0
     os.kill(a.pid, signal.SIGCONT)
     out, err = a.communicate(timeout=60)
     assert a.returncode == 0, err[-2000:]
+    return out
+
+
+@pytest.mark.parametrize("kind", ["journal", "redis"])
+def test_a_worker_paused_between_count_and_ask_backs_off_at_the_fence(kind, request, tmp_path, planted, processes,
+                                                                      quick_lock_silence):
+    """Row 1. Budget 1. Worker A counts 0 under the lock and stops (SIGSTOP) just before asking; its lock is not
+    renewed, so after the silence limit worker B breaks it, counts 0 and asks trial 0. A resumes and asks trial 1,
+    which the lock no longer guards: the fence sees trial 0 before it, tells it FAIL as over-budget, and A counts
+    again. The budget holds: one trial, not two."""
+    url, study = shared_storage(kind, request, tmp_path)
+    s = settings(tmp_path, url, study, trials=1)
+    out = a_paused_while_b_asks(processes, s)
     assert out.strip().splitlines()[-1] == "got WAIT"  # the budget is held by B's running trial: A waits, asks nothing
     trials = load(url, study).get_trials(deepcopy=False)
     assert [trial_state(t) for t in trials] == ["running", "over_budget"], [t.state for t in trials]
@@ -140,27 +151,16 @@ def test_a_worker_paused_between_count_and_ask_backs_off_at_the_fence(kind, requ
 @pytest.mark.parametrize("kind", ["journal", "redis"])
 def test_a_worker_paused_between_count_and_ask_does_not_take_the_architecture_another_took(kind, request, tmp_path,
                                                                                           planted, processes,
-                                                                                          monkeypatch):
+                                                                                          quick_lock_silence):
     """Row 1, with room in the budget (issue 50, item 5). Budget 3. Worker A counts 0 trials under the lock and
     stops before asking; B breaks A's silent lock, counts 0 and asks trial 0, its sampler seeded by that count.
     A resumes and asks trial 1 with the same seed (its count is stale), so its sampler proposes B's architecture;
     the fence lets it pass (one trial before it, budget 3), and A trained the same architecture twice. Now A
     reads again who holds each architecture: trial 0, created before its own, so trial 1 is told FAIL as a
     duplicate and A asks again (reseeded), taking an architecture no trial holds."""
-    monkeypatch.setattr(timings, "LOCK_SILENCE", 1.0)
-    monkeypatch.setattr(timings, "LOCK_RENEW", 0.2)
     url, study = shared_storage(kind, request, tmp_path)
     s = settings(tmp_path, url, study, trials=3, sampler="random")
-    a = start_worker(processes, s, pause=True)
-    assert a.stdout.readline().strip() == "asking", a.stderr.read()
-    wait_for(lambda: stopped(a.pid), "worker A to stop")
-    b = Search(s)
-    b_study = b.open()
-    trial_b = b.scheduler.next_trial(b_study)  # waits out A's silent lock, then takes it
-    assert trial_b is not WAIT and trial_b is not None and trial_b.number == 0
-    os.kill(a.pid, signal.SIGCONT)
-    out, err = a.communicate(timeout=60)
-    assert a.returncode == 0, err[-2000:]
+    out = a_paused_while_b_asks(processes, s)
     trials = load(url, study).get_trials(deepcopy=False)
     assert [trial_state(t) for t in trials] == ["running", "duplicate", "running"], [t.user_attrs for t in trials]
     assert trials[1].user_attrs["duplicate_of"] == 0 and trials[1].user_attrs["config"] == trials[0].user_attrs["config"]

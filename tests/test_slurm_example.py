@@ -32,6 +32,18 @@ def test_the_sbatch_script_runs_the_task_script_for_every_array_task():
     assert checked.returncode == 0, checked.stderr
 
 
+def slurm_stand_ins(tmp_path: Path, srun: str) -> dict:
+    """The environment of a batch script run under stand-ins in tmp_path/bin: `srun` runs the bash lines `srun`,
+    `scontrol` records what it was asked in tmp_path/scontrol.txt; job 4242."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(f"#!/bin/bash\n{srun}\n")
+    (bin_dir / "scontrol").write_text(f"#!/bin/bash\necho \"$*\" >> {tmp_path / 'scontrol.txt'}\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "4242"}
+
+
 @pytest.mark.processes
 @pytest.mark.parametrize("task_exit, requeued", [(143, True), (0, False), (1, False)])
 def test_a_task_stopped_by_sigterm_is_requeued(tmp_path, task_exit, requeued):
@@ -40,13 +52,7 @@ def test_a_task_stopped_by_sigterm_is_requeued(tmp_path, task_exit, requeued):
     goes back to the queue, where the same command resumes the study; one that ended otherwise does not."""
     sbatch = (SLURM / "search.sbatch").read_text()
     assert "#SBATCH --signal=TERM@" in sbatch and "#SBATCH --requeue" in sbatch
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "srun").write_text(f"#!/bin/bash\nexit {task_exit}\n")
-    (bin_dir / "scontrol").write_text(f"#!/bin/bash\necho \"$*\" >> {tmp_path / 'scontrol.txt'}\n")
-    for tool in bin_dir.iterdir():
-        tool.chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "4242"}
+    env = slurm_stand_ins(tmp_path, srun=f"exit {task_exit}")
     proc = subprocess.run(["bash", str(SLURM / "search.sbatch")], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert proc.returncode == task_exit, proc.stderr
     asked = (tmp_path / "scontrol.txt").read_text().splitlines() if (tmp_path / "scontrol.txt").exists() else []
@@ -58,13 +64,7 @@ def test_a_task_stopped_by_sigterm_is_requeued(tmp_path, task_exit, requeued):
 def test_the_batch_shell_signalled_too_still_requeues(tmp_path):
     """Preemption (or the time limit itself) sends SIGTERM to the batch shell as well as to headsearch: the shell
     waits for `srun` (here a stand-in that exits 143 a moment later, as headsearch does) and requeues the task."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "srun").write_text(f"#!/bin/bash\ntouch {tmp_path / 'started'}\nsleep 2\nexit 143\n")
-    (bin_dir / "scontrol").write_text(f"#!/bin/bash\necho \"$*\" >> {tmp_path / 'scontrol.txt'}\n")
-    for tool in bin_dir.iterdir():
-        tool.chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "4242"}
+    env = slurm_stand_ins(tmp_path, srun=f"touch {tmp_path / 'started'}\nsleep 2\nexit 143")
     proc = subprocess.Popen(["bash", str(SLURM / "search.sbatch")], cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 30
     while not (tmp_path / "started").exists() and time.monotonic() < deadline:

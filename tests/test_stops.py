@@ -39,6 +39,21 @@ def stopped_by_sigterm(proc) -> tuple[str, str, float]:
     return out, err, time.monotonic() - sent
 
 
+def terminated_once(proc, moment, what: str):
+    """Once `moment()` is true (within 120 s), SIGTERM to `proc` alone: it exits 143 within Slurm's KillWait, its
+    last line saying what was kept and that the same command resumes. Returns (what `moment` returned, stderr)."""
+    try:
+        seen = wait_until(moment, proc, 120, what)
+        out, err, seconds = stopped_by_sigterm(proc)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143, err[-3000:]
+    assert seconds < KILL_WAIT
+    check_one_line(err, RESUME_LINE)
+    return seen, err
+
+
 def check_one_line(err: str, ending: str) -> None:
     assert "Traceback" not in err
     lines = [line for line in err.splitlines() if line.strip()]
@@ -57,16 +72,8 @@ def test_sigterm_fails_the_running_trial_as_interrupted_and_the_same_command_ret
     env = sub_env(tokenizer_cache)
     poller = StoragePoller(url, "s", tmp_path / "runs" / "s")
     proc = term_group_leader(cmd, env, tmp_path)
-    try:
-        trials, victim = wait_until(lambda: running_after_a_complete_trial(poller), proc, 120,
-                                    "a trial was running after one completed")
-        out, err, seconds = stopped_by_sigterm(proc)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 143, err[-3000:]
-    assert seconds < KILL_WAIT
-    check_one_line(err, RESUME_LINE)
+    (trials, victim), err = terminated_once(proc, lambda: running_after_a_complete_trial(poller),
+                                            "a trial was running after one completed")
     now = {t.number: t for t in load(url, "s").get_trials(deepcopy=False)}
     assert now[victim.number].state == TrialState.FAIL
     assert now[victim.number].user_attrs["fail_reason"] == "interrupted (SIGTERM)"
@@ -93,16 +100,8 @@ def test_sigterm_to_the_parent_alone_stops_its_workers_within_slurms_kill_wait(
     cmd = run_cmd(space, url, "s", 4, spa_file, tmp_path / "runs", "--pruner", "none", "--workers", 2)
     poller = StoragePoller(url, "s", tmp_path / "runs" / "s")
     proc = term_group_leader(cmd, sub_env(tokenizer_cache), tmp_path)
-    try:
-        wait_until(lambda: len([t for t in poller.trials() or () if t.state == TrialState.RUNNING and t.intermediate_values]) == 2,
-                   proc, 120, "two trials ran together")
-        out, err, seconds = stopped_by_sigterm(proc)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 143, err[-3000:]
-    assert seconds < KILL_WAIT
-    check_one_line(err, RESUME_LINE)
+    terminated_once(proc, lambda: len([t for t in poller.trials() or () if t.state == TrialState.RUNNING
+                                       and t.intermediate_values]) == 2, "two trials ran together")
     trials = load(url, "s").get_trials(deepcopy=False)
     assert [t.state for t in trials].count(TrialState.RUNNING) == 0
     assert [t.state for t in trials].count(TrialState.WAITING) == 2  # both architectures re-enqueued
