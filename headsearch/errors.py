@@ -4,9 +4,11 @@ Everything the CLI should report as one clear line with exit code 2 derives from
 Anything else is a bug and keeps its traceback, except the environment faults `environment_fault`
 recognises (a full disk, an I/O error), which get one line and exit code 1.
 """
+import contextlib
 import errno
 import os
 import signal
+import threading
 from typing import Iterator
 
 from headsearch.io import hide_passwords
@@ -48,6 +50,32 @@ class Terminated(KeyboardInterrupt):
         self.signal_name = signal.Signals(signum).name
         self.exit_code = 128 + int(signum)
         super().__init__(self.signal_name)
+
+
+@contextlib.contextmanager
+def sigterm_raises():
+    """SIGTERM (a cluster's time limit or preemption) raises `Terminated` in the main thread, as Ctrl-C raises
+    KeyboardInterrupt, instead of ending the process at once: a search's running trial is told FAIL as
+    `interrupted (SIGTERM)` and retried by the next run (not left RUNNING until a later run waits out 3
+    heartbeats), a trained run keeps its finished epochs and says so. Once: a
+    second SIGTERM (a scheduler signalling every process of the job, the parent forwarding its own) does not
+    interrupt the first one's telling. The handler before it is back afterwards (an API user's); off the main
+    thread nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    raised: list[int] = []
+
+    def raise_once(signum, _frame):
+        if not raised:
+            raised.append(signum)
+            raise Terminated(signum)
+
+    previous = signal.signal(signal.SIGTERM, raise_once)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 def interruption(e: KeyboardInterrupt) -> str:

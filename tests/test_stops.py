@@ -7,17 +7,18 @@ Real `headsearch run` processes on the tiny translation search of test_search.py
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import sys
 import textwrap
 import time
 
 import pytest
 from optuna.trial import TrialState
 
-from headsearch.errors import Terminated, device_fault, interruption
-from headsearch.search.workers import sigterm_raises
+from headsearch.errors import Terminated, device_fault, interruption, sigterm_raises
 from test_search import (SLOWER_TRAIN, StoragePoller, finished, load, run_cmd, running_after_a_complete_trial,
                          sqlite_url, sub_env, wait_until, write_space)  # noqa: F401 (write_space: a fixture)
 
@@ -39,9 +40,9 @@ def stopped_by_sigterm(proc) -> tuple[str, str, float]:
     return out, err, time.monotonic() - sent
 
 
-def terminated_once(proc, moment, what: str):
+def terminated_once(proc, moment, what: str, ending: str = RESUME_LINE):
     """Once `moment()` is true (within 120 s), SIGTERM to `proc` alone: it exits 143 within Slurm's KillWait, its
-    last line saying what was kept and that the same command resumes. Returns (what `moment` returned, stderr)."""
+    last line (`ending`) saying what was kept and how to go on. Returns (what `moment` returned, stderr)."""
     try:
         seen = wait_until(moment, proc, 120, what)
         out, err, seconds = stopped_by_sigterm(proc)
@@ -50,7 +51,7 @@ def terminated_once(proc, moment, what: str):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 143, err[-3000:]
     assert seconds < KILL_WAIT
-    check_one_line(err, RESUME_LINE)
+    check_one_line(err, ending)
     return seen, err
 
 
@@ -248,3 +249,21 @@ def test_a_device_fault_in_one_process_is_one_line_and_its_trial_is_retried(tmp_
     trial, retry = load(sqlite_url(tmp_path / "h.db"), "s").get_trials(deepcopy=False)
     assert (retry.state, retry.params) == (TrialState.WAITING, trial.params)
     assert trial.user_attrs["fail_reason"] == "interrupted (device fault: CUDA error: an illegal memory access was encountered)"
+
+
+@pytest.mark.processes
+@pytest.mark.slow
+def test_sigterm_to_train_keeps_the_finished_epochs_and_exits_143(tmp_path, spa_file, tokenizer_cache):
+    """`headsearch train` under a cluster's time limit: SIGTERM ended it at once, without a line, its run directory
+    saying nothing of how it ended. Now it stops as Ctrl-C does: the run is recorded as interrupted with its
+    finished epochs, one line says so, and the exit status is 143."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "headsearch", "train", "--task", "translation-en-es", "--data-file", str(spa_file),
+           "--preset", "tiny", "--device", "cpu", "--out", str(run_dir), "--set", "data.train_limit=256", "--set",
+           "data.val_size=32", "--set", "data.test_size=32", "--set", "train.epochs=500", "--set", "train.max_steps_per_epoch=3"]
+    proc = term_group_leader(cmd, sub_env(tokenizer_cache), tmp_path)
+    metrics = run_dir / "metrics.jsonl"
+    terminated_once(proc, lambda: metrics.exists() and metrics.read_text().count("\n") >= 1, "an epoch finished",
+                    "error: interrupted (SIGTERM): finished epochs and the best checkpoint are kept in the run directory")
+    final = json.loads((run_dir / "final.json").read_text())
+    assert final["status"] == "interrupted" and final["epochs_run"] >= 1, final

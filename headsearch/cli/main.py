@@ -84,12 +84,12 @@ def train(
     """Train one architecture on a task and write a run directory."""
     from headsearch import api
     from headsearch.cli.progress import TrainProgress, print_result
-    from headsearch.errors import Diverged
+    from headsearch.errors import Diverged, sigterm_raises
     from headsearch.tasks import parse_sets
 
     try:
         overrides = parse_sets(sets)
-        with TrainProgress() as progress:
+        with sigterm_raises(), TrainProgress() as progress:  # a cluster's SIGTERM ends it as Ctrl-C does (143)
             run = api.train(task, config, preset=preset, data_dir=data_dir, data_file=data_file, out=out, device=device,
                             epochs=epochs, seed=seed, compile=compile_mode, track_diversity=track_diversity,
                             sets=overrides, callbacks=[progress], tensorboard=tensorboard, argv=sys.argv)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from headsearch.errors import HeadsearchError, Terminated, device_fault
+from headsearch.errors import HeadsearchError, Terminated, device_fault, sigterm_raises
 from headsearch.io import write_atomic
 from headsearch.machine.mps import managed_mps
 from headsearch.machine.plan import Plan, worker_seat
@@ -76,31 +76,6 @@ def with_space_line(line: str, search) -> str:
     """The plan's line, and what it does when the space holds fewer architectures than --trials."""
     note = search.archs.space_line()
     return f"{line}; {note}" if note else line
-
-
-@contextlib.contextmanager
-def sigterm_raises():
-    """SIGTERM (a cluster's time limit or preemption) raises `Terminated` in the main thread, as Ctrl-C raises
-    KeyboardInterrupt, instead of ending the process at once with its trial left RUNNING until a later run waits
-    out 3 heartbeats: the trial is told FAIL as `interrupted (SIGTERM)` and retried by the next run. Once: a
-    second SIGTERM (a scheduler signalling every process of the job, the parent forwarding its own) does not
-    interrupt the first one's telling. The handler before it is back afterwards (an API user's); off the main
-    thread nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    raised: list[int] = []
-
-    def raise_once(signum, _frame):
-        if not raised:
-            raised.append(signum)
-            raise Terminated(signum)
-
-    previous = signal.signal(signal.SIGTERM, raise_once)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 @sigterm_raises()  # a cluster's stop, wherever it finds this process (the parent's wait: `interrupt_flag`)
