@@ -457,9 +457,10 @@ def test_connections_one_worker_holds_and_a_full_database_mid_search(pg_url, pro
         out, err = proc.communicate()
         assert proc.returncode == 0, err[-3000:]
         print(f"connections one worker held at most: {most}")
-        # Four of the storage's pool (kept open by SQLAlchemy once the training loop, the heartbeat thread and the
-        # progress display's reads overlapped), and the budget lock's own while it is held: docs/searching.md.
-        assert 3 <= most <= 5, most
+        # The worker's pool (HEADSEARCH_WORKER_POOL, 1 kept + 1 at need) and the budget lock's own while it is held:
+        # 3 at most (docs/searching.md). Sampled every 0.2 s, the lock's short holds are caught now and then only;
+        # the loop's connection beside the lock's (or the heartbeat's) always is.
+        assert 2 <= most <= 3, most
 
         held = _hold(url, 10)  # every connection the role may have
         proc = outage_run(processes, tmp_path, url, trials=4, patience=60)

@@ -816,7 +816,7 @@ def test_sigint_to_the_parent_alone_stops_its_workers(tmp_path, spa_file, tokeni
     cmd = run_cmd(space, url, "s", 4, spa_file, tmp_path / "runs", "--pruner", "none", "--workers", 2)
     poller = StoragePoller(url, "s", tmp_path / "runs" / "s")
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=sub_env(tokenizer_cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, preexec_fn=lambda: (os.setpgrp(), signal.signal(signal.SIGINT, signal.SIG_DFL)))
+                            text=True, start_new_session=True)  # a group of its own: conftest.OWN_GROUP
     try:
         wait_until(lambda: len([t for t in poller.trials() or () if t.state == TrialState.RUNNING and t.intermediate_values]) == 2,
                    proc, 120, "two trials ran together")
@@ -886,10 +886,10 @@ def test_ctrl_c_fails_the_running_trial_and_the_same_command_resumes(tmp_path, s
     cmd = run_cmd(space, url, "s", n, spa_file, tmp_path / "runs", "--pruner", "none")
     env = sub_env(tokenizer_cache)
     poller = StoragePoller(url, "s", tmp_path / "runs" / "s")
-    # A shell's background jobs inherit SIGINT as ignored, and Python then installs no KeyboardInterrupt
-    # handler: give the child the default disposition, as a terminal would, whatever launched pytest.
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    # A shell's background jobs inherit SIGINT as ignored, and Python then installs no KeyboardInterrupt handler:
+    # the suite runs with Python's own (conftest.py), which the child's exec resets to the default, as a terminal
+    # would give it, whatever launched pytest.
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         trials, victim = wait_until(lambda: running_after_a_complete_trial(poller), proc, 120,
                                     "a trial was running after one completed")

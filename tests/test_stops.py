@@ -29,7 +29,7 @@ RESUME_LINE = "error: interrupted (SIGTERM): finished trials are kept in the stu
 def term_group_leader(cmd, env, cwd):
     """`cmd` leading a process group of its own (a SIGTERM to it reaches it alone, not its workers)."""
     return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=os.setpgrp)
+                            start_new_session=True)  # a group of its own: conftest.OWN_GROUP
 
 
 def stopped_by_sigterm(proc) -> tuple[str, str, float]:

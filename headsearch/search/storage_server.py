@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 import warnings
 from typing import Callable
 
@@ -46,24 +45,17 @@ def open_served_storage(url: str):
     return patient(optuna.storages.get_storage(open_storage(url, heartbeat=None)), hide_passwords(url))
 
 
-def _when_serving(host: str, port: int, on_ready: Callable[[str], None], patience: float = 60.0) -> None:
-    """`on_ready(url)` once the server listens on host:port (Optuna's server binds and serves in one blocking call):
-    a worker given the URL from then on finds it there. Nothing if it never does (the bind failed: said so).
+def _when_serving(host: str, port: int, on_ready: Callable[[str], None]) -> None:
+    """`on_ready(url)` once the server answers on host:port (Optuna's server binds and serves in one blocking call):
+    a worker given the URL from then on finds it there. Nothing if it never answers (the bind failed: said so)."""
+    import grpc
 
-    A plain TCP connection, not a gRPC channel: the one failed start seen (in a test suite's run, grpcio 1.85
-    logged "Epoll1Poller ... epoll_wait error: Bad file descriptor" and the server exited before printing its
-    URL) had a client channel opened and closed in the server's own process while the server started; a socket
-    keeps gRPC's client machinery out of the server's process."""
     local = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
-    deadline = time.monotonic() + patience
-    while time.monotonic() < deadline:
+    with grpc.insecure_channel(f"{f'[{local}]' if ':' in local else local}:{port}") as channel:
         try:
-            with socket.create_connection((local, port), timeout=1.0):
-                break
-        except OSError:
-            time.sleep(0.05)
-    else:
-        return
+            grpc.channel_ready_future(channel).result(timeout=60)
+        except grpc.FutureTimeoutError:
+            return
     on_ready(worker_url(host, port))
 
 
