@@ -666,3 +666,17 @@ def test_a_replay_on_two_workers_makes_exactly_the_decisions_of_a_real_cohort_of
     assert sorted(result.front) == sorted({arch_key(overrides_of(t.user_attrs["config"], base)) for t in real.best_trials})
     # Two at a time: the simulated clock ran fewer epoch-seconds than the epochs it trained.
     assert result.seconds < result.epochs
+
+
+@pytest.mark.parametrize("sampler", ["nsga2", "tpe", "random"])
+def test_a_search_seeded_past_numpys_32_bits_samples(sampler):
+    """Any seed >= 0 is valid, but a trial's sampler was seeded seed x 100,003 + its index, past numpy's 32 bits from
+    seed 42,949 on: a search seeded 123456 stopped at its first ask ("Seed must be between 0 and 2**32 - 1"). The
+    sampler's seed is now taken modulo 2**32, the same for every seed that worked."""
+    from headsearch.search.study import sampler_seed
+
+    assert sampler_seed(3, 7) == 300_016 and sampler_seed(42_948, 5) == 42_948 * 100_003 + 5
+    table = load_table(Path(__file__).resolve().parents[1] / "benchmarks" / "tables" / "vit-cifar10-deep-head-tiny.json")
+    result = replay(simulation_search(table, space=table["space"]["name"], trials=4, sampler=sampler, pruner="none",
+                                      seed=123_456), table)
+    assert sum(r["state"] == "COMPLETE" for r in result.trials) == 4

@@ -36,7 +36,8 @@ from headsearch.search.record import arch_summary, config_key, holds_architectur
 from headsearch.search.scheduler import DUPLICATE_ASKS, WAIT, Scheduler
 from headsearch.search.settings import SearchSettings, check_settings, load_callback
 from headsearch.search.space import SearchSpace, load_space
-from headsearch.search.study import StudyHandle, StudyStorage, check_sampler, default_sampler, make_sampler, open_study
+from headsearch.search.study import (StudyHandle, StudyStorage, check_sampler, default_sampler, make_sampler, open_study,
+                                     sampler_seed)
 from headsearch.search.trial_life import SearchCallback, TrialLife, TrialRun, with_storage_retries
 from headsearch.search.trial_pruning import TrialPruning
 from headsearch.tasks import DataSource, Task, apply_overrides, flag_overrides, get_task, resolve_config, task_reference
@@ -141,7 +142,7 @@ class Search:
         if self.sampler_name() == COST_AWARE:
             if self.cost_candidates is None:
                 raise RuntimeError("the cost-aware sampler has no costs yet: Search.use_costs first")
-            return cost_aware_sampler(self.definition, self.cost_candidates, seed=self.settings.seed * 100_003 + trial_index)
+            return cost_aware_sampler(self.definition, self.cost_candidates, seed=sampler_seed(self.settings.seed, trial_index))
         return make_sampler(self.sampler_name(), seed=self.settings.seed, trials=self.settings.trials, trial_index=trial_index,
                             curve_direction=self.task.primary.direction if self.multi_objective else None)
 

@@ -85,7 +85,14 @@ def make_sampler(name: str, *, seed: int, trials: int, trial_index: int = 0, cur
     checked once, in `headsearch.search.settings`), never sampled at random."""
     if SAMPLERS[name] is None:
         raise ValueError("the cost-aware sampler needs the measured costs: Search.make_sampler builds it")
-    return SAMPLERS[name](seed * 100_003 + trial_index, trials, curve_direction)
+    return SAMPLERS[name](sampler_seed(seed, trial_index), trials, curve_direction)
+
+
+def sampler_seed(seed: int, trial_index: int) -> int:
+    """The seed of the sampler for trial `trial_index` of a search seeded `seed`: apart for every trial, and within
+    the 32 bits numpy's generators take (a search seeded 123456 stopped at its first ask with numpy's "Seed must
+    be between 0 and 2**32 - 1"); the same as before for every seed that worked."""
+    return (seed * 100_003 + trial_index) % 2**32
 
 
 class CurveDirection:
