@@ -366,11 +366,12 @@ class PrivatePostgres:
         self._as_postgres(str(PG_BIN / "pg_ctl"), "-D", str(self.data), "-w", "-m", "fast", "stop")
 
 
-def outage_run(processes, tmp_path: Path, url: str, trials: int, patience: float) -> subprocess.Popen:
+def outage_run(processes, tmp_path: Path, url: str, trials: int, patience: float, epochs: int = 12) -> subprocess.Popen:
+    """`headsearch run` of the planted task (about 0.06 s an epoch here) on `url`, in a process of its own."""
     space = tmp_path / "space.yaml"
     space.write_text(SPACE)
     cmd = [sys.executable, "-c", CLI.format(tests=str(TESTS)), "run", "--task", NAME, "--space", str(space), "--trials",
-           str(trials), "--preset", "tiny", "--epochs", "12", "--device", "cpu", "--pruner", "none", "--heartbeat", "1",
+           str(trials), "--preset", "tiny", "--epochs", str(epochs), "--device", "cpu", "--pruner", "none", "--heartbeat", "1",
            "--storage", url, "--study", "s", "--run-root", str(tmp_path / "runs")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200", "HEADSEARCH_STORAGE_PATIENCE": str(patience)}
     return processes.start(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
@@ -426,10 +427,10 @@ def one_line_exit_2(proc: subprocess.Popen, *fragments: str) -> str:
     return last
 
 
-def resumed_exactly(processes, tmp_path: Path, url: str, trials: int) -> list:
+def resumed_exactly(processes, tmp_path: Path, url: str, trials: int, epochs: int = 12) -> list:
     """The same command again, once the storage is back: it ends with exactly `trials` finished trials, none
     RUNNING, none failed for good (an interrupted trial is FAIL with an "interrupted" reason and retried)."""
-    proc = outage_run(processes, tmp_path, url, trials, patience=60)
+    proc = outage_run(processes, tmp_path, url, trials, patience=60, epochs=epochs)
     out, err = proc.communicate(timeout=240)
     assert proc.returncode == 0, err[-3000:]
     got = load(url, "s").get_trials(deepcopy=False)
@@ -484,8 +485,10 @@ def test_a_postgresql_restart_mid_search_is_waited_out_or_stops_in_one_line_then
     request.addfinalizer(lambda: subprocess.run(["rm", "-rf", str(server.folder)]))
     server.init()
     server.start()
+    # Trials of 60 epochs (a few seconds): stopping the server takes a second (pg_ctl, as its user), and a search of
+    # 12-epoch trials had once ended (2 trials in 1.5 s) before the server was down, so no outage met it.
     try:
-        proc = outage_run(processes, tmp_path, server.url, trials=2, patience=60)
+        proc = outage_run(processes, tmp_path, server.url, trials=2, patience=60, epochs=60)
         wait_for(lambda: mid_trial(server.url) or proc.poll() is not None, "a trial mid-run", 120)
         server.stop()
         time.sleep(3)
@@ -496,12 +499,12 @@ def test_a_postgresql_restart_mid_search_is_waited_out_or_stops_in_one_line_then
         got = load(server.url, "s").get_trials(deepcopy=False)
         assert [trial_state(t) for t in got].count("complete") == 2
 
-        proc = outage_run(processes, tmp_path, server.url, trials=4, patience=3)
+        proc = outage_run(processes, tmp_path, server.url, trials=4, patience=3, epochs=60)
         wait_for(lambda: mid_trial(server.url) or proc.poll() is not None, "a trial mid-run", 120)
         server.stop()
         one_line_exit_2(proc, f"storage {server.url} unreachable", "the same command resumes")
         server.start()
-        resumed_exactly(processes, tmp_path, server.url, trials=4)
+        resumed_exactly(processes, tmp_path, server.url, trials=4, epochs=60)
     finally:
         with contextlib.suppress(Exception):
             server.stop()
