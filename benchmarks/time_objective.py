@@ -101,7 +101,7 @@ def start_crowd(work: Path, workers: int, device, env) -> subprocess.Popen:
     print(f"crowd: {' '.join(cmd[3:])}", flush=True)
     # Its own process group (to stop it with one signal) but this session: Linux's autogroup scheduler gives
     # each session an equal share of the CPU, so a crowd in another session would not crowd the measured run.
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, preexec_fn=os.setpgrp)
 
 
 def wait_running(work: Path, n: int, proc: subprocess.Popen, timeout: float = 600) -> None:

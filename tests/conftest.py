@@ -403,12 +403,13 @@ def tensorboard_package() -> None:
 # ------------------------------------------------------------------------------------------ processes
 
 
-# Popen's way to a child leading a process group of its own (one signal reaches it and its workers): a session of
-# its own, not a preexec_fn. With a preexec_fn Popen forks rather than vforks, and in a test process that has used
-# gRPC (the grpc:// tests) grpcio's fork handlers then crashed the child before its exec now and then (SIGABRT after
-# "Epoll1Poller ... epoll_wait error: Bad file descriptor"). Ctrl-C needs nothing more: this suite runs with
-# Python's SIGINT handler (above), which exec resets to the default.
-OWN_GROUP = {"start_new_session": True}
+# Popen's way to a child leading a process group of its own (one signal reaches it and its workers) in this session
+# (Linux's autogroup scheduler shares the CPU equally between sessions: test_fairtime.py's crowd must share this
+# one). Not a preexec_fn where Python can do without (3.11: process_group): with one, Popen forks rather than
+# vforks, and in a test process that has used gRPC (the grpc:// tests) grpcio's fork handlers then crashed the
+# child before its exec now and then (SIGABRT after "Epoll1Poller ... epoll_wait error: Bad file descriptor").
+# Ctrl-C needs nothing more: this suite runs with Python's SIGINT handler (above), which exec resets to the default.
+OWN_GROUP = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
 
 
 def kill_group(pgid: int) -> None:

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import optuna
 import pytest
+from conftest import OWN_GROUP
 import yaml
 from optuna.trial import TrialState
 
@@ -816,7 +817,7 @@ def test_sigint_to_the_parent_alone_stops_its_workers(tmp_path, spa_file, tokeni
     cmd = run_cmd(space, url, "s", 4, spa_file, tmp_path / "runs", "--pruner", "none", "--workers", 2)
     poller = StoragePoller(url, "s", tmp_path / "runs" / "s")
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=sub_env(tokenizer_cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)  # a group of its own: conftest.OWN_GROUP
+                            text=True, **OWN_GROUP)  # a process group of its own
     try:
         wait_until(lambda: len([t for t in poller.trials() or () if t.state == TrialState.RUNNING and t.intermediate_values]) == 2,
                    proc, 120, "two trials ran together")

@@ -16,6 +16,7 @@ import textwrap
 import time
 
 import pytest
+from conftest import OWN_GROUP
 from optuna.trial import TrialState
 
 from headsearch.errors import Terminated, device_fault, interruption, sigterm_raises
@@ -29,7 +30,7 @@ RESUME_LINE = "error: interrupted (SIGTERM): finished trials are kept in the stu
 def term_group_leader(cmd, env, cwd):
     """`cmd` leading a process group of its own (a SIGTERM to it reaches it alone, not its workers)."""
     return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # a group of its own: conftest.OWN_GROUP
+                            **OWN_GROUP)  # a process group of its own
 
 
 def stopped_by_sigterm(proc) -> tuple[str, str, float]:
