@@ -262,12 +262,7 @@ def measure(url: str, study: str, trials: int, codes: list[int], reports: list[d
 
 def too_many_connections(url: str, n: int) -> str | None:
     """Why `n` workers are not run directly on PostgreSQL (the connections they need), or None."""
-    import sqlalchemy as sa
-
-    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
-    with engine.connect() as conn:
-        most = int(conn.execute(sa.text("SHOW max_connections")).scalar())
-    engine.dispose()
+    most = int(server_settings(url, "max_connections")[0])
     need = CONNECTIONS_PER_WORKER * n
     if need <= most - HEADROOM:
         return None
@@ -278,12 +273,19 @@ def postgres_line(url: str) -> str:
     """The server's version and max_connections, the password hidden: where the PostgreSQL rows ran."""
     import sqlalchemy as sa
 
+    version, most = server_settings(url, "server_version", "max_connections")
+    return f"{sa.engine.make_url(url).render_as_string(hide_password=True)} (server {version}, max_connections {most})"
+
+
+def server_settings(url: str, *names: str) -> list[str]:
+    """PostgreSQL's `SHOW name` for each of `names`, on one connection of its own."""
+    import sqlalchemy as sa
+
     engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
     with engine.connect() as conn:
-        version = conn.execute(sa.text("SHOW server_version")).scalar()
-        most = conn.execute(sa.text("SHOW max_connections")).scalar()
+        values = [conn.execute(sa.text(f"SHOW {name}")).scalar() for name in names]
     engine.dispose()
-    return f"{sa.engine.make_url(url).render_as_string(hide_password=True)} (server {version}, max_connections {most})"
+    return values
 
 
 def create_database(url: str) -> None:
