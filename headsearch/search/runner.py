@@ -17,6 +17,7 @@ processes on any number of machines sharing one storage run exactly `trials` tri
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -97,6 +98,7 @@ class Search:
         if self.sampler_name() == COST_AWARE:
             check_cost_search(self.archs)
         self._plan: Plan | None = None
+        self._opened: tuple[int, Any] | None = None  # (the process, its study): `open`
 
     def _build_units(self) -> None:
         """The parts, each given only what it uses (one of each per worker)."""
@@ -167,13 +169,18 @@ class Search:
 
     def open(self):
         """Create the study, or load it and check it is the same search. The storage it was opened on is
-        kept (`store`) for what Optuna's `Trial` has no public method for (`StudyStorage`)."""
+        kept (`store`) for what Optuna's `Trial` has no public method for (`StudyStorage`). Opened once a
+        process: the worker that runs in the process that opened the study first (`open_search`, one worker)
+        gets that study again, so it holds one storage's connections, not two (docs/searching.md counts them)."""
+        if self._opened is not None and self._opened[0] == os.getpid():
+            return self._opened[1]
         optuna_pruner, _ = self.make_pruner()
         study, store = open_study(
             self.settings.storage, self.settings.heartbeat, self.study_name,
             metric_names=[o.name for o in self.objectives], directions=self.directions,
             attrs=self.study_attrs()["headsearch"], sampler=self._first_sampler(), pruner=optuna_pruner)
         self.handle.store = store
+        self._opened = (os.getpid(), study)
         return study
 
     def _first_sampler(self):
