@@ -85,6 +85,10 @@ class BoundTask(Protocol):
     device work: nothing read back to the host (no `.item()`, `bool()` of a tensor, data-dependent
     shapes), so that the trainer can capture it in a CUDA graph; batches of equal tensor shapes must be
     interchangeable for `loss` (plain numbers in a batch are not used by it).
+
+    A task whose `train_batches` draw from a generator that goes on across epochs (rather than one seeded by the
+    epoch) also has `data_state()` and `load_data_state(state)`, so that a paused run resumes with the same data
+    order (`headsearch.training.pause`; the ViT's). They are optional, and not in this protocol for that reason.
     """
 
     cfg: RunConfig  # the config it is bound to: what training reads (`rebind` gives another)

@@ -177,6 +177,14 @@ class BoundCifar:
         for x, y in self.train.batches(bs, shuffle=True, generator=self.generator):
             yield x, y, self.augment.draw(len(y), self.generator, self.device)
 
+    def data_state(self):
+        """The generator of shuffles and augmentation draws, which goes on across epochs: what a paused run keeps
+        to resume with the same data order (`headsearch.training.pause`)."""
+        return self.generator.get_state()
+
+    def load_data_state(self, state) -> None:
+        self.generator.set_state(state)
+
     def warmup_batches(self, steps_per_epoch: int) -> list:
         """A first batch (from a fresh data order: the run's own is untouched) and, when an epoch reaches
         the last, partial batch, a batch of that size: both shapes compile before the timed epochs."""

@@ -100,13 +100,16 @@ def train_run(
                                     clock=clock)
 
 
-def train_bound(bound, run_dir: Path, *, device, argv: list[str] | None = None, callbacks: Sequence = (), clock=None):
+def train_bound(bound, run_dir: Path, *, device, argv: list[str] | None = None, callbacks: Sequence = (), clock=None,
+                resume: bool = False):
     """Create `run_dir` (the bound task's config, command, versions, task artifacts) and train `bound` in it
     (`clock`: a search's `clock.AloneClock`, for the fair time). The config is `bound.cfg`: the one the data
-    was bound under, so the run directory records what actually trained."""
+    was bound under, so the run directory records what actually trained. `resume`: go on from the run paused
+    in `run_dir` (`headsearch.training.pause`); its command.txt and env.json are then the resuming one's."""
     from headsearch.training.rundir import create_run_dir
     from headsearch.training.trainer import fit
 
     create_run_dir(run_dir, bound.cfg.to_yaml(), argv)
     bound.write_artifacts(run_dir)
-    return fit(get_task(bound.cfg.task), bound, device=device, run_dir=run_dir, callbacks=callbacks, clock=clock)
+    return fit(get_task(bound.cfg.task), bound, device=device, run_dir=run_dir, callbacks=callbacks, clock=clock,
+               resume=resume)

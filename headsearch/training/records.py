@@ -41,7 +41,7 @@ class EpochRecord:
 
 @dataclass
 class TrainResult:
-    status: str  # "completed", "interrupted", "diverged", "stopped" (by a callback) or "failed"
+    status: str  # "completed", "interrupted", "diverged", "stopped" or "paused" (by a callback) or "failed"
     primary_metric: str
     params: int
     epochs_run: int = 0
@@ -67,6 +67,7 @@ class TrainResult:
     test_metrics: dict[str, float] = field(default_factory=dict)
     history: list[EpochRecord] = field(default_factory=list)
     error: str | None = None
+    resumed_at: int | None = None  # the epoch it was paused after and resumed from (`headsearch.training.pause`)
 
     def to_dict(self, with_history: bool = False) -> dict[str, Any]:
         d = asdict(self)
@@ -75,8 +76,14 @@ class TrainResult:
         return d
 
 
+class PauseRun(Exception):
+    """Raised by a callback's `on_epoch_end` to stop the run with its state kept, so that it can go on later as if
+    it had never stopped (`headsearch.training.pause`): a search's trial paused rather than pruned."""
+
+
 class Callback:
-    """Hooks into training. Raising from `on_epoch_end` stops the run (a pruner raises TrialPruned).
+    """Hooks into training. Raising from `on_epoch_end` stops the run (a pruner raises TrialPruned; `PauseRun`
+    stops it with its state kept).
 
     `on_evaluate` runs after each validation, before the epoch's record is kept and written: a
     callback may add measurements of the model to it (the diversity tracker of `headsearch.analysis`

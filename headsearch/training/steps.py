@@ -186,6 +186,27 @@ class Steps:
         self.steps_taken = 0
         synchronize(self.device)
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a paused run keeps of its steps (`headsearch.training.pause`): the optimizer's state, the step
+        state and the host's step count, on the CPU."""
+        return {"optimizer": self.optimizer.state_dict(), "steps_taken": self.steps_taken,
+                "step_state": {f.name: getattr(self.state, f.name).detach().cpu().clone()
+                               for f in dataclasses.fields(self.state)}}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Continue from `state_dict()`'s `saved`, after the warm-up: the step state copied in place (a captured
+        graph reads it), the optimizer's as `_load_optimizer` says."""
+        synchronize(self.device)
+        with torch.no_grad():
+            for name, value in saved["step_state"].items():
+                getattr(self.state, name).copy_(value)
+        self.steps_taken = int(saved["steps_taken"])
+        self._load_optimizer(saved["optimizer"])
+        synchronize(self.device)
+
+    def _load_optimizer(self, saved: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(saved)
+
     @contextlib.contextmanager
     def restored_afterwards(self):
         """Run warm-up work, then put back the weights, the optimizer state, the step state and the RNG."""
@@ -246,6 +267,13 @@ class EagerSteps(Steps):
                 loss.backward()
             self.optimizer.zero_grad(set_to_none=True)
         return time.perf_counter() - start
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        super().load_state_dict(saved)
+        self.scheduler.load_state_dict(saved["scheduler"])
 
     def step(self, batch: Any) -> int:
         loss, n = self.loss(batch)
@@ -335,6 +363,20 @@ class GraphSteps(Steps):
             with recover_failed_capture(self.device), torch.cuda.graph(graph, pool=self.pool, stream=stream):
                 n = self.step_body(static)
         return graph, n
+
+    def _load_optimizer(self, saved: dict[str, Any]) -> None:
+        """Copy the saved moments and step counts into the optimizer's own tensors, which the warm-up made and a
+        captured graph reads by address (`load_state_dict` would put new tensors in their place, and a tensor
+        learning rate in place of `lr_tensor`, which the step counter sets)."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        with torch.no_grad():
+            for index, values in saved["state"].items():
+                state = self.optimizer.state[params[int(index)]]
+                for key, value in values.items():
+                    if isinstance(state.get(key), torch.Tensor) and isinstance(value, torch.Tensor):
+                        state[key].copy_(value)
+                    else:  # a state the warm-up did not make (none for Adam): as the optimizer would hold it
+                        state[key] = value.to(params[int(index)].device) if isinstance(value, torch.Tensor) else value
 
     def step(self, batch: Any) -> int:
         entry = self.graphs.get(signature(batch))

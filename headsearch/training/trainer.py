@@ -22,7 +22,8 @@ import torch
 from headsearch.errors import Diverged
 from headsearch.io import append_line, write_atomic
 from headsearch.tasks import BoundTask, Task
-from headsearch.training.records import Callback, EpochRecord, StepInfo, TrainResult
+from headsearch.training.pause import PAUSE, history_lines, load_pause, resume_run, save_pause
+from headsearch.training.records import Callback, EpochRecord, PauseRun, StepInfo, TrainResult
 from headsearch.training.clock import (
     ALONE_STEPS, AloneClock, EpochHold, StepClock, alone_epoch_seconds, marked_batches, shared_hold, warm_up_hold,
 )
@@ -45,6 +46,7 @@ def fit(
     callbacks: Sequence[Callback] = (),
     log_seconds: float = LOG_SECONDS,
     clock: AloneClock | None = None,
+    resume: bool = False,
 ) -> TrainResult:
     """Train `bound`'s model under its own config (`bound.cfg`, the one its data was bound under: a second
     copy could disagree with it); evaluate each epoch; test the best checkpoint at the end.
@@ -53,10 +55,16 @@ def fit(
     `log_seconds`, when a callback listens to steps): losses, the divergence check and the learning
     rate stay device tensors until the epoch ends. With a `clock` (a search), each epoch's training and
     evaluation hold the device as `AloneClock` says, and epoch 1 measures the speed alone.
+
+    A callback that raises `PauseRun` from `on_epoch_end` stops the run with its state written to `run_dir`'s
+    `PAUSE`; `resume=True` goes on from there, as if the run had never stopped (`headsearch.training.pause`).
     """
     cfg = bound.cfg
     t = cfg.train
     check_compile(t, task)  # before anything is built or trained
+    if resume and run_dir is None:
+        raise ValueError("fit(resume=True) resumes the run paused in run_dir: pass run_dir")
+    paused = load_pause(run_dir / PAUSE, device) if resume else None  # a missing or foreign file fails here
     use_device(device)
     seed_everything(cfg.seed)
     model = bound.build_model().to(device)
@@ -82,7 +90,12 @@ def fit(
         if clock is not None:
             clock.ran_as(result.step_mode)  # a time measured in another mode (a fallback's) does not stand for this one
             result.epoch_seconds_alone = clock.known
-        for epoch in range(1, t.epochs + 1):
+        first = 1
+        if paused is not None:
+            first = resume_run(paused, model=model, steps=steps, bound=bound, run=run, device=device)
+            result = run.result  # epoch_seconds_alone included: measured in epoch 1, before the pause
+        paused = None  # its tensors (weights, moments) are in the run now: not held twice
+        for epoch in range(first, t.epochs + 1):
             measured = clock is not None and clock.measures(epoch)
             # The whole epoch (training, evaluation, checkpoint, callbacks) inside one hold, released with the
             # device idle (evaluate reads its results): between holds, a worker measuring alone gets its turn.
@@ -102,6 +115,9 @@ def fit(
                         cb.on_epoch_end(record)
                 except Exception as e:
                     stopped_by = id(e)
+                    if isinstance(e, PauseRun) and run_dir is not None:
+                        save_pause(run_dir / PAUSE, epoch=epoch, model=model, steps=steps, bound=bound, result=result,
+                                   best_state=run.best_state, wall_seconds=time.perf_counter() - run.started)
                     raise
     except KeyboardInterrupt:
         run.end("interrupted")
@@ -110,7 +126,9 @@ def fit(
         run.end("diverged", str(e))
         raise
     except Exception as e:  # keep what was done; a callback stopping the run (pruning) is not a failure
-        run.end("stopped" if id(e) == stopped_by else "failed", f"{type(e).__name__}: {e}")
+        by_callback = id(e) == stopped_by
+        run.end(("paused" if isinstance(e, PauseRun) else "stopped") if by_callback else "failed",
+                f"{type(e).__name__}: {e}")
         raise
 
     with shared_hold(clock):
@@ -169,6 +187,16 @@ class Run:
             result.seconds_to_target = record.train_seconds
         if self.run_dir is not None:
             append_line(self.run_dir / "metrics.jsonl", json.dumps(asdict(record)))
+
+    def rewrite_kept(self) -> None:
+        """metrics.jsonl and the best checkpoint written again from the result and the best weights (a resumed run:
+        whatever a resumption that died midway appended or saved after the pause is replaced)."""
+        if self.run_dir is None:
+            return
+        write_atomic(self.run_dir / "metrics.jsonl", history_lines(self.result))
+        if self.best_state is not None and self.result.best_epoch is not None:
+            save_checkpoint(self.best_state, self.run_dir / CHECKPOINT,
+                            {"epoch": str(self.result.best_epoch), "task": self.task.name})
 
     def evaluate_test_on_best(self, model: torch.nn.Module, autocast) -> None:
         """The test figures of the best weights (into the result, under `autocast`), and the task's outputs in
