@@ -33,6 +33,7 @@ class _Pending:
     clock: Any
     tag: Any
     callbacks: list
+    resume: bool = False
 
 
 class SoloBackend:
@@ -40,6 +41,7 @@ class SoloBackend:
 
     size = 1
     needs_data = True
+    resumes = True  # `add(..., resume=True)`: the trial goes on from its paused state (headsearch.training.pause)
 
     def __init__(self, device):
         self.device = device
@@ -56,10 +58,11 @@ class SoloBackend:
     def refusal(self, cfg: RunConfig) -> str | None:
         return None
 
-    def add(self, cfg: RunConfig, bound, run_dir: Path, *, argv=None, clock=None, tag=None, callbacks=()) -> int:
+    def add(self, cfg: RunConfig, bound, run_dir: Path, *, argv=None, clock=None, tag=None, callbacks=(),
+            resume: bool = False) -> int:
         if self._pending is not None:
             raise ValueError("the solo backend's slot is taken")
-        self._pending = _Pending(cfg, bound, run_dir, argv, clock, tag, list(callbacks))
+        self._pending = _Pending(cfg, bound, run_dir, argv, clock, tag, list(callbacks), resume)
         return 0
 
     def train_epoch(self) -> list[SlotEnd]:
@@ -68,7 +71,7 @@ class SoloBackend:
         result, error = None, None
         try:
             result = train_bound(p.bound, p.run_dir, device=self.device, argv=p.argv, clock=p.clock,
-                                 callbacks=p.callbacks)
+                                 callbacks=p.callbacks, resume=p.resume)
         except BaseException as e:
             error = e
         try:

@@ -90,13 +90,20 @@ class TrialLoop:
             self.life.end(self.study, end.tag, end.result if error is None else None, error, self.callbacks,
                           reraise=False)
 
+    @staticmethod
+    def _resume_refusal(run, backend) -> str | None:
+        """Why `backend` cannot take the resumption `run` (a cohort: it starts every slot from the beginning)."""
+        if run.resume and not getattr(backend, "resumes", False):
+            return "a resumption trains alone: a cohort starts its trials from the beginning"
+        return None
+
     def _join(self, trial) -> None:
         """Begin `trial` and put it in a free slot of the backend, or train it alone now if it cannot join."""
         run = self.life.begin(self.study, trial, self.callbacks)
         if isinstance(run, str):
             return
         backend = self.backend
-        if (why := backend.refusal(run.cfg)) is not None:
+        if (why := backend.refusal(run.cfg) or self._resume_refusal(run, backend)) is not None:
             trial.set_user_attr("cohort", {"size": 1, "why": why})
             backend = SoloBackend(self.device)
         solo = isinstance(backend, SoloBackend)
@@ -107,7 +114,7 @@ class TrialLoop:
         try:
             bound = self.context.data.bound_for(run.cfg, self.device) if backend.needs_data else None
             slot = backend.add(run.cfg, bound, run.run_dir, argv=self.argv, clock=run.clock, tag=run,
-                               callbacks=run.trainer_callbacks(self.callbacks))
+                               callbacks=run.trainer_callbacks(self.callbacks), **({"resume": True} if run.resume else {}))
         except BaseException as e:
             beat.__exit__(None, None, None)
             self.context.current_trial = None

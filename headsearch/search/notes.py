@@ -22,6 +22,7 @@ from optuna.trial import TrialState
 
 from headsearch.search.optuna_private import TrialNoteTarget, note_body, study_storage
 from headsearch.search.pruning import rule_rungs, rung_epochs
+from headsearch.search.record import resumes
 from headsearch.search.report import pruned_text, pruning_savings
 from headsearch.search.rungcheck import primary_direction
 
@@ -92,15 +93,17 @@ def point_words(trial, epoch: int, meta: Mapping[str, Any], direction: str | Non
     return ", ".join(parts)
 
 
-def pruned_note(trial, meta: Mapping[str, Any], direction: str | None = None) -> str:
+def pruned_note(trial, meta: Mapping[str, Any], direction: str | None = None, resumed_by: int | None = None) -> str:
     """The Markdown note of a trial headsearch pruned, from its ``user_attrs["pruned"]`` (older records lack
-    "ahead" and "margin": those sentences are left out)."""
+    "ahead" and "margin": those sentences are left out); of a paused one (`paused`), with the trial that resumed
+    it (`resumed_by`), if any."""
     p = trial.user_attrs.get("pruned") or {}
+    paused = trial.user_attrs.get("paused")
     epoch, rule = p.get("epoch"), p.get("rule") or meta.get("pruner") or "?"
     if not isinstance(epoch, int):
         epoch = max(trial.intermediate_values, default=None)
     where = rung_words(epoch, _rungs(meta, rule)) if isinstance(epoch, int) else ""
-    at = f"Pruned at epoch {epoch if epoch is not None else '?'}"
+    at = f"{'Paused' if paused else 'Pruned'} at epoch {epoch if epoch is not None else '?'}"
     head = f"**{at}** ({where}) **by the {rule} rule.**" if where else f"**{at} by the {rule} rule.**"
     lines = [head, ""]
     point = point_words(trial, epoch, meta, direction) if isinstance(epoch, int) else ""
@@ -112,8 +115,22 @@ def pruned_note(trial, meta: Mapping[str, Any], direction: str | None = None) ->
     margin = p.get("margin")
     if isinstance(margin, (int, float)) and margin > 0:
         lines.append(f"Its {meta.get('primary_metric') or 'value'} was given a noise margin of {_num(margin)} first.")
+    if resumes(trial) is not None:
+        lines.append(f"Resumes trial #{resumes(trial)} after epoch {trial.user_attrs.get('resumed_at', '?')}"
+                     " (its curve's first epochs are that trial's).")
+    if paused:
+        lines.append("Its state was kept (`pause.pt` in its run directory): "
+                     + (f"trial #{resumed_by} resumed it after epoch {epoch}." if resumed_by is not None else
+                        "not resumed, as the rule, asked again before each later trial, did not let it go on."))
     lines += ["", f"The rule's record: {pruned_text(p, direction)}."]
     return "\n".join(lines)
+
+
+def resumed_note(trial) -> str:
+    """The Markdown note of a resumption (`resumes`): whose run it goes on with, from which epoch."""
+    a = trial.user_attrs
+    return (f"**Resumes trial #{a['resumes']} after epoch {a.get('resumed_at', '?')}**, in its run directory, exactly"
+            f" where its rule paused it: epochs 1-{a.get('resumed_at', '?')} of this curve are that trial's.")
 
 
 def plan_line(meta: Mapping[str, Any]) -> str:
@@ -198,11 +215,14 @@ def write_dashboard_notes(study) -> NotesWritten:
             ours[key] = _digest(body)
             done.written.append(name)
 
-    for t in study.get_trials(deepcopy=False):
-        if _pruned_by_headsearch(t):
+    trials = study.get_trials(deepcopy=False)
+    resumed_by = {resumes(t): t.number for t in trials if resumes(t) is not None}  # the latest resumption
+    for t in trials:
+        if _pruned_by_headsearch(t) or resumes(t) is not None:
             trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, t.number)
-            write(f"trial:{t.number}", f"trial {t.number}", TrialNoteTarget(storage, study, trial_id), trial_id,
-                  pruned_note(t, meta, direction))
+            body = resumed_note(t) if resumes(t) is not None and not _pruned_by_headsearch(t) else \
+                pruned_note(t, meta, direction, resumed_by.get(t.number))
+            write(f"trial:{t.number}", f"trial {t.number}", TrialNoteTarget(storage, study, trial_id), trial_id, body)
     if meta:
         write("study", "study", study, None, study_note(study, meta))
     if done.written:

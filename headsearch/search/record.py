@@ -23,6 +23,11 @@ KEYS: dict[str, str] = {
     "over_budget": "trials created before it that filled the budget (told FAIL, never trained)",
     "fail_reason": "why it failed (an 'interrupted ...' reason is retried; any other is for good)",
     "pruned": "the pruning decision: rule, epoch, point, threshold, the trials ahead",
+    "paused": "stopped by its rule with its state kept (--pruner-pause): the epoch, its run's pause checkpoint; told"
+              " PRUNED, and resumed by a later trial if the rule, asked again, lets it go on",
+    "resumes": "the paused trial it goes on from (same architecture and run directory; it takes no place of the"
+               " budget, its curve holds the paused trial's epochs too)",
+    "resumed_at": "the epoch after which it goes on (its paused trial's)",
     "cohort": "the cohort it trained in (size, slot, worker), or why it trained alone",
     "alone_key": "the architecture and step mode its fair epoch seconds were measured in",
     "epoch_seconds_alone": "one epoch's seconds with the device to itself (the fair clock)",
@@ -51,8 +56,26 @@ COUNTED_STATES = ("COMPLETE", "PRUNED", "RUNNING", "WAITING")
 
 def counts_toward_budget(t) -> bool:
     """Whether trial `t` fills a place of --trials: finished (complete, pruned, rejected), running, or waiting
-    to run (enqueued, a retry). A failed trial never does: a retry takes its place."""
-    return t.state.name in COUNTED_STATES
+    to run (enqueued, a retry). A failed trial never does: a retry takes its place. A resumption never does
+    either: its paused trial holds the place."""
+    return t.state.name in COUNTED_STATES and "resumes" not in t.user_attrs
+
+
+def is_paused(t) -> bool:
+    """Whether trial `t` was paused (PRUNED with its state kept, `paused`): resumable unless a trial resumes it."""
+    return t.state.name == "PRUNED" and "paused" in t.user_attrs
+
+
+def resumes(t) -> int | None:
+    """The number of the paused trial that trial `t` goes on from, or None."""
+    n = t.user_attrs.get("resumes")
+    return None if n is None else int(n)
+
+
+def resumed(trials) -> set[int]:
+    """The numbers of the paused trials some trial resumes (waiting, running or ended; an interrupted
+    resumption's retry carries `resumes` too): their curves go on in those trials."""
+    return {n for t in trials if (n := resumes(t)) is not None}
 
 
 def failed_for_good(t) -> bool:
@@ -84,9 +107,11 @@ def was_trained(t) -> bool:
 
 
 def epochs_trained(t) -> int:
-    """The epochs trial `t` trained: its record, else (older records) its intermediate values, one per epoch."""
+    """The epochs trial `t` trained: its record, else (older records) its intermediate values, one per epoch; a
+    resumption's own, after its paused trial's (`resumed_at`)."""
     ran = t.user_attrs.get("epochs_run")
-    return int(ran) if ran is not None else len(t.intermediate_values)
+    ran = int(ran) if ran is not None else len(t.intermediate_values)
+    return ran - int(t.user_attrs.get("resumed_at") or 0)
 
 
 def config_key(config: Any) -> str:

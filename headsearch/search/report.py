@@ -33,7 +33,7 @@ from headsearch.search.costs import study_cost_summary
 from headsearch.search.hypervolume import dominates, front_indices, hypervolume, minimised, scale_minimised
 from headsearch.search.objectives import Objective, directions_of, objectives_of
 from headsearch.search.ranks import metric_direction, spearman
-from headsearch.search.record import epochs_trained, was_trained
+from headsearch.search.record import epochs_trained, resumes, was_trained
 from headsearch.search.rungcheck import RungCorrelation, check_rungs
 from headsearch.search.snapshot import count_states, trial_state
 from headsearch.search.storage import check_sqlite_file, journal_path, open_storage, sqlite_path
@@ -313,7 +313,8 @@ def importance_evaluator():
 
 
 def pruning_savings(trials, default_epochs: int | None) -> Savings:
-    """Epochs trained by complete and pruned trials (not rejected, not duplicates) vs. all of them run to the end."""
+    """Epochs trained by complete and pruned trials (not rejected, not duplicates) vs. all of them run to the end.
+    A resumption's epochs are its paused trial's run's: they add to the epochs run, not to the trials."""
     run = without = n = 0
     for t in trials:
         if not was_trained(t):
@@ -321,9 +322,10 @@ def pruning_savings(trials, default_epochs: int | None) -> Savings:
         epochs = ((t.user_attrs.get("config") or {}).get("train") or {}).get("epochs", default_epochs)
         if epochs is None:
             continue
-        n += 1
         run += epochs_trained(t)
-        without += int(epochs)
+        if resumes(t) is None:
+            n += 1
+            without += int(epochs)
     saved = without - run
     return Savings(trials=n, epochs_run=run, epochs_without_pruning=without, epochs_saved=saved,
                    saved_fraction=saved / without if without else 0.0)

@@ -37,6 +37,7 @@ from headsearch.search.record import arch_summary, config_key, holds_architectur
 from headsearch.search.scheduler import DUPLICATE_ASKS, WAIT, Scheduler
 from headsearch.search.settings import SearchSettings, check_settings, load_callback
 from headsearch.search.space import SearchSpace, load_space
+from headsearch.search.trial_pruning import resumable
 from headsearch.search.study import (StudyHandle, StudyStorage, check_sampler, default_sampler, make_sampler, open_study,
                                      sampler_seed)
 from headsearch.search.trial_life import SearchCallback, TrialLife, TrialRun, with_storage_retries
@@ -105,6 +106,9 @@ class Search:
         d = self.definition
         self.archs = SpaceArchitectures(d)
         self.scheduler = Scheduler(d, self.archs, self.handle, self.make_sampler)
+        if d.settings.pruner_pause:
+            optuna_pruner, curve_pruner = d.make_pruner()
+            self.scheduler.resumable = lambda study, trials: resumable(study, trials, curve_pruner, optuna_pruner)
         self.life = TrialLife(d, self.scheduler, self.handle, self.context.seat, self.optuna_callbacks)
 
     def _resolve_base(self, task: Task, space: SearchSpace, source: DataSource) -> RunConfig:
@@ -161,7 +165,8 @@ class Search:
                            "objectives": [o.stored() for o in self.objectives],
                            "primary_metric": self.task.primary.name, "base_config": self.base.to_dict(),
                            "sampler": self.sampler_name(), "pruner": self.definition.pruner_name(),
-                           "pruner_options": self.pruner_options(), "seed": self.settings.seed,
+                           "pruner_options": self.pruner_options(), "pruner_pause": self.settings.pruner_pause,
+                           "seed": self.settings.seed,
                            "trials": self.settings.trials, "epochs": self.base.train.epochs,
                            "run_root": str(Path(self.settings.run_root).resolve() / self.study_name),
                            "data": str(Path(described).resolve()) if described != "download" else "download"},

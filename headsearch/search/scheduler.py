@@ -22,7 +22,8 @@ from headsearch.config import RunConfig
 from headsearch.errors import ConfigError, HeadsearchError
 from headsearch.search.liveness import SilenceWatch, finished_trial_error, retry_callback
 from headsearch.search.optuna_private import running_without_heartbeat, stale_trial_ids, trial_id
-from headsearch.search.record import arch_summary, config_key, counts_toward_budget, failed_for_good
+from headsearch.search.record import (arch_summary, config_key, counts_toward_budget, failed_for_good, is_paused,
+                                      resumes)
 from headsearch.search.storage import LockHold, budget_lock
 
 if TYPE_CHECKING:
@@ -56,6 +57,8 @@ class Scheduler:
         self.racing = False  # asking with no lock held (`LockHold.exclusive`): see RACING_STRIDE
         self._stride = RACING_STRIDE * random.SystemRandom().randrange(1, 1000)
         self.dead = DeadTrials(handle)
+        # (study, trials) -> the paused trial to resume now, or None (--pruner-pause: `trial_pruning.resumable`)
+        self.resumable: Callable[[Any, list], Any] | None = None
         # Hears (seconds waited for the budget lock, seconds it was held) after every ask: a cluster's
         # measurements of the lock (benchmarks/cluster.py); None costs nothing.
         self.on_lock: Callable[[float, float], None] | None = None
@@ -104,11 +107,18 @@ class Scheduler:
                     f"{failed} trials failed in study {s.study_name} (see their fail_reason with `headsearch report`):"
                     " fix the cause (e.g. a lower lr) before running more"
                 )
+            if waiting == 0 and self.resumable is not None and (paused := self.resumable(study, trials)) is not None:
+                # Before any new trial (a promotion first, as in ASHA), and whether or not the budget has room: the
+                # paused trial holds its place, and its resumption takes none.
+                study.enqueue_trial(paused.params, user_attrs={"resumes": paused.number})
+                continue
             running = any(t.state == TrialState.RUNNING for t in trials)
             counted = sum(1 for t in trials if counts_toward_budget(t))
             # Nothing left to ask: running trials hold the rest. With heartbeats (leases on a journal), wait for
-            # them: one may belong to a dead worker and come back as a retry (or fail and free its place).
-            done = WAIT if running and self.handle.store_of(study).tells_dead_workers else None
+            # them: one may belong to a dead worker and come back as a retry (or fail and free its place). With
+            # paused trials, wait too: what the running ones show may let the rule resume one.
+            paused = self.resumable is not None and any(is_paused(t) for t in trials)
+            done = WAIT if running and (self.handle.store_of(study).tells_dead_workers or paused) else None
             if waiting == 0 and counted >= trials_wanted:
                 return done
             next_point = getattr(s.space, "next_point", None)  # a grid that says which point comes next
@@ -160,7 +170,8 @@ class Scheduler:
         """`study.ask()`, its first heartbeat (or lease) recorded at once, under the budget lock, then fenced."""
         trial = study.ask()
         self.handle.store_of(study).beat(trial.number)
-        self._fence(study, trial)
+        if resumes(trial) is None:  # a resumption takes no place of the budget
+            self._fence(study, trial)
         return trial
 
     def _fence(self, study, trial) -> None:
@@ -191,7 +202,8 @@ class Scheduler:
             return trial
         config = cfg.to_dict()
         trial.set_user_attr("config", config)
-        holder = self._held_elsewhere(study, trial, config_key(config))
+        # A resumption holds its architecture with its paused trial, whose run it goes on with.
+        holder = self._held_elsewhere(study, trial, config_key(config)) if resumes(trial) is None else None
         if holder is None:
             self.sampled[trial.number] = cfg
             return trial

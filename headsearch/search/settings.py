@@ -157,6 +157,11 @@ class SearchSettings:
         None, part=PRUNING, check=_number(0, 100), problem="give a percentile in [0, 100]",
         help="percentile: prune a trial whose best so far is in the bottom this-many percent of the others' values"
              " at its epoch (0-100, default 25).")
+    pruner_pause: bool = setting(
+        False, part=PRUNING, check=lambda v: isinstance(v, bool), problem="give true or false",
+        help="Pause rather than kill: a trial the rule stops keeps its state (pause.pt in its run directory) and is"
+             " resumed, exactly where it stopped, when the rule asked again later lets it go on (docs/searching.md)."
+             " Solo workers; a cohort's trials are pruned.")
     # -- storage and workers
     storage: str = setting(DEFAULT_STORAGE, part=WORKERS, envvar=STORAGE_ENV,
                            help="Optuna storage URL (sqlite, postgresql, mysql, journal:FILE, redis, grpc).")

@@ -35,7 +35,7 @@ from headsearch.search.hypervolume import front_indices, hypervolume, scale_mini
 from headsearch.search.objectives import MINIMIZE, Objective
 from headsearch.search.snapshot import count_states
 from headsearch.search.table import arch_key, overrides_of
-from headsearch.training.records import EpochRecord, TrainResult
+from headsearch.training.records import EpochRecord, PauseRun, TrainResult
 
 REFERENCE = 1.1  # every objective scaled to [0, 1]: the reference point lies 10% beyond the worst
 SIMULATED_STORAGE = "memory:"  # no URL: the simulator hands `Search.run` an in-memory study itself
@@ -49,6 +49,7 @@ class _Slot:
     run: dict[str, Any]
     callbacks: list
     epoch: int = 0
+    run_dir: Any = None
 
 
 @dataclass
@@ -92,6 +93,7 @@ class TableCohort:
     through the trial's callbacks (the search's pruner among them), and hands it back if it ended."""
 
     needs_data = False
+    resumes = True  # a paused trial's run goes on from its epoch, with the seed it drew (`kept`)
 
     def __init__(self, table: dict[str, Any], workers: int, rng: random.Random):
         self.table, self.size, self.rng = table, workers, rng
@@ -100,6 +102,7 @@ class TableCohort:
         self.events: list[tuple[float, int, int]] = []  # (time, order, slot)
         self.now, self._order = 0.0, 0
         self.epochs_trained = 0
+        self.kept: dict[Any, tuple[dict[str, Any], int]] = {}  # a paused trial's (run, epoch), by its run directory
 
     @property
     def free(self) -> bool:
@@ -115,10 +118,12 @@ class TableCohort:
     def row_of(self, cfg: RunConfig) -> dict[str, Any]:
         return table_row(self.table, self.rows, cfg)
 
-    def add(self, cfg: RunConfig, bound, run_dir, *, argv=None, clock=None, tag=None, callbacks=()) -> int:
+    def add(self, cfg: RunConfig, bound, run_dir, *, argv=None, clock=None, tag=None, callbacks=(),
+            resume: bool = False) -> int:
         slot = min(set(range(self.size)) - set(self.slots))
         row = self.row_of(cfg)
-        self.slots[slot] = _Slot(tag, cfg, row, self.rng.choice(row["runs"]), list(callbacks))
+        run, epoch = self.kept.pop(run_dir) if resume else (self.rng.choice(row["runs"]), 0)
+        self.slots[slot] = _Slot(tag, cfg, row, run, list(callbacks), epoch, run_dir)
         self._schedule(slot)
         return slot
 
@@ -139,6 +144,9 @@ class TableCohort:
                 cb.on_epoch_end(record)
         except optuna.TrialPruned as e:
             del self.slots[slot]
+            if isinstance(e, PauseRun):  # its run goes on from this epoch if it is resumed
+                self.kept[s.run_dir] = (s.run, s.epoch)
+                e.kept = f"table:{s.run_dir}"
             return [TableEnd(slot, s.tag, None, e)]
         if s.epoch < len(s.run["curve"]):
             self._schedule(slot)

@@ -22,9 +22,9 @@ from headsearch.config import RunConfig
 from headsearch.errors import ConfigError, Diverged, Terminated, device_fault, interruption
 from headsearch.search.artifacts import write_trial_link
 from headsearch.search.liveness import StorageUnavailable, finished_trial_error, retry_callback
-from headsearch.search.record import arch_summary, record_result
-from headsearch.search.trial_pruning import TrialPruning
-from headsearch.training.records import Callback
+from headsearch.search.record import arch_summary, record_result, resumes
+from headsearch.search.trial_pruning import TrialPaused, TrialPruning
+from headsearch.training.records import PAUSE, Callback
 
 if TYPE_CHECKING:
     from headsearch.training.clock import AloneClock
@@ -45,6 +45,7 @@ class TrialRun:
     pruning: TrialPruning
     clock: AloneClock
     tensorboard: Callback | None = None
+    resume: bool = False  # it goes on from its paused trial's state (`resumes`), in that trial's run directory
 
     def trainer_callbacks(self, callbacks: Sequence[Callback] = ()) -> list[Callback]:
         """What its trainer (or cohort slot) is given: the TensorBoard writer first (so that it records the epoch
@@ -91,19 +92,49 @@ class TrialLife:
         if not recorded:  # sampled under the lock, its config was written then
             trial.set_user_attr("config", cfg.to_dict())
         trial.set_user_attr("arch", arch_summary(cfg))
-        run_dir = Path(s.settings.run_root) / s.study_name / f"trial-{trial.number:05d}"
+        paused = resumes(trial)
+        first = trial.number if paused is None else self._run_of(study, paused)
+        run_dir = Path(s.settings.run_root) / s.study_name / f"trial-{first:05d}"
         trial.set_user_attr("run_dir", str(run_dir.resolve()))
+        earlier = self._go_on_from(study, trial, paused) if paused is not None else None
         for cb in callbacks:
             cb.on_trial_start(trial.number, cfg)
         _, curve_pruner = s.make_pruner()
         pruning = TrialPruning(study, trial, s.task.primary.name, curve_pruner, s.pruner_name(), not s.multi_objective,
-                               epochs=cfg.train.epochs, store=self.handle.store_of(study))
+                               epochs=cfg.train.epochs, store=self.handle.store_of(study), pause=s.settings.pruner_pause,
+                               earlier=earlier)
         writer = None
         if s.settings.tensorboard is not None:
             from headsearch.training.tensorboard import TensorBoardWriter, trial_dir
 
             writer = TensorBoardWriter(trial_dir(s.settings.tensorboard, trial.number), hparams=trial.params)
-        return TrialRun(trial, cfg, run_dir, pruning, self.alone_clock(study, trial, cfg), writer)
+        return TrialRun(trial, cfg, run_dir, pruning, self.alone_clock(study, trial, cfg), writer, paused is not None)
+
+    def _run_of(self, study, number: int) -> int:
+        """The first trial of the run that trial `number` belongs to (itself, unless it resumes another: a
+        resumption may itself have been paused and resumed): the run directory is that trial's."""
+        store = self.handle.store_of(study)
+        while (earlier := resumes(store.frozen_trial(number))) is not None:
+            number = earlier
+        return number
+
+    def _go_on_from(self, study, trial, number: int) -> dict[int, float]:
+        """A resumption of paused trial `number` begins with that trial's record: its curve (each epoch's value,
+        so the rules and the dashboard see the whole run), the epoch it goes on after, and what its first epoch
+        measured (parameters, fair epoch seconds). Returns the curve."""
+        store = self.handle.store_of(study)
+        paused = store.frozen_trial(number)
+        trial.set_user_attr("resumed_at", int(paused.user_attrs["paused"]["epoch"]))
+        for key in ("params", "epoch_seconds_alone", "alone_key"):
+            if key in paused.user_attrs:
+                trial.set_user_attr(key, paused.user_attrs[key])
+        curve = {int(e): float(v) for e, v in paused.intermediate_values.items()}
+        for epoch, value in sorted(curve.items()):
+            if self.definition.multi_objective:
+                store.set_intermediate_value(trial.number, epoch, value)
+            else:
+                trial.report(value, epoch)
+        return curve
 
     def alone_clock(self, study, trial, cfg: RunConfig) -> AloneClock:
         """The trial's fair clock on this worker's seat (`Seat.clock`), in the step mode it intends; the trial's
@@ -149,6 +180,8 @@ class TrialLife:
             state = TrialState.COMPLETE
         elif isinstance(error, optuna.TrialPruned):
             trial.set_user_attr("epochs_run", len(pruning.curve))
+            if isinstance(error, TrialPaused) and error.kept is not None:
+                trial.set_user_attr("paused", {"epoch": max(pruning.curve), "checkpoint": error.kept})
             state = TrialState.PRUNED
         elif isinstance(error, Diverged) or out_of_gpu_memory(error):
             out_of_memory = out_of_gpu_memory(error)
@@ -171,6 +204,8 @@ class TrialLife:
         if run.run_dir.is_dir():  # lets `headsearch analyze` upload its figures to this trial
             write_trial_link(run.run_dir, s.settings.storage, s.study_name, trial.number)
         study.tell(trial, values=values, state=state)
+        if run.resume and state == TrialState.COMPLETE:
+            (run.run_dir / PAUSE).unlink(missing_ok=True)  # the run is whole: its pause can no longer matter
         for cb in callbacks:
             cb.on_trial_end(trial.number, state.name)
         self._call_optuna_callbacks(study, trial.number)

@@ -4,12 +4,28 @@ Optuna's `report`/`should_prune` refuse multi-objective studies, so there each e
 the trial's intermediate values through the storage and judged against the other trials' curves by the
 study's rule (`headsearch.search.pruning`); single-objective studies use Optuna's own pruners with the same
 rules. A pruned trial is stored PRUNED with its reason (user attribute `pruned`).
+
+With --pruner-pause a trial the rule stops is paused instead (`TrialPaused`): the trainer keeps its state, it is
+stored PRUNED with `paused` too, and the scheduler resumes it in a later trial when the rule, asked again with
+what the study knows then, lets it go on (`resumable`).
 """
 from __future__ import annotations
 
-from headsearch.search.pruning import Progress, RulePruner, comparison_trials, judges_progress, progress_of
+from typing import Any
+
+import optuna
+
+from headsearch.search.pruning import (Progress, PruneDecision, RulePruner, comparison_trials, judges_progress,
+                                       progress_of)
+from headsearch.search.record import is_paused, resumed
 from headsearch.search.study import StudyStorage
-from headsearch.training.records import Callback, EpochRecord
+from headsearch.training.records import Callback, EpochRecord, PauseRun
+
+
+class TrialPaused(optuna.TrialPruned, PauseRun):
+    """A trial stopped by its rule with its state kept: Optuna's record of it is a pruned trial's, and the trainer
+    (a `PauseRun`) keeps what a resumption needs. `kept` says where, once kept (None: it was not, e.g. in a cohort:
+    the trial is then an ordinary pruned one)."""
 
 
 class TrialPruning(Callback):
@@ -23,13 +39,16 @@ class TrialPruning(Callback):
     """
 
     def __init__(self, study, trial, metric: str, curve_pruner, pruner_name: str, single_objective: bool,
-                 epochs: int | None = None, store: StudyStorage | None = None):
+                 epochs: int | None = None, store: StudyStorage | None = None, pause: bool = False,
+                 earlier: dict[int, float] | None = None):
         if not single_objective and store is None:
             raise ValueError("a multi-objective trial's pruning writes through the study's storage: pass store")
         self.study, self.trial, self.metric, self.store = study, trial, metric, store
         self.curve_pruner, self.pruner_name, self.single = curve_pruner, pruner_name, single_objective
         self.epochs = epochs  # the trial's last epoch: nothing is left to save there, so it is never pruned
-        self.curve: dict[int, float] = {}
+        self.pause = pause  # stop with the state kept (TrialPaused) rather than for good
+        # A resumption's curve starts with its paused trial's epochs (`earlier`), which it does not train again.
+        self.curve: dict[int, float] = dict(earlier or {})
 
     def on_epoch_end(self, record: EpochRecord) -> None:
         epoch, value = record.epoch, float(record.metrics[self.metric])
@@ -53,17 +72,48 @@ class TrialPruning(Callback):
         self.store.set_intermediate_value(self.trial.number, epoch, value)
         if self.curve_pruner is None or last:
             return
-        others = comparison_trials(self.study.get_trials(deepcopy=False), self.curve_pruner.rule, self.trial.number)
-        if judges_progress(self.curve_pruner):
-            mine = Progress(self.curve, record.params, record.epoch_seconds_alone, self.trial.number)
-            decision = self.curve_pruner.decide(epoch, mine, [progress_of(t) for t in others])
-        else:
-            decision = self.curve_pruner.decide(epoch, self.curve, [dict(t.intermediate_values) for t in others])
+        mine = Progress(self.curve, record.params, record.epoch_seconds_alone, self.trial.number)
+        decision = judge(self.curve_pruner, self.study.get_trials(deepcopy=False), epoch, mine)
         if decision.prune:
             self._prune(decision.reason())
 
     def _prune(self, reason: dict) -> None:
-        import optuna
-
-        self.trial.set_user_attr("pruned", reason)
+        self.trial.set_user_attr("pruned", {**reason, "pause": True} if self.pause else reason)
+        if self.pause:
+            raise TrialPaused(f"paused at epoch {reason['epoch']} by the {reason['rule']} rule")
         raise optuna.TrialPruned(f"pruned at epoch {reason['epoch']} by the {reason['rule']} rule")
+
+
+def judge(curve_pruner, trials, epoch: int, mine: Progress) -> PruneDecision:
+    """`curve_pruner`'s decision on `mine` (trial `mine.number`'s progress) at `epoch`, against the study's `trials`
+    it compares with (`comparison_trials`)."""
+    others = comparison_trials(trials, curve_pruner.rule, mine.number)
+    if judges_progress(curve_pruner):
+        return curve_pruner.decide(epoch, mine, [progress_of(t) for t in others])
+    return curve_pruner.decide(epoch, dict(mine.curve), [dict(t.intermediate_values) for t in others])
+
+
+def resumable(study, trials: list, curve_pruner, optuna_pruner: Any) -> Any:
+    """The paused trial to resume now, or None: of the paused trials no trial resumes yet, those whose rule, asked
+    again at the epoch it paused them with what the study knows now, judges them and lets them go on (a rung rule:
+    they rank among the trials that may go on past their rung now; Li et al. 2020's promotions, for any rule).
+    The latest-paused first (the nearest the end), then the earliest trial. A decision that judged nothing (not a
+    rung now, too few trials: `PruneDecision.judged`) resumes nothing.
+
+    Several objectives: the rule's judge (`curve_pruner`). One: Optuna's pruner on the paused trial's record (for
+    `RulePruner` its decision must be a judgement; Optuna's own pruners give none to check, so their "go on" is
+    taken as it is)."""
+    gone_on = resumed(trials)
+    candidates = sorted((t for t in trials if is_paused(t) and t.number not in gone_on),
+                        key=lambda t: (-int(t.user_attrs["paused"]["epoch"]), t.number))
+    for t in candidates:
+        epoch = int(t.user_attrs["paused"]["epoch"])
+        if curve_pruner is not None:
+            decision = judge(curve_pruner, trials, epoch, progress_of(t))
+            if decision.judged and not decision.prune:
+                return t
+        elif optuna_pruner is not None and not optuna_pruner.prune(study, t):
+            last = getattr(optuna_pruner, "last", None)
+            if last is None or last.judged:
+                return t
+    return None

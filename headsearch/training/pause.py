@@ -30,9 +30,7 @@ import torch
 
 from headsearch.errors import HeadsearchError
 from headsearch.io import write_atomic
-from headsearch.training.records import EpochRecord, TrainResult
-
-PAUSE = "pause.pt"
+from headsearch.training.records import PAUSE, EpochRecord, TrainResult  # noqa: F401 (PAUSE: where it is kept)
 FORMAT = 1  # the layout of PAUSE's dict; a file of another is refused in one line
 
 

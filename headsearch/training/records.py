@@ -76,9 +76,15 @@ class TrainResult:
         return d
 
 
+PAUSE = "pause.pt"  # a paused run's state, in its run directory (`headsearch.training.pause`)
+
+
 class PauseRun(Exception):
     """Raised by a callback's `on_epoch_end` to stop the run with its state kept, so that it can go on later as if
-    it had never stopped (`headsearch.training.pause`): a search's trial paused rather than pruned."""
+    it had never stopped (`headsearch.training.pause`): a search's trial paused rather than pruned. The trainer
+    sets `kept` to the file it kept the state in (None: it kept none, e.g. a run without a directory)."""
+
+    kept: str | None = None
 
 
 class Callback:

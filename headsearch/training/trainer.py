@@ -118,6 +118,7 @@ def fit(
                     if isinstance(e, PauseRun) and run_dir is not None:
                         save_pause(run_dir / PAUSE, epoch=epoch, model=model, steps=steps, bound=bound, result=result,
                                    best_state=run.best_state, wall_seconds=time.perf_counter() - run.started)
+                        e.kept = str(run_dir / PAUSE)
                     raise
     except KeyboardInterrupt:
         run.end("interrupted")

@@ -136,7 +136,7 @@ def _gate(rule, epoch: int, mine: Progress, others: Sequence[Progress], judged_h
     n = len(theirs)
 
     def keep(note: str) -> PruneDecision:
-        return PruneDecision(False, rule.rule, epoch, value, None, n, note)
+        return PruneDecision(False, rule.rule, epoch, value, None, n, note, judged=False)
 
     if epoch <= rule.n_warmup_epochs:
         return keep(f"warm-up (epoch {epoch} <= n_warmup_epochs {rule.n_warmup_epochs})")
@@ -259,7 +259,7 @@ class ParetoRule:
         margin = self.margin(epoch, mine, judged)
         if margin is None:
             return PruneDecision(False, self.rule, epoch, value, None, n, "the curves' noise is not known yet (one epoch)",
-                                 point=tuple(own))
+                                 point=tuple(own), judged=False)
         hopeful = list(own)
         if "quality" in self.kinds:  # the benefit of the doubt: its quality as good as the noise allows
             hopeful[self.kinds.index("quality")] -= margin

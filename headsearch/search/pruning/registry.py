@@ -13,6 +13,7 @@ from optuna.trial import TrialState
 from headsearch.errors import ConfigError
 from headsearch.search.pruning.progress import MultiMetricRule, ParetoRule
 from headsearch.search.pruning.rules import MedianRule, PercentileRule, PruneDecision, RungRule, _direction, _int
+from headsearch.search.record import resumed
 
 # The rung rules judge a trial against every trial that reached the rung, running ones included, as asynchronous
 # successive halving does (Li et al. 2020): with 8 workers the first 8 trials would otherwise never be judged.
@@ -90,11 +91,15 @@ def pruning_rule(name: str) -> PruningRule:
 
 def comparison_trials(trials: Iterable[Any], rule: str, number: int) -> list[Any]:
     """The trials (Optuna FrozenTrials) that trial `number` is judged against under `rule`: those in a state
-    the rule compares with, leaving out rejected trials and trial `number` itself."""
+    the rule compares with, leaving out rejected trials, trial `number` itself and the paused trials a later trial
+    resumes (its curve holds theirs: each run counts once)."""
     states = pruning_rule(rule).compares
     if not states:
         raise ConfigError(f"pruner {rule!r} compares no trials itself")
-    return [t for t in trials if t.state in states and "rejected" not in t.user_attrs and t.number != number]
+    trials = list(trials)
+    gone_on = resumed(trials)
+    return [t for t in trials if t.state in states and "rejected" not in t.user_attrs and t.number != number
+            and t.number not in gone_on]
 
 
 def comparison_curves(trials: Iterable[Any], rule: str, number: int) -> list[dict[int, float]]:

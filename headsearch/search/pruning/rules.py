@@ -32,6 +32,8 @@ class PruneDecision:
     - `ahead` (the rules on several objectives): the numbers of the trials ranked ahead of it.
     - `point`: its point there, every coordinate minimised (`progress_point`), before any margin.
     - `margin`: the noise margin its quality was given (`ParetoRule`), in the metric's units.
+    - `judged`: whether the rule compared the trial at all (False: the warm-up, not a rung, too few trials, the
+      noise not known yet). A paused trial is resumed only on a judgement (`trial_pruning.resumable`). Not stored.
     """
 
     prune: bool
@@ -44,6 +46,7 @@ class PruneDecision:
     ahead: tuple[int, ...] = ()
     point: tuple[float, ...] | None = None
     margin: float | None = None
+    judged: bool = True
 
     def reason(self) -> dict[str, Any]:
         """All fields as a JSON-able dict (for ``user_attrs["pruned"]``); NaN and inf become None. The fields of
@@ -53,6 +56,8 @@ class PruneDecision:
 
         out: dict[str, Any] = {}
         for f in fields(self):
+            if f.name == "judged":
+                continue
             v = getattr(self, f.name)
             if f.name in ("ahead", "point", "margin") and v == f.default:
                 continue
@@ -200,8 +205,8 @@ class PercentileRule:
         at = _values_at(epoch, others)
         n = len(at)
 
-        def keep(note: str, threshold: float | None = None) -> PruneDecision:
-            return PruneDecision(False, self.rule, epoch, value, threshold, n, note)
+        def keep(note: str) -> PruneDecision:
+            return PruneDecision(False, self.rule, epoch, value, None, n, note, judged=False)
 
         w, s = self.n_warmup_epochs, self.n_startup_trials
         if epoch <= w:
@@ -323,11 +328,11 @@ class RungRule:
         at = _values_at(epoch, others)
         n = len(at)
         if not self.is_rung(epoch):
-            return PruneDecision(False, self.rule, epoch, value, None, n, "not a rung")
+            return PruneDecision(False, self.rule, epoch, value, None, n, "not a rung", judged=False)
         if n < self.n_startup_trials:
             return PruneDecision(
                 False, self.rule, epoch, value, None, n,
-                f"too few trials ({n} < {self.n_startup_trials})",
+                f"too few trials ({n} < {self.n_startup_trials})", judged=False,
             )
         if math.isnan(value):
             return PruneDecision(True, self.rule, epoch, value, None, n, "value is NaN")

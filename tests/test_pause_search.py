@@ -1,0 +1,116 @@
+"""Pause instead of kill in a real search (--pruner-pause): a trial its rule stops keeps its state and is told PRUNED
+with `paused`; a later trial resumes it (`resumes`) when the rule, asked again, lets it go on. The budget counts
+the paused trial's place once, the resumption's curve holds the whole run, and it equals the same architecture
+trained straight through."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from headsearch.search.pruning import PruneDecision, PruningRule, register_pruner
+from headsearch.search.pruning.registry import REACHED, RULES
+from headsearch.search.record import counts_toward_budget, epochs_trained
+from headsearch.search.report import pruning_savings
+from test_custom_task import NAME, SPACE, planted  # noqa: F401 (a fixture)
+from test_pause import TIMINGS
+
+
+class FewSeen:
+    """A scripted rule with rungs at epochs 2 and 3: a trial is stopped at a rung while fewer than 3 other trials
+    have reached it, and goes on once 3 have. Trained one at a time on a budget of 4 (4 epochs each): trials 0-2
+    stop at 2, trial 3 at 3; asked again, trial 0 goes on (trial 4) and stops at 3, trial 1 likewise (5), trial 2
+    goes on to the end (6), then trial 3 (7), then the resumptions 4 and 5 are resumed in turn (8, 9): every run
+    completes, two of them in three pieces."""
+
+    rule = "few-seen"
+
+    def decide(self, epoch, curve, others):
+        n = sum(1 for other in others if epoch in other)
+        if epoch not in (2, 3):
+            return PruneDecision(False, self.rule, epoch, curve[epoch], None, n, "not a rung", judged=False)
+        return PruneDecision(n < 3, self.rule, epoch, curve[epoch], 3.0, n)
+
+
+@pytest.fixture
+def few_seen(planted):
+    register_pruner(PruningRule("few-seen", lambda direction, options: FewSeen(), "several objectives only", REACHED))
+    yield
+    RULES.pop("few-seen")
+
+
+def search(invoke, tmp_path, *extra: str) -> list:
+    tmp_path.mkdir(exist_ok=True)
+    space = tmp_path / "space.yaml"
+    space.write_text(SPACE)
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    result = invoke(["run", "--task", NAME, "--space", str(space), "--trials", "4", "--epochs", "4", "--device", "cpu",
+                     "--pruner", "few-seen", "--pruner-pause", "--storage", storage, "--study", "s",
+                     "--run-root", str(tmp_path / "runs"), "--seed", "3", *extra])
+    assert result.exit_code == 0, result.output
+    return optuna.load_study(study_name="s", storage=storage).get_trials(deepcopy=False)
+
+
+def lines(run_dir) -> list[dict]:
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMINGS | {"epoch_seconds_alone"}}
+            for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_paused_trials_are_resumed_where_they_stopped_and_equal_a_straight_run(few_seen, invoke, tmp_path, one_thread,
+                                                                              optuna_dashboard):
+    trials = search(invoke, tmp_path)
+    by_number = {t.number: t for t in trials}
+    paused = {t.number: t.user_attrs["paused"]["epoch"] for t in trials if "paused" in t.user_attrs}
+    resumed_by = {t.user_attrs["resumes"]: t.number for t in trials if "resumes" in t.user_attrs}
+    first = [t for t in trials if "resumes" not in t.user_attrs and "duplicate_of" not in t.user_attrs]
+    assert [paused.get(t.number) for t in first] == [2, 2, 2, 3]  # (the sampler may propose a duplicate between)
+    assert sorted(paused.values()) == [2, 2, 2, 3, 3, 3] and set(resumed_by) == set(paused)  # every pause resumed
+    assert all(by_number[n].state == TrialState.PRUNED and by_number[n].user_attrs["pruned"]["pause"] for n in paused)
+    chains = [n for n in paused if "resumes" in by_number[n].user_attrs]
+    assert len(chains) == 2  # two runs paused at epoch 2, resumed, paused again at 3 and resumed again
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    assert len(complete) == 4 and all("resumes" in t.user_attrs for t in complete)
+
+    # The budget: four places, one per architecture; the resumptions take none, and no epoch is trained twice.
+    assert sum(counts_toward_budget(t) for t in trials) == 4
+    assert len({t.user_attrs["arch"] for t in trials}) == 4
+    assert sum(epochs_trained(t) for t in trials) == 16
+    savings = pruning_savings(trials, 4)
+    assert (savings.trials, savings.epochs_run, savings.epochs_without_pruning) == (4, 16, 16)
+    for t in trials:
+        if "resumes" in t.user_attrs:
+            before = by_number[t.user_attrs["resumes"]]
+            assert t.params == before.params and t.user_attrs["run_dir"] == before.user_attrs["run_dir"]
+            assert t.user_attrs["resumed_at"] == paused[before.number]
+            assert dict(before.intermediate_values).items() <= dict(t.intermediate_values).items()
+    runs = tmp_path / "runs" / "s"
+    assert sorted(p.name for p in runs.iterdir()) == [f"trial-{t.number:05d}" for t in first]  # one directory a run
+    assert not list(runs.glob("*/pause.pt"))  # every run complete: no pause can matter any more
+
+    # Each run, paused once or twice, equals its architecture trained straight through: the same search without
+    # pausing trains the same four architectures (the sampler's seed), none stopped.
+    straight = {t.user_attrs["arch"]: t for t in search(invoke, tmp_path / "straight", "--pruner", "none")
+                if t.state == TrialState.COMPLETE}
+    assert len(straight) == 4
+    for t in complete:
+        twin = straight[t.user_attrs["arch"]]
+        assert dict(t.intermediate_values) == dict(twin.intermediate_values)
+        assert t.values[0] == twin.values[0]  # the quality; the time is measured, not replayed
+        assert lines(Path(t.user_attrs["run_dir"])) == lines(tmp_path / "straight" / "runs" / "s" / f"trial-{twin.number:05d}")
+
+    # optuna-dashboard's notes say which trial paused where, and which trial resumed it.
+    from headsearch.search.notes import write_dashboard_notes
+    from test_pruning_audit import _notes
+
+    study = optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path / 'study.db'}")
+    write_dashboard_notes(study)
+    notes = _notes(study)
+    for number, resumption in resumed_by.items():
+        epoch = paused[number]
+        assert notes[number].startswith(f"**Paused at epoch {epoch}")
+        assert f"trial #{resumption} resumed it after epoch {epoch}" in notes[number]
+        assert f"Resumes trial #{number} after epoch {epoch}" in notes[resumption]
