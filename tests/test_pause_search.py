@@ -27,9 +27,13 @@ class FewSeen:
     completes, two of them in three pieces."""
 
     rule = "few-seen"
+    interrupt = False  # Ctrl-C at the first epoch 3 judged with another trial there: trial 0's first resumption
 
     def decide(self, epoch, curve, others):
         n = sum(1 for other in others if epoch in other)
+        if FewSeen.interrupt and epoch == 3 and n == 1:
+            FewSeen.interrupt = False
+            raise KeyboardInterrupt
         if epoch not in (2, 3):
             return PruneDecision(False, self.rule, epoch, curve[epoch], None, n, "not a rung", judged=False)
         return PruneDecision(n < 3, self.rule, epoch, curve[epoch], 3.0, n)
@@ -42,7 +46,7 @@ def few_seen(planted):
     RULES.pop("few-seen")
 
 
-def search(invoke, tmp_path, *extra: str) -> list:
+def search(invoke, tmp_path, *extra: str, exit_code: int = 0) -> list:
     tmp_path.mkdir(exist_ok=True)
     space = tmp_path / "space.yaml"
     space.write_text(SPACE)
@@ -50,7 +54,7 @@ def search(invoke, tmp_path, *extra: str) -> list:
     result = invoke(["run", "--task", NAME, "--space", str(space), "--trials", "4", "--epochs", "4", "--device", "cpu",
                      "--pruner", "few-seen", "--pruner-pause", "--storage", storage, "--study", "s",
                      "--run-root", str(tmp_path / "runs"), "--seed", "3", *extra])
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == exit_code, result.output
     return optuna.load_study(study_name="s", storage=storage).get_trials(deepcopy=False)
 
 
@@ -91,16 +95,8 @@ def test_paused_trials_are_resumed_where_they_stopped_and_equal_a_straight_run(f
     assert sorted(p.name for p in runs.iterdir()) == [f"trial-{t.number:05d}" for t in first]  # one directory a run
     assert not list(runs.glob("*/pause.pt"))  # every run complete: no pause can matter any more
 
-    # Each run, paused once or twice, equals its architecture trained straight through: the same search without
-    # pausing trains the same four architectures (the sampler's seed), none stopped.
-    straight = {t.user_attrs["arch"]: t for t in search(invoke, tmp_path / "straight", "--pruner", "none")
-                if t.state == TrialState.COMPLETE}
-    assert len(straight) == 4
-    for t in complete:
-        twin = straight[t.user_attrs["arch"]]
-        assert dict(t.intermediate_values) == dict(twin.intermediate_values)
-        assert t.values[0] == twin.values[0]  # the quality; the time is measured, not replayed
-        assert lines(Path(t.user_attrs["run_dir"])) == lines(tmp_path / "straight" / "runs" / "s" / f"trial-{twin.number:05d}")
+    # Each run, paused once or twice, equals its architecture trained straight through.
+    assert_equal_to_straight(invoke, tmp_path, complete)
 
     # optuna-dashboard's notes say which trial paused where, and which trial resumed it.
     from headsearch.search.notes import write_dashboard_notes
@@ -114,3 +110,35 @@ def test_paused_trials_are_resumed_where_they_stopped_and_equal_a_straight_run(f
         assert notes[number].startswith(f"**Paused at epoch {epoch}")
         assert f"trial #{resumption} resumed it after epoch {epoch}" in notes[number]
         assert f"Resumes trial #{number} after epoch {epoch}" in notes[resumption]
+
+
+def assert_equal_to_straight(invoke, tmp_path, complete: list) -> None:
+    """Each complete run equals its architecture trained straight through: the same search without pausing
+    trains the same four architectures (the sampler's seed), none stopped."""
+    straight = {t.user_attrs["arch"]: t for t in search(invoke, tmp_path / "straight", "--pruner", "none")
+                if t.state == TrialState.COMPLETE}
+    assert len(straight) == 4 == len(complete)
+    for t in complete:
+        twin = straight[t.user_attrs["arch"]]
+        assert dict(t.intermediate_values) == dict(twin.intermediate_values)
+        assert lines(Path(t.user_attrs["run_dir"])) == lines(tmp_path / "straight" / "runs" / "s" / f"trial-{twin.number:05d}")
+
+
+@pytest.mark.slow
+def test_a_resumption_stopped_by_ctrl_c_is_resumed_again_by_the_next_run_and_loses_nothing(few_seen, invoke, tmp_path,
+                                                                                         one_thread):
+    """Ctrl-C while trial 0's run is resumed, after its epoch 3 was kept (metrics.jsonl, maybe a better
+    checkpoint): the resumption is told FAIL (interrupted) and not retried, so trial 0 is paused again as it was;
+    the same command resumes it from its pause, and every run ends as if none had stopped."""
+    FewSeen.interrupt = True
+    stopped = search(invoke, tmp_path, exit_code=130)
+    (cut,) = [t for t in stopped if t.state == TrialState.FAIL and "resumes" in t.user_attrs]
+    assert cut.user_attrs["fail_reason"].startswith("interrupted")
+    first = cut.user_attrs["resumes"]
+    assert [json.loads(line)["epoch"] for line in (Path(cut.user_attrs["run_dir"]) / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+    trials = search(invoke, tmp_path)
+    assert sum(1 for t in trials if t.user_attrs.get("resumes") == first) == 2  # the cut one, and the next run's
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    assert sum(counts_toward_budget(t) for t in trials) == 4 and not list((tmp_path / "runs").glob("*/*/pause.pt"))
+    assert_equal_to_straight(invoke, tmp_path, complete)

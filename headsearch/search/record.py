@@ -73,9 +73,10 @@ def resumes(t) -> int | None:
 
 
 def resumed(trials) -> set[int]:
-    """The numbers of the paused trials some trial resumes (waiting, running or ended; an interrupted
-    resumption's retry carries `resumes` too): their curves go on in those trials."""
-    return {n for t in trials if (n := resumes(t)) is not None}
+    """The numbers of the paused trials some trial resumes: waiting, running or ended, not interrupted (an
+    interrupted resumption's retry carries `resumes` too; one stopped by Ctrl-C is not retried, and its paused
+    trial can be resumed again). Their curves go on in those trials."""
+    return {n for t in trials if (n := resumes(t)) is not None and (t.state.name != "FAIL" or failed_for_good(t))}
 
 
 def failed_for_good(t) -> bool:
