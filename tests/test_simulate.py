@@ -388,15 +388,21 @@ def test_pareto_pruning_is_refused_for_one_objective(tmp_path, spa_file, tiny_tr
 
 
 def table_of_search(study, search) -> dict:
-    """A table of what a real search trained: one run per trial (its seed), its curve as far as it ran."""
+    """A table of what a real search trained: one run per trial (its seed), its curve as far as it ran (a paused
+    run and its resumptions are one run: the longest curve)."""
     base = search.base.to_dict()
     archs = {}
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)):
         a = t.user_attrs
         over = overrides_of(a["config"], base)
         row = archs.setdefault(arch_key(over), {"arch": a["arch"], "overrides": over, "params": a["params"], "runs": []})
-        row["runs"].append({"seed": a["config"]["seed"], "curve": [t.intermediate_values[e] for e in sorted(t.intermediate_values)],
-                            "epoch_seconds": a["epoch_seconds_alone"], "test": a.get("test_metrics") or {}})
+        run = {"seed": a["config"]["seed"], "curve": [t.intermediate_values[e] for e in sorted(t.intermediate_values)],
+               "epoch_seconds": a["epoch_seconds_alone"], "test": a.get("test_metrics") or {}}
+        same = [r for r in row["runs"] if r["seed"] == run["seed"]]
+        if not same:
+            row["runs"].append(run)
+        elif len(run["curve"]) > len(same[0]["curve"]):
+            same[0].update(run)
     return {"format": "headsearch-table/1", "task": search.task.name, "primary_metric": search.task.primary.name,
             "direction": search.task.primary.direction, "preset": search.settings.preset, "epochs": search.base.train.epochs,
             "base_config": base, "architectures": list(archs.values())}
@@ -438,26 +444,31 @@ def real_search(task: str, tmp_path, spa_file, cifar_dir, tiny_translation, **kw
 
 @pytest.mark.floor
 @pytest.mark.slow
-@pytest.mark.parametrize("pruner, task", [("pareto", TASK), ("median", "vit-cifar10")])
+@pytest.mark.parametrize("pruner, task, pause", [("pareto", TASK, False), ("median", "vit-cifar10", False),
+                                                 ("pareto", TASK, True)])
 def test_a_replay_makes_exactly_the_decisions_of_the_real_run(request, monkeypatch, tmp_path, spa_file, cifar_dir, tiny_translation,
-                                                              cache_env, one_thread, pruner, task):
+                                                              cache_env, one_thread, pruner, task, pause):
+    """With --pruner-pause too: the simulator pauses and resumes through the same loop, scheduler and rule."""
     if task != TASK:
         request.getfixturevalue("cifar")  # the real arrays, read once per module
     else:
         fixed_speeds(monkeypatch)
     # Rungs 2, 4, ... (not the default 3, 9): the 3-epoch runs are judged at epoch 2; never at their last
-    rungs = dict(pruner_min_epochs=2, pruner_reduction_factor=2)
+    rungs = dict(pruner_min_epochs=2, pruner_reduction_factor=2, pruner_pause=pause)
+    seed = 2 if pause else 3  # seed 2: one of the trials paused at epoch 2 is resumed (3: none is)
     search, space = real_search(task, tmp_path, spa_file, cifar_dir, tiny_translation, trials=9, pruner=pruner,
-                                pruner_startup_trials=2, seed=3, **rungs)
+                                pruner_startup_trials=2, seed=seed, **rungs)
     search.run_worker()
     real = load(search.settings.storage)
     real_trials = real.get_trials(deepcopy=False)
     assert any(t.state == TrialState.PRUNED for t in real_trials), "the check needs a pruned trial"
+    if pause:
+        assert any("resumes" in t.user_attrs for t in real_trials), "the check needs a resumed trial"
     table = table_of_search(real, search)
     path = write_table(table, tmp_path / "table.json")
 
     # The replay: the same settings on the table, with the one run each architecture has.
-    sim = simulation_search(load_table(path), space=space, trials=9, pruner=pruner, pruner_startup_trials=2, seed=3,
+    sim = simulation_search(load_table(path), space=space, trials=9, pruner=pruner, pruner_startup_trials=2, seed=seed,
                             sets=None if task == TASK else VIT_SETS, **rungs)
     result = replay(sim, load_table(path), workers=1)
     assert [r["number"] for r in result.trials] == [t.number for t in real_trials]
@@ -468,12 +479,13 @@ def test_a_replay_makes_exactly_the_decisions_of_the_real_run(request, monkeypat
 
 def rows_of(trials) -> list[dict]:
     return [{"number": t.number, "arch": t.user_attrs.get("arch"), "state": t.state.name, "epochs": len(t.intermediate_values),
-             "values": t.values, "duplicate_of": t.user_attrs.get("duplicate_of"), "pruned": t.user_attrs.get("pruned")}
-            for t in trials]
+             "values": t.values, "duplicate_of": t.user_attrs.get("duplicate_of"), "pruned": t.user_attrs.get("pruned"),
+             "resumes": t.user_attrs.get("resumes")} for t in trials]
 
 
 def decisions_of_rows(rows) -> list:
-    return [(r["number"], r["state"], r["arch"], r["epochs"], r["values"], r["pruned"], r["duplicate_of"]) for r in rows]
+    return [(r["number"], r["state"], r["arch"], r["epochs"], r["values"], r["pruned"], r["duplicate_of"], r.get("resumes"))
+            for r in rows]
 
 
 def small_table(curves: dict[str, tuple[list[float], float]], epochs: int = 2) -> dict:

@@ -257,7 +257,8 @@ def replay(search, table: dict[str, Any], *, workers: int = 1, truth=None) -> Re
     truth = truth or true_points(table, [o.name for o in search.objectives], search.directions)
     hv, recall = score(front_keys, truth)
     rows = [{"number": t.number, "arch": t.user_attrs.get("arch"), "state": t.state.name, "epochs": len(t.intermediate_values),
-             "values": t.values, "duplicate_of": t.user_attrs.get("duplicate_of"), "pruned": t.user_attrs.get("pruned")}
+             "values": t.values, "duplicate_of": t.user_attrs.get("duplicate_of"), "pruned": t.user_attrs.get("pruned"),
+             **({"resumes": t.user_attrs["resumes"]} if "resumes" in t.user_attrs else {})}
             for t in trials]
     return Replay(seed=seed, trained=counts["complete"] + counts["pruned"], duplicates=counts["duplicate"],
                   epochs=cohort.epochs_trained, seconds=cohort.now / 1.0, front=front_keys, hypervolume=hv,
