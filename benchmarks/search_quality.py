@@ -3,7 +3,12 @@
 Each row replays the search `headsearch run` would make (its sampler, duplicate skipping, pruner and budget;
 headsearch.search.simulate) over many seeds against a table built by `headsearch table`, and reports the
 median hypervolume of the reported front (its architectures at their true points) over the true front's,
-the median front recall, and the epochs trained relative to no pruning in the same run.
+the median front recall, the epochs trained relative to no pruning in the same run, and the time to quality:
+simulated seconds until the anytime hypervolume (the front reported after each trial's end) first reaches
+0.85 and 0.90 of the true front's (median, and the 90th percentile for 0.90; "never" if it does not).
+
+`default` as a pruner or sampler name is what `headsearch run` uses when none is given; a pruner ending in
+`+pause` replays it with --pruner-pause (a stopped trial paused, and resumed when the rule lets it go on).
 
     python benchmarks/search_quality.py                       # the deep-head table in benchmarks/tables/
     python benchmarks/search_quality.py --table my.json --space my-space.yaml --budgets 20,40
@@ -11,6 +16,7 @@ the median front recall, and the epochs trained relative to no pruning in the sa
     python benchmarks/search_quality.py --samplers cost,nsga2,tpe,random,oracle --pruners pareto --workers 1 --budgets 12,20,39
     python benchmarks/search_quality.py --pruners none,pareto,pareto@2x2,pareto@2x3 --workers 1   # rungs M x R^k
     python benchmarks/search_quality.py --pruners none,pareto~0,pareto~2 --workers 1,8   # noise margins (sigmas)
+    python benchmarks/search_quality.py --pruners none,default,default+pause --workers 8 --budgets 39
 """
 from __future__ import annotations
 
@@ -73,12 +79,14 @@ def main() -> None:
                 # "none" first: the other rows' epochs are compared with it (left out when not asked for)
                 for pruner in (["none"] if "none" in pruners else []) + [q for q in pruners if q != "none"]:
                     hv, recall, epochs, front, duplicates, replay_seconds, simulated = [], [], [], [], [], [], []
+                    to85, to90 = [], []
                     name, rungs, margin = _rungs(pruner)
                     for seed in range(seeds):
-                        search = simulation_search(table, space=space, trials=budget, pruner=name, seed=seed,
-                                                   sampler="cost" if sampler == ORACLE else sampler,
+                        search = simulation_search(table, space=space, trials=budget, pruner=_named(name), seed=seed,
+                                                   sampler="cost" if sampler == ORACLE else _named(sampler),
                                                    pruner_min_epochs=rungs[0], pruner_reduction_factor=rungs[1],
-                                                   pruner_noise_margin=margin, pruner_startup_trials=_startup(pruner)[1])
+                                                   pruner_noise_margin=margin, pruner_startup_trials=_startup(pruner)[1],
+                                                   pruner_pause=_paused(pruner))
                         truth = truth or true_points(table, [o.name for o in search.objectives], search.directions)
                         if sampler == ORACLE:
                             search.make_sampler = _front_first(search, table, truth)
@@ -91,6 +99,8 @@ def main() -> None:
                         simulated.append(r.seconds)
                         front.append(len(r.front))
                         duplicates.append(r.duplicates)
+                        to85.append(r.time_to(0.85))
+                        to90.append(r.time_to(0.90))
                     mean_epochs, mean_seconds = statistics.fmean(epochs), statistics.fmean(simulated)
                     if pruner == "none":
                         base_epochs, base_seconds = mean_epochs, mean_seconds
@@ -98,12 +108,15 @@ def main() -> None:
                                  f"{_quantile(hv, 0.1):.3f}", f"{statistics.median(recall):.2f}", f"{mean_epochs:.0f}",
                                  f"{base_epochs / mean_epochs:.2f}x" if base_epochs else "-", f"{mean_seconds:.0f}",
                                  f"{base_seconds / mean_seconds:.2f}x" if base_seconds else "-", f"{statistics.fmean(front):.1f}",
-                                 f"{statistics.fmean(duplicates):.1f}", f"{statistics.fmean(replay_seconds):.2f}"])
+                                 f"{statistics.fmean(duplicates):.1f}", _seconds(statistics.median(to85)),
+                                 _seconds(statistics.median(to90)), _seconds(_quantile(to90, 0.9)),
+                                 f"{statistics.fmean(replay_seconds):.2f}"])
     total_seconds = time.perf_counter() - t0
     headers = ["workers", "trials", "sampler", "pruner", "replays", "hypervolume (median)", "hypervolume (10th pct)",
                "front recall (median)", "epochs (mean)", "fewer epochs than none", "simulated seconds (mean)",
                "fewer seconds than none", "front size (mean)",
-               "duplicate proposals (mean)", "seconds per replay"]
+               "duplicate proposals (mean)", "to 0.85 (median s)", "to 0.90 (median s)", "to 0.90 (90th pct s)",
+               "seconds per replay"]
     notes += [
         f"table: {args.table.relative_to(ROOT) if args.table.is_relative_to(ROOT) else args.table} ({size} architectures,"
         f" {table['seeds']} seeds each, {table['epochs']} epochs, built on {table['device']} with torch"
@@ -146,8 +159,26 @@ def _front_first(search, table, truth):
     return make
 
 
+DEFAULT = "default"  # as a pruner or sampler name: what `headsearch run` uses when none is given
+PAUSE = "+pause"  # a pruner's suffix: replayed with --pruner-pause
+
+
+def _named(name: str) -> str | None:
+    """A pruner or sampler name as `simulation_search` takes it: None for `default`."""
+    return None if name == DEFAULT else name
+
+
+def _paused(pruner: str) -> bool:
+    return pruner.endswith(PAUSE)
+
+
+def _seconds(value: float) -> str:
+    return "never" if value == float("inf") else f"{value:.0f}"
+
+
 def _startup(pruner: str) -> tuple[str, int | None]:
     """"pareto@2x3#8" -> ("pareto@2x3", 8): the trials that must reach a rung before it judges; None: the default."""
+    pruner = pruner.removesuffix(PAUSE)
     pruner, _, startup = pruner.partition("#")
     return pruner, int(startup) if startup else None
 

@@ -83,3 +83,23 @@ def test_search_quality_replays_the_cost_aware_sampler_and_the_oracle():
     assert set(rows) == {"cost", "oracle"}
     assert all(r[1] == "12" and r[4] == "2" and r[13] == "0.0" for r in rows.values())  # no duplicate proposal
     assert 0 < float(rows["cost"][5]) <= 1 and 0 < float(rows["oracle"][5]) <= 1
+
+
+@pytest.mark.processes
+def test_search_quality_replays_the_default_rule_paused_and_gives_the_time_to_quality():
+    """`default` is what `headsearch run` uses (pareto here), `+pause` replays it with --pruner-pause; every row
+    gives the simulated seconds to 0.85 and 0.90 of the true front's hypervolume."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "benchmarks/search_quality.py", "--pruners", "none,default,default+pause",
+                          "--samplers", "default", "--workers", "4", "--budgets", "12", "--seeds", "2", "--no-write"],
+                         cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = {cells[3]: cells for line in out.stdout.splitlines() if line.startswith("| 4 ")
+            for cells in [[c.strip() for c in line.split("|")[1:-1]]]}
+    assert set(rows) == {"none", "default", "default+pause"} and {r[2] for r in rows.values()} == {"default"}
+    for r in rows.values():
+        to85, to90 = (float("inf") if c == "never" else float(c) for c in r[14:16])
+        assert 0 < to85 <= to90

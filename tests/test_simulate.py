@@ -542,6 +542,12 @@ def test_a_replay_on_several_workers_ends_trials_out_of_order_and_sees_only_what
     assert r.seconds == pytest.approx(20.0)  # the slow one: 2 epochs x 10 s, beside the fast one's 2 s
     complete = [t for t in r.trials if t["state"] == "COMPLETE"]
     assert len(complete) == 2
+    # The anytime hypervolume, by hand (as test_true_points_hypervolume_and_scores_by_hand): at 2 s the front
+    # reported is {output}, at 20 s {output, scores}, the true front.
+    true_hv = (1.1 - 2 / 3) * 1.1 + (2 / 3) * 0.1
+    assert r.anytime == [(pytest.approx(2.0), pytest.approx((1.1 - 2 / 3) * 1.1 / true_hv)), (pytest.approx(20.0), pytest.approx(1.0))]
+    assert (r.time_to(0.85), r.time_to(0.90), r.time_to(1.01)) == (pytest.approx(2.0), pytest.approx(20.0), math.inf)
+    assert r.anytime[-1][1] == pytest.approx(r.hypervolume)
 
 
 def test_a_tables_set_overrides_reach_its_runs_and_its_replays(cifar_dir):

@@ -31,7 +31,7 @@ from optuna.trial import FixedTrial
 from headsearch.config import RunConfig
 from headsearch.search.cost_sampler import COST_AWARE, candidates
 from headsearch.errors import ConfigError
-from headsearch.search.hypervolume import front_indices, hypervolume, scale_minimised
+from headsearch.search.hypervolume import front_indices, hypervolume, minimised, scale_minimised
 from headsearch.search.objectives import MINIMIZE, Objective
 from headsearch.search.snapshot import count_states
 from headsearch.search.table import arch_key, overrides_of
@@ -103,6 +103,7 @@ class TableCohort:
         self.now, self._order = 0.0, 0
         self.epochs_trained = 0
         self.kept: dict[Any, tuple[dict[str, Any], int]] = {}  # a paused trial's (run, epoch), by its run directory
+        self.completed: list[tuple[float, Any]] = []  # (simulated seconds, tag) of each trial trained to its end
 
     @property
     def free(self) -> bool:
@@ -152,6 +153,7 @@ class TableCohort:
             self._schedule(slot)
             return []
         del self.slots[slot]
+        self.completed.append((self.now, s.tag))
         return [TableEnd(slot, s.tag, run_result(self.table, s.row, s.run), None)]
 
     def interrupt(self) -> list[TableEnd]:
@@ -176,6 +178,13 @@ class Replay:
     hypervolume: float  # of the reported front at its architectures' true points, over the true front's
     recall: float  # the share of the true front's architectures the reported front holds
     trials: list[dict[str, Any]] = field(default_factory=list)  # number, arch, state, epochs, values (for tests)
+    # (simulated seconds, hypervolume of the front reported then) at each trial's end: the anytime hypervolume
+    anytime: list[tuple[float, float]] = field(default_factory=list)
+
+    def time_to(self, fraction: float) -> float:
+        """Simulated seconds until the reported front's hypervolume first reached `fraction` of the true front's
+        (inf: never)."""
+        return next((seconds for seconds, hv in self.anytime if hv >= fraction), math.inf)
 
 
 def simulation_search(table: dict[str, Any], *, space: str, trials: int, sampler: str | None = None,
@@ -262,7 +271,28 @@ def replay(search, table: dict[str, Any], *, workers: int = 1, truth=None) -> Re
             for t in trials]
     return Replay(seed=seed, trained=counts["complete"] + counts["pruned"], duplicates=counts["duplicate"],
                   epochs=cohort.epochs_trained, seconds=cohort.now / 1.0, front=front_keys, hypervolume=hv,
-                  recall=recall, trials=rows)
+                  recall=recall, trials=rows, anytime=anytime_hypervolume(study, cohort.completed, table, truth,
+                                                                          search.directions))
+
+
+def anytime_hypervolume(study, completed: Sequence[tuple[float, Any]], table: dict[str, Any], truth: "Truth",
+                        directions: Sequence[str]) -> list[tuple[float, float]]:
+    """After each trial's end (`completed`: simulated seconds and its `TrialRun`), the hypervolume of the front the
+    study would report then (its complete trials so far, by their recorded values) at its architectures' true points,
+    over the true front's: the search's answer had it stopped there."""
+    by_number = {t.number: t for t in study.get_trials(deepcopy=False)}
+    done: list[Any] = []
+    out = []
+    for seconds, tag in sorted(completed, key=lambda c: c[0]):
+        trial = by_number[tag.trial.number]
+        if trial.state.name != "COMPLETE":  # ended as it was told (a duplicate's twin, a late failure)
+            continue
+        done.append(trial)
+        points = [minimised(t.values, directions) for t in done]
+        keys = list(dict.fromkeys(arch_key(overrides_of(done[i].user_attrs["config"], table["base_config"]))
+                                  for i in front_indices(points)))
+        out.append((seconds, score(keys, truth)[0]))
+    return out
 
 
 # -- the truth ------------------------------------------------------------------------------------
