@@ -98,11 +98,25 @@ def test_paused_trials_are_resumed_where_they_stopped_and_equal_a_straight_run(f
     # Each run, paused once or twice, equals its architecture trained straight through.
     assert_equal_to_straight(invoke, tmp_path, complete)
 
+    # The pruning audit replays each run once (its last trial's curve, in the place it started), and the rule's
+    # false prunes are known: every run it stops was resumed to its end here.
+    from headsearch.analysis.stats import wilson_interval
+    from headsearch.search.audit import pruning_audit
+
+    study = optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path / 'study.db'}")
+    audit = pruning_audit(study)
+    own = next(r for r in audit.rules if r.own)
+    assert audit.trials == 4 and own.rule == "few-seen"
+    assert [s.epoch for s in own.pruned] == [2, 2, 2, 3]  # as the search stopped them, in the order they started
+    on_front = sum(1 for t in complete if t.number in audit.front)
+    assert 1 <= on_front and own.stopped_known == 4 and own.false_prunes == on_front
+    assert own.false_prune_rate == on_front / 4 and own.false_prune_interval == wilson_interval(on_front, 4)
+    assert audit.rule("none").false_prune_rate is None  # it stops nothing
+
     # optuna-dashboard's notes say which trial paused where, and which trial resumed it.
     from headsearch.search.notes import write_dashboard_notes
     from test_pruning_audit import _notes
 
-    study = optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path / 'study.db'}")
     write_dashboard_notes(study)
     notes = _notes(study)
     for number, resumption in resumed_by.items():

@@ -191,11 +191,12 @@ def test_report_pruning_audit_table_and_json(study, tmp_path, cli):
     assert "pruning audit: 6 trained trials' curves replayed under each rule (* this study's rule)" in out
     rows = {" ".join(c.strip() for c in line.split("│")[1:3]): [c.strip() for c in line.split("│")[3:-1]]
             for line in out.splitlines() if line.startswith("│") and ("pareto" in line or "none" in line)}
-    # epochs, saved, trials pruned, front lost, unknown
-    assert rows["none -"] == ["36", "-", "0", "-", "2"]
-    assert rows["pareto * 3 (top 1/3)"] == ["30", "6 (1.20x fewer)", "2", "-", "0"]
-    assert rows["pareto 1, 3 (top 1/3)"] == ["23", "13 (1.57x fewer)", "3", "2", "0"]
-    assert rows["pareto 4 (top 1/2)"] == ["30-36", "0-6 (1.00-1.20x fewer)", "0", "-", "2"]
+    # epochs, saved, trials pruned, front lost, unknown, false prunes (of the stops whose end is known: 1 of 1 on the
+    # front, Wilson's 95% interval (0.21, 1); the study's own stops were pruned for good, their ends unknown: -)
+    assert rows["none -"] == ["36", "-", "0", "-", "2", "-"]
+    assert rows["pareto * 3 (top 1/3)"] == ["30", "6 (1.20x fewer)", "2", "-", "0", "-"]
+    assert rows["pareto 1, 3 (top 1/3)"] == ["23", "13 (1.57x fewer)", "3", "2", "0", "1/1: 100% (21%-100%)"]
+    assert rows["pareto 4 (top 1/2)"] == ["30-36", "0-6 (1.00-1.20x fewer)", "0", "-", "2", "-"]
     assert "front: trials 1, 2, 4" in out
 
     result = cli(["report", "--storage", url, "--study", "audit", "--pruning-audit", "--format", "json"])

@@ -94,3 +94,16 @@ def test_paired_difference_refuses_unpaired_or_single_seeds():
         paired_difference([1.0, 2.0], [1.0])
     with pytest.raises(ValueError, match="at least 2"):
         paired_difference([1.0], [2.0])
+
+
+def test_the_wilson_interval_by_hand():
+    """1 of 10: p = 0.1, z = 1.95996; centre (0.1 + z^2/20) / (1 + z^2/10) = 0.21101, half-width
+    z * sqrt(0.009 + z^2/400) / (1 + z^2/10) = 0.19314 -> (0.01788, 0.40415). 0 of 10 starts at 0, 10 of 10 ends at
+    1, and nothing observed says nothing: (0, 1)."""
+    from headsearch.analysis.stats import wilson_interval
+
+    assert wilson_interval(1, 10) == pytest.approx((0.01788, 0.40415), abs=1e-5)
+    low, high = wilson_interval(0, 10)
+    assert low == 0 and high == pytest.approx(3.8415 / 13.8415, abs=1e-4)  # z^2 / (n + z^2)
+    assert wilson_interval(10, 10)[1] == pytest.approx(1.0) and wilson_interval(0, 0) == (0.0, 1.0)
+

@@ -96,3 +96,19 @@ def paired_t_test(d: Sequence[float]) -> float:
     if sd == 0.0 or not math.isfinite(sd):
         return 1.0 if mean == 0.0 else 0.0
     return float(stats.ttest_1samp(x, 0.0).pvalue)
+
+
+def wilson_interval(k: int, n: int, level: float = LEVEL) -> tuple[float, float]:
+    """The Wilson score interval (Wilson 1927) of a proportion k/n at `level`: p̂ = k/n, z the normal quantile,
+    centre (p̂ + z²/2n) / (1 + z²/n), half-width z·sqrt(p̂(1 - p̂)/n + z²/4n²) / (1 + z²/n). Unlike p̂ ± z·se it
+    stays inside [0, 1] and is not empty at k = 0 or k = n; (0, 1) for n = 0."""
+    if n == 0:
+        return 0.0, 1.0
+    from scipy.stats import norm
+
+    z = float(norm.ppf(0.5 + level / 2))
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+

@@ -96,16 +96,25 @@ def print_pruning_audit(audit, console=None) -> None:
 
     console = console or Console()
     table = Table(title=f"pruning audit: {audit.trials} trained trials' curves replayed under each rule (* this study's rule)")
-    for name in ("rule", "rungs", "epochs", "saved", "trials pruned", "front lost", "unknown"):
+    for name in ("rule", "rungs", "epochs", "saved", "trials pruned", "front lost", "unknown", "false prunes"):
         table.add_column(name, justify="left" if name in ("rule", "rungs", "front lost") else "right")
     for r in audit.rules:
         epochs = str(r.epochs) if r.epochs == r.epochs_at_most else f"{r.epochs}-{r.epochs_at_most}"
         saved = "-" if r.rule == "none" else _audit_saved(r)
         lost = ", ".join(map(str, r.front_lost)) or "-"
-        table.add_row(r.rule + (" *" if r.own else ""), r.rungs_text, epochs, saved, str(len(r.pruned)), lost, str(r.unknown))
+        table.add_row(r.rule + (" *" if r.own else ""), r.rungs_text, epochs, saved, str(len(r.pruned)), lost, str(r.unknown),
+                      _false_prunes(r))
     console.print(table)
     for line in audit_notes(audit):
         console.print(line, soft_wrap=True, markup=False, highlight=False)
+
+
+def _false_prunes(r) -> str:
+    """"1/4: 25% (4-70%)": of the trials the rule stops whose end is known, those on the front, and the 95% interval."""
+    if r.false_prune_rate is None:
+        return "-"
+    low, high = r.false_prune_interval
+    return f"{r.false_prunes}/{r.stopped_known}: {r.false_prune_rate:.0%} ({low:.0%}-{high:.0%})"
 
 
 def _audit_saved(r) -> str:
@@ -121,7 +130,10 @@ def audit_notes(audit) -> list[str]:
     """The lines under the audit's table: what "unknown" means, and what the replay assumed."""
     lines = [f"front: trials {', '.join(map(str, audit.front)) or '-'}; saved: epochs fewer than no pruning."
              " unknown: trials a rule lets run past the epoch the study pruned them at (never trained further):"
-             " counted with the epochs known, or to their end where the rule could not stop them (a-b: up to b)."]
+             " counted with the epochs known, or to their end where the rule could not stop them (a-b: up to b)."
+             " false prunes: of the trials a rule stops whose end is known (run to their last epoch here; with"
+             " --pruner-pause, the paused runs resumed to the end), those on the front, with a 95% Wilson interval;"
+             " a trial pruned for good has no end to count, so a study that killed shows - for its own rule."]
     if audit.note:
         lines.append(audit.note)
     if not audit.options_stored:

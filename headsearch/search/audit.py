@@ -21,6 +21,13 @@ the median rules, only COMPLETE ones). Replaying the study's own rule shows how 
 
 Per rule: the epochs it would have trained, the epochs saved against no pruning, the trials it prunes, and
 the members of the study's reported front (`report.pareto_front`) it would have pruned ("front lost").
+
+And its false-prune rate, where it can be known: of the trials it stops whose end the study holds (they ran to
+their last epoch: trials the study did not stop, and with --pruner-pause the paused runs it resumed to the end),
+the share on the reported front, with a Wilson interval. A trial the study pruned for good has no end to look at,
+so a study that killed is not counted there; one that paused is measured by the runs it resumed.
+
+A paused run and its resumptions are one run here: the last resumption's curve, in the place of its first trial.
 No printing here: the CLI renders an `Audit` (`headsearch report --pruning-audit`), `Audit.to_dict()` is
 JSON-able.
 """
@@ -38,7 +45,8 @@ from headsearch.search import rungcheck
 from headsearch.search.pruning import (RULES, Progress, PrunerOptions, judges_progress, make_curve_pruner, progress_of,
                                        rung_epochs)
 from headsearch.search.objectives import progress_kinds
-from headsearch.search.record import epochs_trained, was_trained
+from headsearch.analysis.stats import wilson_interval
+from headsearch.search.record import epochs_trained, resumed, resumes, was_trained
 from headsearch.search.report import pareto_front
 
 # The rungs (min_epochs, reduction_factor) the audit tries the Pareto rule with: the first rung after 1, 2,
@@ -83,6 +91,12 @@ class RuleAudit:
     front_lost: list[int]  # the study's front members it would have pruned
     unknown: int  # trials it keeps past the epoch the study pruned them at: what they would have reached is not stored
     unknown_trials: list[int] = field(default_factory=list)
+    # Of the trials it stops whose end is known (they ran to their last epoch in the study), how many, and how many of
+    # those are on the front: the false-prune rate and its 95% Wilson interval (None: none such).
+    stopped_known: int = 0
+    false_prunes: int = 0
+    false_prune_rate: float | None = None
+    false_prune_interval: tuple[float, float] | None = None
 
     @property
     def rungs_text(self) -> str:
@@ -200,20 +214,36 @@ def trained_trials(study, default_epochs: int | None) -> list[_Trained]:
     study's COMPLETE duplicate (user_attr ``duplicate_of``) rides along with its twin."""
     twins: dict[int, list[int]] = {}
     kept = []
-    for t in sorted(study.get_trials(deepcopy=False), key=lambda t: t.number):
+    all_trials = sorted(study.get_trials(deepcopy=False), key=lambda t: t.number)
+    gone_on = resumed(all_trials)  # paused trials whose run goes on in a later trial: that one stands for the run
+    for t in all_trials:
         a = t.user_attrs
         if t.state == TrialState.COMPLETE and a.get("duplicate_of") is not None:
             twins.setdefault(int(a["duplicate_of"]), []).append(t.number)
-        elif was_trained(t) and t.intermediate_values:
+        elif was_trained(t) and t.intermediate_values and t.number not in gone_on:
             kept.append(t)
+    first = _first_trials(all_trials)
     out = []
-    for t in kept:
+    for t in sorted(kept, key=lambda t: first.get(t.number, t.number)):  # a run in the place it started
         curve = {int(e): float(v) for e, v in t.intermediate_values.items()}
         last = _last_epoch(t, default_epochs, curve)
-        out.append(_Trained(number=t.number, curve=curve, last=last, epochs_run=epochs_trained(t),
+        out.append(_Trained(number=t.number, curve=curve, last=last,
+                            epochs_run=epochs_trained(t) + int(t.user_attrs.get("resumed_at") or 0),
                             pruned_in_study=t.state == TrialState.PRUNED, progress=progress_of(t),
                             duplicates=tuple(twins.get(t.number, ()))))
     return out
+
+
+def _first_trials(trials) -> dict[int, int]:
+    """Each resumption's first trial: the one its run began in (a chain of pauses followed back)."""
+    resuming = {t.number: n for t in trials if (n := resumes(t)) is not None}
+    first = {}
+    for number in resuming:
+        root = number
+        while root in resuming:
+            root = resuming[root]
+        first[number] = root
+    return first
 
 
 def _last_epoch(t, default_epochs: int | None, curve: Mapping[int, float]) -> int:
@@ -379,10 +409,15 @@ def _rule_audit(name: str, pruner, fates: Mapping[int, _Fate], trials: Sequence[
     stops = [Stop(t.number, fates[t.number].stopped_at) for t in trials if fates[t.number].stopped_at is not None]
     lost_numbers = {n for t in trials if fates[t.number].stopped_at is not None for n in (t.number, *t.duplicates)}
     unknown = [t.number for t in trials if fates[t.number].unknown]
+    known = [t for t in trials if fates[t.number].stopped_at is not None and not t.pruned_in_study]
+    on_front = sum(1 for t in known if {t.number, *t.duplicates} & set(front))
     return RuleAudit(rule=name, min_epochs=m, reduction_factor=r, rungs=rungs, own=own,
                      epochs=sum(f.epochs for f in fates.values()), epochs_at_most=sum(f.epochs_at_most for f in fates.values()),
                      epochs_saved=0, fewer_than_none=None, pruned=stops,
-                     front_lost=[n for n in front if n in lost_numbers], unknown=len(unknown), unknown_trials=unknown)
+                     front_lost=[n for n in front if n in lost_numbers], unknown=len(unknown), unknown_trials=unknown,
+                     stopped_known=len(known), false_prunes=on_front,
+                     false_prune_rate=on_front / len(known) if known else None,
+                     false_prune_interval=wilson_interval(on_front, len(known)) if known else None)
 
 
 def _differs(fates: Mapping[int, _Fate], trials: Sequence[_Trained]) -> list[int]:
