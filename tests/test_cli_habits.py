@@ -267,7 +267,7 @@ def test_shell_completion_completes_commands_and_options():
     assert complete("headsearch run --pru") == ["--pruner", "--pruner-startup-trials", "--pruner-startup",
                                                 "--pruner-warmup-epochs", "--pruner-warmup", "--pruner-min-epochs",
                                                 "--pruner-reduction-factor", "--pruner-noise-margin", "--pruner-noise",
-                                                "--pruner-percentile"]
+                                                "--pruner-percentile", "--pruner-pause"]
 
 
 @pytest.mark.parametrize("argv, flag", [
