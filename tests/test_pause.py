@@ -11,8 +11,8 @@ import torch
 
 from headsearch.errors import HeadsearchError
 from headsearch.tasks import DataSource
-from headsearch.training.pause import PAUSE, load_pause
-from headsearch.training.records import Callback, PauseRun
+from headsearch.training.pause import load_pause
+from headsearch.training.records import PAUSE, Callback, PauseRun
 from headsearch.training.steps import GraphSteps
 from headsearch.training.trainer import CHECKPOINT, fit
 from test_fastpath import GRAPHS, TRANSLATION, VIT, make_steps_for, translation_config, vit_config

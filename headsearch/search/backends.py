@@ -5,8 +5,9 @@ Three backends share that shape (Syne Tune's scheduler/backend split; Salinas et
 one slot that trains its trial to the end through `train_bound` (a plain search's worker);
 `headsearch.training.cohort.Cohort`, K trials trained together as one stacked model; and
 `headsearch.search.simulate.TableCohort`, which looks each epoch up in a table. Each has `free`,
-`occupied`, `refusal(cfg)`, `add(...) -> slot`, `train_epoch() -> [ends]` and `interrupt() -> [ends]`; an
-end has `slot`, `tag` (the trial's `TrialRun`), `result` and `error`.
+`occupied`, `refusal(cfg)`, `resumes` (whether `add(..., resume=True)` goes on from a paused run), `add(...) -> slot`,
+`train_epoch() -> [ends]` and `interrupt() -> [ends]`; an end has `slot`, `tag` (the trial's `TrialRun`), `result`
+and `error`.
 """
 from __future__ import annotations
 

@@ -93,7 +93,7 @@ class TrialLoop:
     @staticmethod
     def _resume_refusal(run, backend) -> str | None:
         """Why `backend` cannot take the resumption `run` (a cohort: it starts every slot from the beginning)."""
-        if run.resume and not getattr(backend, "resumes", False):
+        if run.resume and not backend.resumes:
             return "a resumption trains alone: a cohort starts its trials from the beginning"
         return None
 
@@ -114,7 +114,7 @@ class TrialLoop:
         try:
             bound = self.context.data.bound_for(run.cfg, self.device) if backend.needs_data else None
             slot = backend.add(run.cfg, bound, run.run_dir, argv=self.argv, clock=run.clock, tag=run,
-                               callbacks=run.trainer_callbacks(self.callbacks), **({"resume": True} if run.resume else {}))
+                               callbacks=run.trainer_callbacks(self.callbacks), resume=run.resume)
         except BaseException as e:
             beat.__exit__(None, None, None)
             self.context.current_trial = None

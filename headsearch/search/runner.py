@@ -37,11 +37,10 @@ from headsearch.search.record import arch_summary, config_key, holds_architectur
 from headsearch.search.scheduler import DUPLICATE_ASKS, WAIT, Scheduler
 from headsearch.search.settings import SearchSettings, check_settings, load_callback
 from headsearch.search.space import SearchSpace, load_space
-from headsearch.search.trial_pruning import resumable
 from headsearch.search.study import (StudyHandle, StudyStorage, check_sampler, default_sampler, make_sampler, open_study,
                                      sampler_seed)
 from headsearch.search.trial_life import SearchCallback, TrialLife, TrialRun, with_storage_retries
-from headsearch.search.trial_pruning import TrialPruning
+from headsearch.search.trial_pruning import TrialPruning, resumable
 from headsearch.tasks import DataSource, Task, apply_overrides, flag_overrides, get_task, resolve_config, task_reference
 from headsearch.training import check_fits, preflight
 

@@ -117,8 +117,8 @@ class Scheduler:
             # Nothing left to ask: running trials hold the rest. With heartbeats (leases on a journal), wait for
             # them: one may belong to a dead worker and come back as a retry (or fail and free its place). With
             # paused trials, wait too: what the running ones show may let the rule resume one.
-            paused = self.resumable is not None and any(is_paused(t) for t in trials)
-            done = WAIT if running and (self.handle.store_of(study).tells_dead_workers or paused) else None
+            any_paused = self.resumable is not None and any(is_paused(t) for t in trials)
+            done = WAIT if running and (self.handle.store_of(study).tells_dead_workers or any_paused) else None
             if waiting == 0 and counted >= trials_wanted:
                 return done
             next_point = getattr(s.space, "next_point", None)  # a grid that says which point comes next

@@ -71,6 +71,7 @@ class Cohort:
     `share`: the device lock every epoch is held shared under (None: none)."""
 
     needs_data = True  # each run's data is bound to its config (the simulator's table needs none)
+    resumes = False  # every slot starts from the beginning: a paused run's resumption trains alone
 
     def __init__(self, task: Task, size: int, device: torch.device, soft_columns: int | None = None, share: Share | None = None,
                  keep_step_losses: bool = False):
@@ -107,13 +108,15 @@ class Cohort:
         return None
 
     def add(self, cfg: RunConfig, bound: BoundTask, run_dir: Path | None = None, *, callbacks: Sequence[Callback] = (),
-            argv: list[str] | None = None, clock: AloneClock | None = None, tag: Any = None) -> int:
+            argv: list[str] | None = None, clock: AloneClock | None = None, tag: Any = None, resume: bool = False) -> int:
         """Put a run in a free slot (its run directory made as `headsearch train` makes one) and return the slot.
         With a `clock`, the architecture's speed alone is the clock's known value or measured now.
         `bound` is bound under `cfg` (`bound.cfg`); the config comes apart from it because the simulator's
         table, which the search drives the same way, has no bound data."""
         if (why := self.refusal(cfg)) is not None:
             raise ValueError(f"this run cannot join the cohort: {why}")
+        if resume:
+            raise ValueError("a cohort cannot resume a paused run: it trains alone")
         if not self.free:
             raise ValueError("the cohort is full")
         k = self.free[0]

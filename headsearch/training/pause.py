@@ -1,7 +1,8 @@
 """A paused run: everything `trainer.fit` needs to go on from the end of an epoch as if it had never stopped.
 
 A callback stops a run for later by raising `PauseRun` from `on_epoch_end` (a search's pruning rule that pauses
-rather than kills: `headsearch.search.trial_pruning`). `fit` then writes `PAUSE` in the run directory, atomically:
+rather than kills: `headsearch.search.trial_pruning`). `fit` then writes `records.PAUSE` in the run directory,
+atomically:
 
 - the weights, and the best weights so far (the final test is measured on those);
 - the steps' state (`Steps.state_dict`): the optimizer's moments and step counts, the learning-rate schedule's
@@ -30,7 +31,7 @@ import torch
 
 from headsearch.errors import HeadsearchError
 from headsearch.io import write_atomic
-from headsearch.training.records import PAUSE, EpochRecord, TrainResult  # noqa: F401 (PAUSE: where it is kept)
+from headsearch.training.records import EpochRecord, TrainResult
 FORMAT = 1  # the layout of PAUSE's dict; a file of another is refused in one line
 
 

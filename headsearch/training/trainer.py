@@ -22,8 +22,8 @@ import torch
 from headsearch.errors import Diverged
 from headsearch.io import append_line, write_atomic
 from headsearch.tasks import BoundTask, Task
-from headsearch.training.pause import PAUSE, history_lines, load_pause, resume_run, save_pause
-from headsearch.training.records import Callback, EpochRecord, PauseRun, StepInfo, TrainResult
+from headsearch.training.pause import history_lines, load_pause, resume_run, save_pause
+from headsearch.training.records import PAUSE, Callback, EpochRecord, PauseRun, StepInfo, TrainResult
 from headsearch.training.clock import (
     ALONE_STEPS, AloneClock, EpochHold, StepClock, alone_epoch_seconds, marked_batches, shared_hold, warm_up_hold,
 )
