@@ -7,8 +7,8 @@
 #   bash benchmarks/gpu.sh quick     # FIRST on a new GPU machine: at most 8 minutes (440 s), says whether the
 #                                    #   defaults are right and fast there (benchmarks/README.md: each line)
 #   bash benchmarks/gpu.sh next      # the second GPU run (issue 41), at most 470 s: a slice of the headline job
-#                                    #   with every default (B) and with the opt-in switches (C), bench (D), a
-#                                    #   canary (A), eager translation (E), HAM B (F); NEXT_STEPS="C E" reruns some
+#                                    #   with every default (B) and with the opt-in graph pool (C; C_ENV="..." for others), bench (D), a
+#                                    #   canary (A), the pause checkpoint's cost (G), a skip=scores start (H), eager translation (E), HAM B (F); NEXT_STEPS="C E" reruns some
 #   bash benchmarks/gpu.sh checks    # ~5 min (estimate): the CUDA-only tests (capture failure, one pool, cuda:N, MPS),
 #                                    #   the bare step vs the trainer in each step mode
 #   bash benchmarks/gpu.sh bench     # ~8 min (estimate): headsearch bench for the ViT (modes, K processes +- MPS,
@@ -138,13 +138,13 @@ quick() {  # the 8-minute check: steps in order of importance (benchmarks/README
 NEXT_TOTAL=${NEXT_TOTAL:-470}  # the hard end, in seconds, S0 and the summaries included (lower it when less device time is left)
 NEXT_RESERVE=30       # S0 and the summaries
 # The steps in the order they run, each with its cap: B (the headline job's slice) is never dropped; when the
-# caps exceed the budget, F, E, the cohort way (D with --no-cohorts), C, then A are dropped in that order, and a
+# caps exceed the budget, F, E, H, G, the cohort way (D with --no-cohorts), C, then A are dropped in that order, and a
 # dropped step still runs at the end if the steps before it left time (F and E need 35 s).
-NEXT_ORDER="A B D C E F"
-declare -A NEXT_CAP=([A]=40 [B]=135 [D]=100 [C]=135 [E]=45 [F]=45)
+NEXT_ORDER="A B D C G H E F"
+declare -A NEXT_CAP=([A]=40 [B]=135 [D]=100 [C]=135 [G]=35 [H]=60 [E]=45 [F]=45)
 NEXT_COHORT_S=20      # what D's cohort of 8 adds to its cap
 NEXT_MIN=35           # the least a step is started with
-NEXT_DROP="F E cohort C A"
+NEXT_DROP="F E H G cohort C A"
 
 next_plan() {  # sets NEXT_RUN (the steps planned, in order), NEXT_LATE (dropped, run if time is left), D_COHORT
   local wanted=${NEXT_STEPS:-$NEXT_ORDER} total=$NEXT_RESERVE s d
@@ -170,7 +170,9 @@ next_step() {  # next_step NAME CACHE CMD...: at most the step's cap, never past
   if [[ $DRY == 1 ]]; then echo "+ [$name, at most $cap s, cache $cache] $*"; return 0; fi
   local t=$((NEXT_END - SECONDS - NEXT_RESERVE / 2)); ((t > cap)) && t=$cap
   if ((t < NEXT_MIN)); then echo "== $name: SKIPPED, $t s left"; return 0; fi
-  HEADSEARCH_CACHE=$NEXT_CACHES/$cache capped "$name" "$t" "$@"
+  # Inductor's and Triton's caches named outright: an image that sets either would otherwise share them between steps
+  HEADSEARCH_CACHE=$NEXT_CACHES/$cache TORCHINDUCTOR_CACHE_DIR=$NEXT_CACHES/$cache/inductor \
+    TRITON_CACHE_DIR=$NEXT_CACHES/$cache/triton capped "$name" "$t" "$@"
 }
 
 next_run() {  # one step by name: its command, with its own cold cache where its warm-ups are measured
@@ -181,13 +183,18 @@ next_run() {  # one step by name: its command, with its own cold cache where its
   case $1 in
     A) next_step A a $hs train --task vit-cifar10 $cifar $quick --out "$OUT/a-seed" ;;
     B) next_step B b $hs $slice --storage "sqlite:///$OUT/b.db" --run-root "$OUT/b-runs" ;;
-    C) next_step C c env HEADSEARCH_UNHELD_WARM_UP=1 HEADSEARCH_SHARED_GRAPH_POOL=1 \
+    C) next_step C c env ${C_ENV:-HEADSEARCH_SHARED_GRAPH_POOL=1} \
          $hs $slice --storage "sqlite:///$OUT/c.db" --run-root "$OUT/c-runs" ;;
     D) local cohorts=""; [[ $D_COHORT == 1 ]] || cohorts="--no-cohorts"
-       next_step D a $hs bench --task vit-cifar10 --space $Q/space.yaml $cifar --ks 8 --modes off,reduce-overhead \
+       next_step D a $hs bench --task vit-cifar10 --space $Q/space.yaml $cifar --ks 8 --modes reduce-overhead \
          --seconds 4 $cohorts ;;
     E) next_step E e $hs train --task translation-en-es --preset tiny --epochs 1 --compile off \
          --data-file $DATA/spa-eng/spa.txt --out "$OUT/e-translation-eager" ;;
+    G) next_step G g $PY benchmarks/pause_cost.py --quick ;;
+    # H: a skip=scores architecture whose head count changes, alone and cold: in the slices of 2026-11-30 such
+    # trials took 52-110 s before their third epoch (others 5-20 s for thirty); warm-up or something else?
+    H) next_step H h $hs train --task vit-cifar10 $cifar $quick --set "arch.enc_heads=[2,4,8,16]" --set arch.skip=scores \
+         --set train.epochs=2 --out "$OUT/h-scores" ;;
     F) next_step F a $hs train --task vit-cifar10 $cifar $quick --set arch.fusion=add --set train.epochs=2 --out "$OUT/f-ham-b" ;;
   esac
 }
@@ -208,6 +215,7 @@ next() {  # the second GPU run: the headline job's slice with every default, the
     echo "== S0: versions, GPU, MPS; logs in $OUT; planned: $NEXT_RUN; if time is left: ${NEXT_LATE:-nothing}"
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader; echo "$(nproc) cores"
     $PY -c "import torch,optuna as o;p=torch.cuda.get_device_properties(0);print('torch',torch.__version__,'CUDA',torch.version.cuda,p.name,p.multi_processor_count,'SMs; optuna',o.__version__)"
+    env | grep -E "^(TORCHINDUCTOR|TRITON)_CACHE_DIR=" || echo "no Inductor or Triton cache folder set by the image"
   fi
   local s
   for s in $NEXT_RUN; do next_run "$s"; done
@@ -218,6 +226,8 @@ next() {  # the second GPU run: the headline job's slice with every default, the
   next_show A $PY $Q/summary.py canary "$OUT"
   next_show B $PY $Q/summary.py slice "$OUT"
   next_show D grep -vi warn "$OUT/D.log"
+  next_show G grep -vi warn "$OUT/G.log"
+  next_show H $PY $Q/summary.py run "H, 2-4-8-16 skip=scores" "$OUT/h-scores"
   next_show E $PY $Q/summary.py run "E, translation --compile off" "$OUT/e-translation-eager"
   next_show F $PY $Q/summary.py run "F, HAM B" "$OUT/f-ham-b"
   if [[ $DRY == 0 ]]; then

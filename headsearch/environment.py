@@ -80,7 +80,7 @@ ENVIRONMENT = {s.name: s for s in (
                "a worker's database connections as KEPT+EXTRA, KEPT >= 1 (e.g. 1+1; SQLAlchemy's default is 5+10)"),
     EnvSetting("HEADSEARCH_STATUS_EVERY", _seconds(0, above=True), lambda: None,
                "the seconds between status lines, a number above 0"),
-    EnvSetting("HEADSEARCH_UNHELD_WARM_UP", _flag, lambda: False, "1 to warm a GPU up outside the device hold, or 0"),
+    EnvSetting("HEADSEARCH_UNHELD_WARM_UP", _flag, lambda: True, "0 to warm a GPU up inside the device hold, or 1 (the default)"),
     EnvSetting("HEADSEARCH_SHARED_GRAPH_POOL", _flag, lambda: False, "1 for one CUDA-graph memory pool a run, or 0"),
 )}
 

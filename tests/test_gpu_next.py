@@ -49,8 +49,13 @@ def test_the_next_run_fits_470_seconds_with_the_slice_never_dropped():
     c = next(line for line in out.stdout.splitlines() if line.startswith("+ [C,"))
     assert "--trials 24 --epochs 30" in b and "--enqueue examples/vit-classic.yaml" in b
     assert "--sampler" not in b and "--pruner" not in b and "--trials-per-gpu" not in b  # every default
-    assert c.split("env HEADSEARCH_UNHELD_WARM_UP=1 HEADSEARCH_SHARED_GRAPH_POOL=1 ")[1].replace("c.db", "b.db").replace(
-        "c-runs", "b-runs") == b.split("] ")[1]  # C is B with both switches, in its own study
+    assert c.split("env HEADSEARCH_SHARED_GRAPH_POOL=1 ")[1].replace("c.db", "b.db").replace(
+        "c-runs", "b-runs") == b.split("] ")[1]  # C is B with the opt-in graph pool, in its own study
+    assert "(dropped: G runs only if time is left)" in out.stdout  # the pause checkpoint's cost, when time is left
+    g = next(line for line in dry_run(NEXT_STEPS="G").stdout.splitlines() if line.startswith("+ [G,"))
+    assert g.endswith("benchmarks/pause_cost.py --quick")
+    again = dry_run(C_ENV="HEADSEARCH_UNHELD_WARM_UP=0").stdout  # C as the held warm-ups of before
+    assert re.search(r"^\+ \[C, .*\] env HEADSEARCH_UNHELD_WARM_UP=0 \S+ -m headsearch run ", again, re.M)
     caches = {line.split("cache ")[1].split("]")[0] for line in out.stdout.splitlines() if line.startswith(("+ [A", "+ [B", "+ [C"))}
     assert len(caches) == 3  # B's and C's warm-ups start cold, apart from A's
 
@@ -96,17 +101,34 @@ def test_the_slice_figures_by_hand():
     assert hours == pytest.approx((epochs * 45_000 / 2000 + validation + warm_ups / 2 + tail) / 3600)
 
 
+def test_the_slice_figures_from_the_study_alone_and_bench_rate_by_hand(tmp_path):
+    """Where only the studies came back (no run directories), a trial's figures come from its attributes; D's
+    fastest way of K > 1 processes is the projection's measured rate."""
+    s = load_summary()
+    attrs = {"samples_per_s": 8000.0, "train_seconds": 2.5, "compile_seconds": 4.0, "epochs_run": 30,
+             "config": {"data": {"val_size": 1000}}}
+    t = s.Trained(0, "arch0", "COMPLETE", 0.0, 12.0, None, attrs)
+    assert t.rate == 8000.0 and t.samples == 20_000  # 8,000/s for 2.5 s
+    assert t.validation_per_epoch == pytest.approx((12.0 - 4.0 - 2.5) / 30) and t.val_images == 1000
+    assert s.Trained(1, "a", "PRUNED", 0.0, 1.0, None, {"compile_seconds": 3.0}).validation_per_epoch is None
+    assert s.bench_rate(str(tmp_path)) is None  # D did not run
+    (tmp_path / "D.log").write_text("bench: vit-cifar10\n  1 process, reduce-overhead: 148,735 samples/s\n"
+                                    "  8 processes, reduce-overhead: 148,104 samples/s\n"
+                                    "  8 processes, reduce-overhead + MPS: 210,561 samples/s\nerror: interrupted\n")
+    assert s.bench_rate(str(tmp_path)) == (8, 210_561.0)  # one process's faster-looking line is no aggregate
+
+
 @pytest.mark.processes
 def test_summary_reads_a_cpu_slice_and_prints_every_figure(tmp_path, cifar_dir, capsys):
     """A real slice on the CPU, as `next` runs it on a GPU with smaller sizes: B and C each search 3 trials, the
-    seed first (C with both opt-in switches), then summary.py prints each figure, checked against the studies
+    seed first (C with the opt-in graph pool), then summary.py prints each figure, checked against the studies
     it read."""
     s = load_summary()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     small = ["--preset", "tiny", "--data-dir", str(cifar_dir), "--set", "data.train_limit=256", "--set", "data.val_size=128",
              "--set", "data.test_limit=256"]
     hs = [sys.executable, "-m", "headsearch"]
-    for name, switches in (("b", {}), ("c", {"HEADSEARCH_UNHELD_WARM_UP": "1", "HEADSEARCH_SHARED_GRAPH_POOL": "1"})):
+    for name, switches in (("b", {}), ("c", {"HEADSEARCH_SHARED_GRAPH_POOL": "1"})):
         subprocess.run(hs + ["run", "--task", "vit-cifar10", *small, "--trials", "3", "--epochs", "2", "--enqueue",
                              "examples/vit-classic.yaml", "--storage", f"sqlite:///{tmp_path}/{name}.db",
                              "--run-root", str(tmp_path / f"{name}-runs")],

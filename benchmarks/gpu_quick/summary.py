@@ -10,11 +10,13 @@
 `slice` reads OUT/a-seed (A's run directory, if there), OUT/b.db and, if there, OUT/c.db (each one study)
 and prints: the fair-time check, the architecture mix factor, the first wave's aggregate samples/s, the
 warm-ups cold and warm, what the pruning rule pruned and where, C against B per architecture, and the
-headline job's hours projected from B.
+headline job's hours projected from B (and from C, when C ran). Where the run directories did not come back
+(only the studies did), a trial's rate, samples and validation seconds are read from its study's attributes.
 """
 import glob
 import json
 import os
+import re
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -103,11 +105,13 @@ class Trained:
 
     @property
     def samples(self) -> int:
+        if not self.epochs:  # the study alone: its epochs at its train images (the rate's figure)
+            return round(self.attrs.get("samples_per_s", 0) * self.attrs.get("train_seconds", 0))
         return len(self.epochs) * self.split.get("train", 0)
 
     @property
     def rate(self) -> float | None:  # training samples/s while it ran (the last epoch's cumulative figure)
-        return self.epochs[-1].get("samples_per_s") if self.epochs else None
+        return self.epochs[-1].get("samples_per_s") if self.epochs else self.attrs.get("samples_per_s")
 
     @property
     def warm_up(self) -> float | None:
@@ -115,10 +119,17 @@ class Trained:
 
     @property
     def validation_per_epoch(self) -> float | None:  # wall minus training seconds, per epoch: validation and upkeep
-        if not self.epochs:
-            return None
+        if not self.epochs:  # the study alone: its wall less warm-up and training
+            epochs, trained = self.attrs.get("epochs_run"), self.attrs.get("train_seconds")
+            if not epochs or trained is None:
+                return None
+            return max(self.wall - (self.warm_up or 0.0) - trained, 0.0) / epochs
         last = self.epochs[-1]
         return (last["wall_seconds"] - last["train_seconds"]) / len(self.epochs)
+
+    @property
+    def val_images(self) -> int | None:
+        return self.split.get("val") or (self.attrs.get("config") or {}).get("data", {}).get("val_size")
 
 
 def _json(path: str, lines: bool = False):
@@ -281,7 +292,7 @@ def projection(trials: list[Trained], k: int, rate: float | None, cold: list[flo
     trials_run = min(HEADLINE["trials"], archs or HEADLINE["trials"])
     epochs = share * trials_run * HEADLINE["epochs"]
     val = [v for t in trials if (v := t.validation_per_epoch) is not None]
-    val_images = trials[0].split.get("val") or 1
+    val_images = trials[0].val_images or 1
     validation = statistics.median(val) * HEADLINE["val"] / val_images * epochs / k if val else 0.0
     per_warm = statistics.median(warm or cold or [0.0])
     warm_total = sum(cold) + per_warm * max(trials_run - len(cold), 0)
@@ -294,17 +305,33 @@ def projection(trials: list[Trained], k: int, rate: float | None, cold: list[flo
     return hours
 
 
+def bench_rate(out: str) -> tuple[int, float] | None:
+    """D's fastest way of K processes (K > 1): (K, its aggregate samples/s), from D.log, if D ran. Summed
+    per-trial rates overstate a wave whose trials train in turns between warm-ups and validation; bench's
+    figure is K processes training at once."""
+    best = None
+    for line in open(f"{out}/D.log") if os.path.exists(f"{out}/D.log") else []:
+        m = re.match(r"\s+(\d+) processes, [^:]+: ([\d,]+) samples/s", line)
+        if m and int(m[1]) > 1 and (best is None or float(m[2].replace(",", "")) > best[1]):
+            best = (int(m[1]), float(m[2].replace(",", "")))
+    return best
+
+
 def slice_(out: str, share: float | None = None, archs: int | None = None) -> None:
     b = load_slice(f"{out}/b.db") if os.path.exists(f"{out}/b.db") else []
     if not b:
         print("B: NO RESULT (no trained trial in b.db)")
         return
     a = _json(f"{out}/a-seed/final.json")
-    seed, k = min(b, key=lambda t: t.number), concurrency(b)  # trial 0: the seed architecture, enqueued first
+    k = concurrency(b)
     print(f"B: {len(b)} trained trials ({sum(t.state == 'COMPLETE' for t in b)} complete), at most {k} at once,"
           f" {max(t.end for t in b):.0f} s from the first start to the last end")
-    fair_time(seed, a.get("samples_per_s"))
-    mix_factor(b, seed)
+    seed = next((t for t in b if t.number == 0), None)  # trial 0: the seed architecture (A's), enqueued first
+    if seed is None:  # another architecture's time is no check of A's rate
+        print("fair time: no figure (the seed, trial 0, was not trained: interrupted before its end)")
+    else:
+        fair_time(seed, a.get("samples_per_s"))
+        mix_factor(b, seed)
     rate = first_wave(b, k)
     cold, warm = warm_ups(b, k)
     pruned(b)
@@ -314,6 +341,19 @@ def slice_(out: str, share: float | None = None, archs: int | None = None) -> No
     else:
         print("C: no result (not run, or nothing trained)")
     projection(b, k, rate, cold, warm, share, archs)
+    if c:  # what C's switches would make of the headline job, by the same formula
+        k = concurrency(c)
+        print(f"C: {len(c)} trained trials, at most {k} at once")
+        rate = first_wave(c, k)
+        cold, warm = warm_ups(c, k)
+        projection(c, k, rate, cold, warm, share, archs)
+    measured = bench_rate(out)
+    if measured:  # the same formula at D's aggregate rate, with the validation and warm-ups of C (else B)
+        k, rate = measured
+        trials = c or b
+        print(f"with D's {k} processes at {rate:,.0f} samples/s and {'C' if c else 'B'}'s validation and warm-ups:")
+        cold, warm = warm_ups(trials, k)
+        projection(trials, k, rate, cold, warm, None if share is None else share, archs)
 
 
 if __name__ == "__main__":

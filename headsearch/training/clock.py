@@ -105,14 +105,15 @@ def shared_hold(clock: AloneClock | None):
 
 
 def unheld_warm_up() -> bool:
-    """Whether a GPU warm-up runs outside any device hold (HEADSEARCH_UNHELD_WARM_UP=1). Off by default until it
-    has run on a GPU: `warm_up_hold` says why it is wanted."""
+    """Whether a GPU warm-up runs outside any device hold: the default since an H200 measured it fair and faster
+    (benchmarks/RESULTS.md, "The second GPU run"); HEADSEARCH_UNHELD_WARM_UP=0 holds it shared as before.
+    `warm_up_hold` says why."""
     return env_flag("HEADSEARCH_UNHELD_WARM_UP")
 
 
 def warm_up_hold(clock: AloneClock | None, device: torch.device):
-    """The hold a run's warm-up (compile, capture, verify: `prepare_steps`) runs in: a shared one, or on a GPU
-    with HEADSEARCH_UNHELD_WARM_UP=1, none. On a CPU always shared: compiling takes the very cores a measuring
+    """The hold a run's warm-up (compile, capture, verify: `prepare_steps`) runs in: none on a GPU, or a shared
+    one on a CPU or with HEADSEARCH_UNHELD_WARM_UP=0. On a CPU always shared: compiling takes the very cores a measuring
     worker's timed steps use.
 
     Why none on a GPU: a warm-up lasts 10 to 120 s per new block kind (20 s for the seed ViT on an H200), and an
@@ -121,8 +122,10 @@ def warm_up_hold(clock: AloneClock | None, device: torch.device):
     trial with an unmeasured architecture asks to time its steps: early in a search, almost always (a lock
     convoy, found in review). Outside any hold, a warm-up costs the GPU a few dozen short steps (the warm-up
     and verification steps) and the host 1/K of its cores (Inductor's compile threads, `search/workers.py`);
-    the timed median of ALONE_STEPS steps should be robust to the few that overlap them. That has not yet
-    been measured on a GPU, so it is opt-in (`benchmarks/gpu.sh search` measures the fair time with 8 workers)."""
+    the timed median of ALONE_STEPS steps is robust to the few that overlap them. Measured on an H200 (`gpu.sh
+    next`, 24-trial slices of the headline job, 8 workers, cold caches): held, 3 trials finished in 2 minutes
+    (two architectures' 60-100 s compiles held every worker); unheld, 18; each architecture's time alone within
+    2% of the held run's."""
     if clock is None or (device.type == "cuda" and unheld_warm_up()):
         return contextlib.nullcontext()
     return clock.share.shared()
