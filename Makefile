@@ -14,7 +14,7 @@ DATA   ?= $(wildcard ../shared/data)
 CIFAR_ARG = $(if $(DATA),--data-dir $(DATA)/cifar10,)
 RUN_ARGS ?= --preset tiny --trials 12
 
-.PHONY: test test-fast test-oldest run setup clean
+.PHONY: test test-fast test-oldest run setup clean peers
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,13 @@ test-oldest: $(STAMP_OLDEST)
 
 run: $(STAMP)
 	$(BIN)/headsearch run --task vit-cifar10 $(CIFAR_ARG) $(RUN_ARGS)
+
+# Syne Tune, for `benchmarks/search_quality.py --peers moasha` only, without its declared dependencies: its
+# xgboost pulls a CUDA 12 NCCL that overwrites the CUDA 13 one torch ships, and MOASHA's replay needs none of
+# them but scikit-learn and psutil (benchmarks/peers.py). Hence no `[peers]` extra.
+peers: $(STAMP)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps syne-tune==0.16.0
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check scikit-learn psutil
 
 clean:
 	rm -rf $(VENV) $(VENV_OLDEST) runs *.egg-info

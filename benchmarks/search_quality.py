@@ -17,6 +17,13 @@ simulated seconds until the anytime hypervolume (the front reported after each t
     python benchmarks/search_quality.py --pruners none,pareto,pareto@2x2,pareto@2x3 --workers 1   # rungs M x R^k
     python benchmarks/search_quality.py --pruners none,pareto~0,pareto~2 --workers 1,8   # noise margins (sigmas)
     python benchmarks/search_quality.py --pruners none,default,default+pause --workers 8 --budgets 39
+    python benchmarks/search_quality.py --pruners none,default --peers moasha,moasha@3x3 --workers 8 --budgets 39
+
+`--peers moasha` adds Syne Tune's MOASHA replayed by its own simulator on the same table and scored by the same
+functions (benchmarks/peers.py; `make peers` installs Syne Tune): as shipped, `@MxR` with headsearch's rungs,
+`moasha-ranked` with its rungs' ranking put right. Not apples to apples: it samples architectures at random with
+replacement (a repeat is trained and counted in the budget: the duplicates column counts repeats), reports a
+trial's last epoch rather than its best, and its clock ticks (benchmarks/peers.py says what else).
 """
 from __future__ import annotations
 
@@ -51,9 +58,13 @@ def main() -> None:
                    help="comma list of samplers (nsga2, tpe, random, gp; cost: the cost-aware sampler with the table's epoch"
                         " seconds; oracle: the true front first; default: the search's default); NAME:N replays"
                         " that one with N seeds only (a slow sampler)")
+    p.add_argument("--peers", default=None,
+                   help="comma list of peers replayed beside: moasha (Syne Tune's MOASHA as shipped), moasha@MxR (with"
+                        " rungs M x R^k), moasha-ranked[@MxR] (its rungs' ranking put right); `make peers` installs it")
     args = p.parse_args()
     if args.quick:
         args.seeds = min(args.seeds, 20)
+    peers = [_peer(name) for name in args.peers.split(",")] if args.peers else []
 
     import torch
 
@@ -111,6 +122,9 @@ def main() -> None:
                                  f"{statistics.fmean(duplicates):.1f}", _seconds(statistics.median(to85)),
                                  _seconds(statistics.median(to90)), _seconds(_quantile(to90, 0.9)),
                                  f"{statistics.fmean(replay_seconds):.2f}"])
+            for name, rungs, ranked in peers:
+                rows.append(_peer_row(table, truth, name, rungs, ranked, workers, budget, args.seeds, base_epochs,
+                                      base_seconds))
     total_seconds = time.perf_counter() - t0
     headers = ["workers", "trials", "sampler", "pruner", "replays", "hypervolume (median)", "hypervolume (10th pct)",
                "front recall (median)", "epochs (mean)", "fewer epochs than none", "simulated seconds (mean)",
@@ -272,6 +286,40 @@ def _samplers(spec: str | None, seeds: int, default: str) -> list[tuple[str, int
         name, _, n = item.partition(":")
         out.append((name, int(n) if n else seeds))
     return out
+
+
+def _peer(name: str) -> tuple[str, tuple[int, int] | None, bool]:
+    """"moasha-ranked@3x3" -> ("moasha-ranked@3x3", (3, 3), True)."""
+    kind, _, rungs = name.partition("@")
+    if kind not in ("moasha", "moasha-ranked"):
+        raise SystemExit(f"--peers: unknown peer {name!r} (moasha, moasha@MxR, moasha-ranked, moasha-ranked@MxR)")
+    first, _, factor = rungs.partition("x")
+    return name, ((int(first), int(factor or 3)) if rungs else None), kind == "moasha-ranked"
+
+
+def _peer_row(table, truth, name, rungs, ranked, workers, budget, seeds, base_epochs, base_seconds) -> list:
+    """One peer's row, replayed `seeds` times by its own simulator (benchmarks/peers.py)."""
+    from peers import MISSING, replay_moasha
+
+    runs = []
+    for seed in range(seeds):
+        t1 = time.perf_counter()
+        try:
+            r = replay_moasha(table, trials=budget, workers=workers, seed=seed, truth=truth, rungs=rungs, ranked=ranked)
+        except ImportError:
+            raise SystemExit(MISSING) from None
+        runs.append((r, time.perf_counter() - t1))
+    hv, epochs, seconds = ([r.hypervolume for r, _ in runs], [r.epochs for r, _ in runs], [r.seconds for r, _ in runs])
+    to85, to90 = [r.time_to(0.85) for r, _ in runs], [r.time_to(0.90) for r, _ in runs]
+    mean_epochs, mean_seconds = statistics.fmean(epochs), statistics.fmean(seconds)
+    return [workers, budget, "random, with replacement", name, seeds, f"{statistics.median(hv):.3f}",
+            f"{_quantile(hv, 0.1):.3f}", f"{statistics.median(r.recall for r, _ in runs):.2f}", f"{mean_epochs:.0f}",
+            f"{base_epochs / mean_epochs:.2f}x" if base_epochs else "-", f"{mean_seconds:.0f}",
+            f"{base_seconds / mean_seconds:.2f}x" if base_seconds else "-",
+            f"{statistics.fmean(len(r.front) for r, _ in runs):.1f}",
+            f"{statistics.fmean(r.repeats for r, _ in runs):.1f} repeats", _seconds(statistics.median(to85)),
+            _seconds(statistics.median(to90)), _seconds(_quantile(to90, 0.9)),
+            f"{statistics.fmean(s for _, s in runs):.2f}"]
 
 
 def _quantile(values, q: float) -> float:

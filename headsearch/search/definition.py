@@ -16,6 +16,7 @@ from headsearch.errors import ConfigError
 from headsearch.machine.fairtime import Seat
 from headsearch.search.objectives import Objective, progress_kinds
 from headsearch.search.pruning import make_curve_pruner, make_optuna_pruner
+from headsearch.search.pruning.resume import PAUSE_NOISE_MARGIN
 from headsearch.search.settings import SearchSettings
 from headsearch.search.space import SearchSpace
 from headsearch.tasks import DataSource, Task
@@ -65,8 +66,11 @@ class SearchDefinition:
         s, opts = self.settings, self._pruner_opts()
         if self.multi_objective:
             kinds = progress_kinds([o.stored() for o in self.objectives], self.task.primary.name)
+            margin = s.pruner_noise_margin
+            if margin is None and s.pruner_pause and self.pruner_name() == "pareto":
+                margin = PAUSE_NOISE_MARGIN  # a pause can be undone: the rule stops more, the resume rule takes back
             return None, make_curve_pruner(self.pruner_name(), self.task.primary.direction, kinds=kinds,
-                                           noise_margin=s.pruner_noise_margin, noise=s.pruner_noise, **opts)
+                                           noise_margin=margin, noise=s.pruner_noise, **opts)
         return make_optuna_pruner(self.pruner_name(), epochs=self.base.train.epochs, **opts), None
 
     def pruner_options(self) -> dict[str, Any]:

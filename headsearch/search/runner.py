@@ -107,7 +107,8 @@ class Search:
         self.scheduler = Scheduler(d, self.archs, self.handle, self.make_sampler)
         if d.settings.pruner_pause:
             optuna_pruner, curve_pruner = d.make_pruner()
-            self.scheduler.resumable = lambda study, trials: resumable(study, trials, curve_pruner, optuna_pruner)
+            self.scheduler.resumable = lambda study, trials, spent: resumable(study, trials, curve_pruner, optuna_pruner,
+                                                                              spent=spent)
         self.life = TrialLife(d, self.scheduler, self.handle, self.context.seat, self.optuna_callbacks)
 
     def _resolve_base(self, task: Task, space: SearchSpace, source: DataSource) -> RunConfig:

@@ -57,8 +57,9 @@ class Scheduler:
         self.racing = False  # asking with no lock held (`LockHold.exclusive`): see RACING_STRIDE
         self._stride = RACING_STRIDE * random.SystemRandom().randrange(1, 1000)
         self.dead = DeadTrials(handle)
-        # (study, trials) -> the paused trial to resume now, or None (--pruner-pause: `trial_pruning.resumable`)
-        self.resumable: Callable[[Any, list], Any] | None = None
+        # (study, trials, whether the budget is spent) -> the paused trial to resume now, or None (--pruner-pause:
+        # `trial_pruning.resumable`)
+        self.resumable: Callable[[Any, list, bool], Any] | None = None
         # Hears (seconds waited for the budget lock, seconds it was held) after every ask: a cluster's
         # measurements of the lock (benchmarks/cluster.py); None costs nothing.
         self.on_lock: Callable[[float, float], None] | None = None
@@ -107,7 +108,8 @@ class Scheduler:
                     f"{failed} trials failed in study {s.study_name} (see their fail_reason with `headsearch report`):"
                     " fix the cause (e.g. a lower lr) before running more"
                 )
-            if waiting == 0 and self.resumable is not None and (paused := self.resumable(study, trials)) is not None:
+            spent = sum(1 for t in trials if counts_toward_budget(t)) >= trials_wanted
+            if waiting == 0 and self.resumable is not None and (paused := self.resumable(study, trials, spent)) is not None:
                 # Before any new trial (a promotion first, as in ASHA), and whether or not the budget has room: the
                 # paused trial holds its place, and its resumption takes none.
                 study.enqueue_trial(paused.params, user_attrs={"resumes": paused.number})

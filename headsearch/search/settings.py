@@ -148,7 +148,7 @@ class SearchSettings:
     pruner_noise_margin: float | None = setting(
         None, part=PRUNING, check=_number(0), problem="give a number of sigmas >= 0",
         help="pareto: prune only what is dominated by more than this many sigmas of the metric's noise (default"
-             " 0.9; 0: plain dominance).")
+             " 0.9, or 0 with --pruner-pause; 0: plain dominance).")
     pruner_noise: float | None = setting(
         None, part=PRUNING, check=_number(0), problem="give the metric's noise sigma, a number >= 0",
         help="pareto: the metric's noise sigma, e.g. the spread between seeds `compare` measured (default:"
@@ -160,7 +160,8 @@ class SearchSettings:
     pruner_pause: bool = setting(
         False, part=PRUNING, check=lambda v: isinstance(v, bool), problem="give true or false",
         help="Pause rather than kill: a trial the rule stops keeps its state (pause.pt in its run directory) and is"
-             " resumed, exactly where it stopped, when the rule asked again later lets it go on (docs/searching.md)."
+             " resumed, exactly where it stopped, when the rule asked again later lets it go on or, once the budget"
+             " is spent, when its curve projected to the end could still reach the front (docs/searching.md)."
              " Solo workers; a cohort's trials are pruned.")
     # -- storage and workers
     storage: str = setting(DEFAULT_STORAGE, part=WORKERS, envvar=STORAGE_ENV,

@@ -17,6 +17,7 @@ import optuna
 
 from headsearch.search.pruning import (Progress, PruneDecision, RulePruner, comparison_trials, judges_progress,
                                        progress_of)
+from headsearch.search.pruning.resume import could_reach_front
 from headsearch.search.record import is_paused, resumed
 from headsearch.search.study import StudyStorage
 from headsearch.training.records import Callback, EpochRecord, PauseRun
@@ -93,12 +94,16 @@ def judge(curve_pruner, trials, epoch: int, mine: Progress) -> PruneDecision:
     return curve_pruner.decide(epoch, dict(mine.curve), [dict(t.intermediate_values) for t in others])
 
 
-def resumable(study, trials: list, curve_pruner, optuna_pruner: Any) -> Any:
+RESUME_PROJECTED = "spent"  # project a paused trial's end: "spent" once the budget is spent, "always", or "never"
+
+
+def resumable(study, trials: list, curve_pruner, optuna_pruner: Any, spent: bool = True) -> Any:
     """The paused trial to resume now, or None: of the paused trials no trial resumes yet, those whose rule, asked
     again at the epoch it paused them with what the study knows now, judges them and lets them go on (a rung rule:
-    they rank among the trials that may go on past their rung now; Li et al. 2020's promotions, for any rule).
-    The latest-paused first (the nearest the end), then the earliest trial. A decision that judged nothing (not a
-    rung now, too few trials: `PruneDecision.judged`) resumes nothing.
+    they rank among the trials that may go on past their rung now; Li et al. 2020's promotions, for any rule),
+    or, with several objectives and `project`, whose curve projected to the end could still reach the finished
+    trials' front (`could_reach_front`). The latest-paused first (the nearest the end), then the earliest trial.
+    A decision that judged nothing (not a rung now, too few trials: `PruneDecision.judged`) resumes nothing.
 
     Several objectives: the rule's judge (`curve_pruner`). One: Optuna's pruner on the paused trial's record (for
     `RulePruner` its decision must be a judgement; Optuna's own pruners give none to check, so their "go on" is
@@ -109,8 +114,13 @@ def resumable(study, trials: list, curve_pruner, optuna_pruner: Any) -> Any:
     for t in candidates:
         epoch = int(t.user_attrs["paused"]["epoch"])
         if curve_pruner is not None:
-            decision = judge(curve_pruner, trials, epoch, progress_of(t))
+            mine = progress_of(t)
+            decision = judge(curve_pruner, trials, epoch, mine)
             if decision.judged and not decision.prune:
+                return t
+            project = RESUME_PROJECTED == "always" or (RESUME_PROJECTED == "spent" and spent)
+            if project and judges_progress(curve_pruner) and could_reach_front(
+                    curve_pruner, epoch, mine, [progress_of(o) for o in trials if o.number != t.number]):
                 return t
         elif optuna_pruner is not None and not optuna_pruner.prune(study, t):
             last = getattr(optuna_pruner, "last", None)
