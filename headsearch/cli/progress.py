@@ -17,6 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Column, Table
 
 from headsearch.io import hide_passwords
+from headsearch.search.record import is_paused, resumes
 from headsearch.search.rungcheck import RungWatch
 from headsearch.search.runner import SearchCallback, arch_summary
 from headsearch.search.snapshot import snapshot, trial_state
@@ -181,7 +182,7 @@ class TrialLog:
             state = trial_state(t)
             if state not in ("running", "waiting"):
                 self.seen.add(t.number)
-                self.finished += state in self.COUNTED
+                self.finished += state in self.COUNTED and resumes(t) is None  # a resumption takes no place of --trials
         if self.finished:
             self.print(f"resuming study {self.study.study_name}: {self.finished} of {self.trials} trials finished already")
 
@@ -223,8 +224,8 @@ class TrialLog:
         if host and host != self.host:  # another node's trial (a Slurm array shares one study)
             took = f"{took} on {host}".strip()
         tail = "; ".join(x for x in (took, f"{self.finished}/{self.trials} finished") if x)
-        body = "  ".join(x for x in (self.label(t), detail) if x)
-        return f"trial {t.number} {state}: {body}  ({tail})"
+        body = "  ".join(x for x in (self.label(t), detail, resumed_text(t)) if x)
+        return f"trial {t.number} {shown_state(t, state)}: {body}  ({tail})"
 
     def status(self, trials, end: str | None = None) -> None:
         """status after 4m00s: 7/12 finished (...), 1 running (...); best so far: ..."""
@@ -357,9 +358,21 @@ class SearchProgress(SearchCallback):
             detail = pruned_text(t.user_attrs["pruned"], direction)
         else:  # why it was rejected or failed, when it says
             detail = t.user_attrs.get("rejected", t.user_attrs.get("fail_reason", ""))
-        self.log.append(f"trial {number} {state.lower()}: {t.user_attrs.get('arch', '')}  {detail}")
+        body = "  ".join(x for x in (t.user_attrs.get("arch", ""), detail, resumed_text(t)) if x)
+        self.log.append(f"trial {number} {shown_state(t, state.lower())}: {body}")
         self.current, self.epoch, self.step = "-", "", ""
         self.refresh()
+
+
+def shown_state(t, state: str) -> str:
+    """A trial's state as a line shows it: "paused" for a pruned trial that kept its state (--pruner-pause)."""
+    return "paused" if state == "pruned" and is_paused(t) else state
+
+
+def resumed_text(t) -> str:
+    """"(resumes trial 9)" for a trial that goes on from a paused one, else ""."""
+    n = resumes(t)
+    return "" if n is None else f"(resumes trial {n})"
 
 
 def print_search_summary(study, storage: str, console: Console | None = None) -> None:

@@ -101,8 +101,10 @@ def resumable(study, trials: list, curve_pruner, optuna_pruner: Any, spent: bool
     """The paused trial to resume now, or None: of the paused trials no trial resumes yet, those whose rule, asked
     again at the epoch it paused them with what the study knows now, judges them and lets them go on (a rung rule:
     they rank among the trials that may go on past their rung now; Li et al. 2020's promotions, for any rule),
-    or, with several objectives and `project`, whose curve projected to the end could still reach the finished
-    trials' front (`could_reach_front`). The latest-paused first (the nearest the end), then the earliest trial.
+    or, with several objectives and once the budget is `spent` (`RESUME_PROJECTED`), whose curve projected to the
+    end could still reach the finished trials' front (`could_reach_front`: the search would otherwise stop there,
+    and by then the finished trials say most about what a paused one may gain). The latest-paused first (the
+    nearest the end), then the earliest trial.
     A decision that judged nothing (not a rung now, too few trials: `PruneDecision.judged`) resumes nothing.
 
     Several objectives: the rule's judge (`curve_pruner`). One: Optuna's pruner on the paused trial's record (for

@@ -49,7 +49,7 @@ def gain_after(epoch: int, finished: Sequence[Progress], direction: str) -> list
 def could_reach_front(rule, epoch: int, mine: Progress, others: Sequence[Progress],
                       quantile: float | None = None, sigmas: float | None = None, gains: str | None = None) -> bool | None:
     """Whether trial `mine`, paused at `epoch`, projected to the last epoch could still stand on the front of the
-    finished trials (`rule`: a rule on several objectives, for its kinds, direction and noise margin). None
+    finished trials (`rule`: a rule on several objectives, for its kinds and direction). None
     when that cannot be told yet: fewer than `RESUME_FINISHED` finished trials with a value at `epoch`, or its
     epoch seconds not known. `quantile`, `sigmas`, `gains`: the module's RESUME_* when None."""
     finished = [o for o in others if o.finished and o.curve and o.number != mine.number]
