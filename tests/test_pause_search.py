@@ -156,3 +156,22 @@ def test_a_resumption_stopped_by_ctrl_c_is_resumed_again_by_the_next_run_and_los
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
     assert sum(counts_toward_budget(t) for t in trials) == 4 and not list((tmp_path / "runs").glob("*/*/pause.pt"))
     assert_equal_to_straight(invoke, tmp_path, complete)
+
+
+def test_a_paused_trial_is_shown_paused_and_a_resumption_names_its_trial():
+    """The live lines (headsearch run): a trial the rule paused reads "paused", not "pruned"; its resumption says
+    which trial it goes on from."""
+    from optuna.distributions import IntDistribution
+    from optuna.trial import create_trial
+
+    from headsearch.cli.progress import resumed_text, shown_state
+
+    dist = {"x": IntDistribution(0, 3)}
+    paused = create_trial(state=TrialState.PRUNED, params={"x": 1}, distributions=dist,
+                          user_attrs={"pruned": {"pause": True, "epoch": 2}, "paused": {"epoch": 2}})
+    killed = create_trial(state=TrialState.PRUNED, params={"x": 2}, distributions=dist, user_attrs={"pruned": {"epoch": 2}})
+    resumption = create_trial(state=TrialState.COMPLETE, params={"x": 1}, distributions=dist, values=[0.5, 1.0],
+                              user_attrs={"resumes": 7})
+    assert [shown_state(t, "pruned") for t in (paused, killed)] == ["paused", "pruned"]
+    assert shown_state(resumption, "complete") == "complete"
+    assert resumed_text(resumption) == "(resumes trial 7)" and resumed_text(paused) == ""
