@@ -27,6 +27,13 @@ if str(ROOT) not in sys.path:  # run as `python benchmarks/x.py` from a checkout
     sys.path.insert(0, str(ROOT))
 
 
+def quantile(values: Sequence[float], q: float) -> float:
+    """The replays' order statistic: the sorted values' entry at index int(q * n) (the 10th percentile of 100: the
+    11th smallest), as every search-quality row takes it."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 def search_space(quick: bool) -> str:
     """The space benchmark searches use: deep-head on a CPU-sized slice of CIFAR-10 with --quick."""
     return str(ROOT / "benchmarks" / "spaces" / "deep-head-quick.yaml") if quick else "deep-head"

@@ -32,9 +32,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Iterator, Sequence
 
-if __name__ == "__main__":  # run as `python benchmarks/peers.py` from a checkout without installing
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from common import quantile  # benchmarks/ is on the path (a script's own folder, or the tests'); it adds the checkout
 from headsearch.search.hypervolume import front_indices
 from headsearch.search.simulate import Replay, Truth, score, true_points
 from headsearch.search.table import arch_key
@@ -307,12 +305,6 @@ def scored(table: dict[str, Any], curves: Sequence[TrialCurve], truth: Truth, *,
 
 
 # -- a quick check from the command line -----------------------------------------------------------
-
-def quantile(values: Sequence[float], q: float) -> float:
-    """The same order statistic as search_quality.py's rows."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
 
 def parse_rungs(text: str | None) -> tuple[int, int] | None:
     """"3x3" -> (3, 3): first rung at epoch 3, reduction factor 3; None or "default": MOASHA's own."""

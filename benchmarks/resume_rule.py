@@ -22,7 +22,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from common import ROOT, markdown_table, parser, report
+from common import ROOT, markdown_table, parser, quantile, report
 
 DEFAULT_TABLE = ROOT / "benchmarks" / "tables" / "vit-cifar10-deep-head-tiny16.json"
 INTS, FLOATS = {"m", "r"}, {"margin", "q", "sig"}
@@ -46,11 +46,6 @@ def parse_row(spec: str) -> tuple[bool, dict]:
             raise SystemExit(f"{s!r} in {spec!r}: the settings are m, r, margin, q, sig, when=spent|always|never and"
                              " gains=all|slower")
     return kind == "pause", out
-
-
-def quantile(values, q: float) -> float:  # as search_quality.py takes it: the value at index int(q * n)
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 def replays(table, truth, workers: int, seeds: int, pause: bool | None, settings: dict) -> dict:

@@ -31,7 +31,7 @@ import statistics
 import time
 from pathlib import Path
 
-from common import ROOT, markdown_table, parser, report
+from common import ROOT, markdown_table, parser, quantile, report
 
 DEFAULT_TABLE = ROOT / "benchmarks" / "tables" / "vit-cifar10-deep-head-tiny.json"
 
@@ -116,11 +116,11 @@ def main() -> None:
                     if pruner == "none":
                         base_epochs, base_seconds = mean_epochs, mean_seconds
                     rows.append([workers, budget, sampler, pruner, seeds, f"{statistics.median(hv):.3f}",
-                                 f"{_quantile(hv, 0.1):.3f}", f"{statistics.median(recall):.2f}", f"{mean_epochs:.0f}",
+                                 f"{quantile(hv, 0.1):.3f}", f"{statistics.median(recall):.2f}", f"{mean_epochs:.0f}",
                                  f"{base_epochs / mean_epochs:.2f}x" if base_epochs else "-", f"{mean_seconds:.0f}",
                                  f"{base_seconds / mean_seconds:.2f}x" if base_seconds else "-", f"{statistics.fmean(front):.1f}",
                                  f"{statistics.fmean(duplicates):.1f}", _seconds(statistics.median(to85)),
-                                 _seconds(statistics.median(to90)), _seconds(_quantile(to90, 0.9)),
+                                 _seconds(statistics.median(to90)), _seconds(quantile(to90, 0.9)),
                                  f"{statistics.fmean(replay_seconds):.2f}"])
             for name, rungs, ranked in peers:
                 rows.append(_peer_row(table, truth, name, rungs, ranked, workers, budget, args.seeds, base_epochs,
@@ -313,18 +313,13 @@ def _peer_row(table, truth, name, rungs, ranked, workers, budget, seeds, base_ep
     to85, to90 = [r.time_to(0.85) for r, _ in runs], [r.time_to(0.90) for r, _ in runs]
     mean_epochs, mean_seconds = statistics.fmean(epochs), statistics.fmean(seconds)
     return [workers, budget, "random, with replacement", name, seeds, f"{statistics.median(hv):.3f}",
-            f"{_quantile(hv, 0.1):.3f}", f"{statistics.median(r.recall for r, _ in runs):.2f}", f"{mean_epochs:.0f}",
+            f"{quantile(hv, 0.1):.3f}", f"{statistics.median(r.recall for r, _ in runs):.2f}", f"{mean_epochs:.0f}",
             f"{base_epochs / mean_epochs:.2f}x" if base_epochs else "-", f"{mean_seconds:.0f}",
             f"{base_seconds / mean_seconds:.2f}x" if base_seconds else "-",
             f"{statistics.fmean(len(r.front) for r, _ in runs):.1f}",
             f"{statistics.fmean(r.repeats for r, _ in runs):.1f} repeats", _seconds(statistics.median(to85)),
-            _seconds(statistics.median(to90)), _seconds(_quantile(to90, 0.9)),
+            _seconds(statistics.median(to90)), _seconds(quantile(to90, 0.9)),
             f"{statistics.fmean(s for _, s in runs):.2f}"]
-
-
-def _quantile(values, q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 if __name__ == "__main__":

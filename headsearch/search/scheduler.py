@@ -108,20 +108,20 @@ class Scheduler:
                     f"{failed} trials failed in study {s.study_name} (see their fail_reason with `headsearch report`):"
                     " fix the cause (e.g. a lower lr) before running more"
                 )
-            spent = sum(1 for t in trials if counts_toward_budget(t)) >= trials_wanted
+            counted = sum(1 for t in trials if counts_toward_budget(t))
+            spent = counted >= trials_wanted
             if waiting == 0 and self.resumable is not None and (paused := self.resumable(study, trials, spent)) is not None:
                 # Before any new trial (a promotion first, as in ASHA), and whether or not the budget has room: the
                 # paused trial holds its place, and its resumption takes none.
                 study.enqueue_trial(paused.params, user_attrs={"resumes": paused.number})
                 continue
             running = any(t.state == TrialState.RUNNING for t in trials)
-            counted = sum(1 for t in trials if counts_toward_budget(t))
             # Nothing left to ask: running trials hold the rest. With heartbeats (leases on a journal), wait for
             # them: one may belong to a dead worker and come back as a retry (or fail and free its place). With
             # paused trials, wait too: what the running ones show may let the rule resume one.
             any_paused = self.resumable is not None and any(is_paused(t) for t in trials)
             done = WAIT if running and (self.handle.store_of(study).tells_dead_workers or any_paused) else None
-            if waiting == 0 and counted >= trials_wanted:
+            if waiting == 0 and spent:
                 return done
             next_point = getattr(s.space, "next_point", None)  # a grid that says which point comes next
             if next_point is not None and waiting == 0:

@@ -113,6 +113,9 @@ def resumable(study, trials: list, curve_pruner, optuna_pruner: Any, spent: bool
     gone_on = resumed(trials)
     candidates = sorted((t for t in trials if is_paused(t) and t.number not in gone_on),
                         key=lambda t: (-int(t.user_attrs["paused"]["epoch"]), t.number))
+    project = curve_pruner is not None and judges_progress(curve_pruner) and (
+        RESUME_PROJECTED == "always" or (RESUME_PROJECTED == "spent" and spent))
+    progress = [progress_of(o) for o in trials] if project and candidates else []  # once, for every candidate
     for t in candidates:
         epoch = int(t.user_attrs["paused"]["epoch"])
         if curve_pruner is not None:
@@ -120,9 +123,7 @@ def resumable(study, trials: list, curve_pruner, optuna_pruner: Any, spent: bool
             decision = judge(curve_pruner, trials, epoch, mine)
             if decision.judged and not decision.prune:
                 return t
-            project = RESUME_PROJECTED == "always" or (RESUME_PROJECTED == "spent" and spent)
-            if project and judges_progress(curve_pruner) and could_reach_front(
-                    curve_pruner, epoch, mine, [progress_of(o) for o in trials if o.number != t.number]):
+            if project and could_reach_front(curve_pruner, epoch, mine, progress):  # it leaves `mine` out itself
                 return t
         elif optuna_pruner is not None and not optuna_pruner.prune(study, t):
             last = getattr(optuna_pruner, "last", None)

@@ -63,7 +63,7 @@ def could_reach_front(rule, epoch: int, mine: Progress, others: Sequence[Progres
     last = max(max(o.curve) for o in finished)
     quantile = RESUME_QUANTILE if quantile is None else quantile
     sigmas = RESUME_SIGMAS if sigmas is None else sigmas
-    margin = sigmas * (curve_noise([mine.curve, *(o.curve for o in finished)], epoch) or 0.0)
+    margin = sigmas * (curve_noise([mine.curve, *(o.curve for o in finished)], epoch) or 0.0) if sigmas else 0.0
     best = best_so_far(mine.curve, epoch, rule.direction)
     if not math.isfinite(best):
         return False
