@@ -20,8 +20,8 @@ import yaml
 
 from headsearch.errors import ConfigError
 
-SKIPS = ("none", "output", "scores")
-FUSIONS = ("none", "hadamard", "add")
+SKIPS = ("none", "output", "scores", "value", "unet", "dense")
+FUSIONS = ("none", "hadamard", "add", "differential")
 SOFT_SCORES = ("pairwise", "key")
 ACTIVATIONS = ("gelu", "relu")
 OPTIMIZERS = ("adamw", "adam")
@@ -113,9 +113,13 @@ class ArchConfig(ConfigSection):
     attention width becomes h * head_dim (as timm allows).
     `skip` connects successive attention layers of a stack (docs/design.md §2): "output" adds and
     normalises the merged head outputs (Deep Head), "scores" adds the pre-softmax scores (RealFormer,
-    He et al. 2020); `skip_mean` makes the scores skip a running mean instead of a running sum.
+    He et al. 2020), "value" mixes each layer's values with the first layer's (ResFormer, Zhou et al. 2024);
+    or the stack's blocks across the residual stream: "unet" adds block i's output to block L-1-i's input,
+    "dense" averages every earlier block's output (DenseFormer, Pagliardini et al. 2024).
+    `skip_mean` makes the scores skip a running mean instead of a running sum.
     `fusion` fuses each head's self-attention with a soft (additive, Bahdanau) attention branch:
-    "hadamard" is HAM A, "add" is HAM B (Martínez-Marín et al.; docs/design.md §3). `soft_dim` is the soft branch's width d_a
+    "hadamard" is HAM A, "add" is HAM B (Martínez-Marín et al.; docs/design.md §3); "differential" makes each
+    head the difference of two softmax maps (DIFF Transformer, Ye et al. 2024). `soft_dim` is the soft branch's width d_a
     (None = d_k); `soft_score="key"` scores keys alone (cheaper) instead of query-key pairs.
     """
 
@@ -168,6 +172,9 @@ class ArchConfig(ConfigSection):
             raise ConfigError(f"head_dim = {self.head_dim!r} must be 'split' (d_model / heads) or a positive integer")
         if self.soft_dim is not None and self.soft_dim < 1:
             raise ConfigError(f"soft_dim = {self.soft_dim} must be a positive integer or null (= head width)")
+        if self.fusion == "differential" and self.skip == "scores":
+            raise ConfigError("skip 'scores' adds one map of pre-softmax scores per head to the next layer's, but"
+                              " differential attention has two: use another skip or another fusion")
         self._validate_stack("enc_heads", self.enc_heads, self.enc_layers, "enc_layers")
         self._validate_stack("dec_heads", self.dec_heads, self.dec_layers, "dec_layers")
 
@@ -185,6 +192,11 @@ class ArchConfig(ConfigSection):
                     f"{name}[{i}] = {h} does not divide d_model = {self.d_model}: with head_dim 'split' each head"
                     f" gets d_model / h dimensions, so use a divisor of {self.d_model} or set head_dim to a fixed width"
                 )
+            if self.fusion == "differential" and self.head_width(h) % 2:
+                raise ConfigError(
+                    f"fusion 'differential' splits each head's queries and keys in two halves, but {name}[{i}] = {h}"
+                    f" gives heads of odd width {self.head_width(h)}: use fewer heads or another fusion"
+                )
         for i in range(1, len(heads)):
             a, b = heads[i - 1], heads[i]
             if self.skip == "scores" and max(a, b) % min(a, b):
@@ -192,9 +204,11 @@ class ArchConfig(ConfigSection):
                     f"skip 'scores' maps scores from {a} to {b} heads ({name}[{i - 1}] -> {name}[{i}]) by averaging or"
                     f" repeating head groups, so one count must divide the other: change the schedule or the skip"
                 )
-            if self.skip == "output" and self.attn_dim(a) != self.attn_dim(b):
+            if self.skip in ("output", "value") and self.attn_dim(a) != self.attn_dim(b):
+                what = ("adds merged head outputs of successive layers" if self.skip == "output"
+                        else "mixes the first layer's values into every later layer's")
                 raise ConfigError(
-                    f"skip 'output' adds merged head outputs of successive layers, but a fixed head_dim = {self.head_dim}"
+                    f"skip {self.skip!r} {what}, but a fixed head_dim = {self.head_dim}"
                     f" gives widths {self.attn_dim(a)} and {self.attn_dim(b)} ({name}[{i - 1}], {name}[{i}]):"
                     f" use head_dim 'split' or equal head counts"
                 )

@@ -83,8 +83,11 @@ def test_each_slot_computes_what_its_solo_model_computes_forward_and_backward():
 
 # Every fusion x every skip of the models' tables, and the running mean where the skip carries scores: a
 # variant added to the tables is checked here without a list to extend.
-VARIANTS = [(fusion, name, mean) for fusion in variants.FUSIONS for name, skip in variants.SKIPS.items()
-            for mean in ((False, True) if skip.carries_scores else (False,))]
+VARIANTS = [(fusion, name, mean) for fusion, f in variants.FUSIONS.items() for name, skip in variants.SKIPS.items()
+            for mean in ((False, True) if skip.carries_scores else (False,)) if f.stacks and skip.stacks]
+# The rows the batched core does not implement: refused in one line that names them, and such a trial trains alone.
+UNSTACKED = [("skip", n) for n, v in variants.SKIPS.items() if not v.stacks] + [
+    ("fusion", n) for n, v in variants.FUSIONS.items() if not v.stacks]
 TINY = dict(d_model=16, enc_layers=2, d_ff=32, patch_size=8)  # 17 tokens: a few ms a model
 
 
@@ -99,7 +102,16 @@ def test_every_fusion_and_skip_computes_in_a_cohort_what_it_computes_alone(fusio
     assert_each_slot_computes_what_its_solo_model_computes(models, stacked)
 
 
-@pytest.mark.parametrize("field,name,known", [("fusion", "concat", variants.FUSIONS), ("skip", "dense", variants.SKIPS)],
+@pytest.mark.parametrize("field,name", UNSTACKED)
+def test_a_variant_the_cohort_does_not_implement_is_refused_in_one_line_and_trains_alone(field, name):
+    arch = ArchConfig(**TINY, enc_heads=[4, 2], **{field: name})
+    why = stack_refusal(arch)
+    assert why == f"{field} {name!r} is not in the cohort's batched core (models/cohort.py)"
+    with pytest.raises(ValueError, match="is not in the cohort's batched core"):
+        StackedViT([ArchConfig(**TINY, enc_heads=[4, 2]), arch], soft_columns=16)
+
+
+@pytest.mark.parametrize("field,name,known", [("fusion", "concat", variants.FUSIONS), ("skip", "ladder", variants.SKIPS)],
                          ids=["fusion", "skip"])
 def test_an_unknown_fusion_or_skip_is_refused_when_a_cohort_is_built_or_refilled(field, name, known):
     good, bad = ArchConfig(**TINY, enc_heads=2), ArchConfig(**TINY, enc_heads=2)

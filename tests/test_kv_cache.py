@@ -97,6 +97,17 @@ def test_cached_decoding_with_key_scores_soft_width_and_running_mean(data, arch,
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("skip,fusion", [("value", "none"), ("unet", "none"), ("dense", "hadamard"),
+                                         ("none", "differential"), ("value", "differential")])
+def test_cached_decoding_with_the_modern_skips_and_differential_attention(data, skip, fusion, one_thread):
+    """The value residual mixes only the new position's values into the cache (the cross-attention's memory
+    values at the first step); the stream skips and differential attention work per position."""
+    cached, reference = decode_both(trained(data, skip=skip, fusion=fusion), data[0].src)
+    assert_varied(reference)
+    assert torch.equal(cached, reference)
+
+
+@pytest.mark.slow
 def test_cached_decoding_with_head_masks(data, one_thread):
     """Analysis masks heads (Attention.head_mask, Michel et al. 2019): the cache sees the same masks."""
     model = trained(data, skip="scores", fusion="add")

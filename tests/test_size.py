@@ -29,6 +29,9 @@ VIT_ARCHS = {
     "HAM A, scores skip": dict(fusion="hadamard", skip="scores"),
     "HAM B, key scores, fixed head width, 8x8 patches": dict(fusion="add", soft_score="key", soft_dim=5, head_dim=16, patch_size=8),
     "two layers, wider MLP": dict(d_model=64, enc_layers=2, enc_heads=[2, 4], d_ff=100, skip="output", fusion="add"),
+    "value residual, halving heads": dict(enc_heads=[8, 4, 2, 1], skip="value"),
+    "U-net skips, 5 layers": dict(enc_layers=5, enc_heads=4, skip="unet"),
+    "DenseFormer, differential attention": dict(enc_heads=[4, 2, 2, 6], skip="dense", fusion="differential"),
 }
 
 
@@ -46,6 +49,11 @@ SEQ2SEQ_ARCHS = {
     "output skip, HAM A": dict(d_model=32, enc_layers=2, dec_layers=2, dec_heads=[2, 4], d_ff=64, skip="output", fusion="hadamard"),
     "scores skip, HAM B": dict(d_model=48, enc_layers=3, enc_heads=[6, 3, 1], dec_layers=1, dec_heads=2, d_ff=96,
                                skip="scores", fusion="add", soft_score="key"),
+    "value skip, differential": dict(d_model=32, enc_layers=2, enc_heads=[2, 4], dec_layers=3, dec_heads=[4, 2, 2], d_ff=64,
+                                     skip="value", fusion="differential"),
+    "U-net skips, HAM B": dict(d_model=48, enc_layers=3, enc_heads=[6, 3, 1], dec_layers=2, dec_heads=2, d_ff=96,
+                               skip="unet", fusion="add"),
+    "DenseFormer": dict(d_model=32, enc_layers=2, dec_layers=3, dec_heads=[2, 4, 8], d_ff=64, skip="dense"),
 }
 
 
@@ -129,6 +137,14 @@ def test_vit_step_flops_by_hand():
     key_only = 2 * (2 * t * 4 * 4 + KEY_ENERGY_FLOPS * t * 4 + 2 * t * t * 4)  # no W2 q; energy over (key, a)
     assert tiny_vit_flops(fusion="add", soft_score="key") == 3 * 2 * (forward + key_only)
     assert tiny_vit_flops(skip="scores") == tiny_vit_flops(skip="output") == tiny_vit_flops()  # elementwise: not counted
+    assert tiny_vit_flops(skip="value") == tiny_vit_flops(skip="unet") == tiny_vit_flops()
+    assert tiny_vit_flops(skip="dense") == tiny_vit_flops() + 3 * 2 * (2 * 2 * t * 8)  # one average of 2 (1 layer)
+
+    # Differential attention: per head two maps over halves of width 2 (as many products as one map of width 4),
+    # then each map's weighted sum of v (width 4): one weighted sum more.
+    half_maps = 2 * (2 * (2 * t * 2 * t))
+    assert half_maps == scores
+    assert tiny_vit_flops(fusion="differential") == 3 * 2 * (forward + weighted_sum)
 
 
 def test_seq2seq_step_flops_by_hand():

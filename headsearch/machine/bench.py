@@ -240,12 +240,13 @@ def measure_process(job: Job, barrier, device) -> dict:
 def measure_cohort(job: Job, barrier, device) -> dict:
     """A cohort of K on `device`: slot 0 first checked against the same trial alone (VERIFY_STEPS steps), then timed."""
     from headsearch.models.cohort import soft_width
+    from headsearch.models.variants import fusion_of
     from headsearch.training.cohort import Cohort
     from headsearch.training.runtime import steps_per_epoch
 
     task, cfg, k = get_task(job.task), job.cfg, job.way.k
     bound = task.setup(cfg, job.source, device)
-    soft = soft_width(cfg.arch, min(cfg.arch.enc_heads)) if cfg.arch.fusion != "none" else None
+    soft = soft_width(cfg.arch, min(cfg.arch.enc_heads)) if fusion_of(cfg.arch.fusion).soft is not None else None
     cohort = Cohort(task, k, device, soft_columns=soft, keep_step_losses=True)
     started = time.perf_counter()
     for i in range(k):

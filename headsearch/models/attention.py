@@ -4,8 +4,11 @@
 - a skip connection from the previous attention layer of the same stack (docs/design.md §2):
   "output" (Deep Head: merged head outputs added and layer-normalised) or
   "scores" (RealFormer, He et al. 2020, arXiv:2012.11747: pre-softmax scores added as a residual);
+  or "value" (ResFormer, Zhou et al. 2024, arXiv:2410.17897: each layer's values mixed with the stack's
+  first layer's); skips across the residual stream (U-net, DenseFormer) live in the stacks (streams.py);
 - fusion of each head's self-attention with an additive soft-attention branch (HAM A/B,
-  Martínez-Marín et al.; docs/design.md §3);
+  Martínez-Marín et al.; docs/design.md §3), or differential attention (DIFF Transformer, Ye et al. 2024,
+  arXiv:2410.05258: each head the difference of two softmax maps; docs/design.md §3.1);
 - a head mask multiplying each head's output (Michel et al. 2019, "Are Sixteen Heads Really Better
   than One?", arXiv:1905.10650), settable from outside so importance is a gradient w.r.t. it;
 - optional attention probabilities for analysis;
@@ -23,12 +26,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from headsearch.errors import ConfigError
 from headsearch.models.variants import fusion_of, skip_of
+
+VALUE_MIX_INIT = 0.5  # the value residual's lambda at the start: an equal mix, ResFormer's fixed choice
+DIFF_LAMBDA_STD = 0.1  # the DIFF Transformer's lambda vectors start as N(0, 0.1^2) (its reference code)
+DIFF_NORM_EPS = 1e-5
+
+
+def differential_lambda_init(layer_index: int) -> float:
+    """lambda_init = 0.8 - 0.6 exp(-0.3 l) for the l-th layer of a stack (0-based, as in Ye et al.'s code)."""
+    return 0.8 - 0.6 * math.exp(-0.3 * layer_index)
 
 
 class AttentionOutput(NamedTuple):
     out: Tensor  # (B, Tq, d_model)
-    skip_state: Tensor | None  # what the next layer's skip receives (scores or merged heads), else None
+    skip_state: Tensor | None  # what the next layer's skip receives (scores, merged heads or values), else None
     weights: Tensor | None  # (B, H, Tq, Tk) self-attention probabilities, when asked for
     soft_weights: Tensor | None  # (B, H, Tq, Tk) soft-attention probabilities, when asked for and fused
 
@@ -172,6 +185,16 @@ class SoftAttention(nn.Module):
         return alpha @ v, alpha  # (B, H, Tq, d_k)
 
 
+class Projected(NamedTuple):
+    """What `Attention._project` computes of its inputs."""
+
+    q: Tensor  # (B, H, Tq, d_k)
+    k: Tensor  # (B, H, Tk, d_k): with a cache, every position cached so far
+    v: Tensor  # (B, H, Tk, d_k): the same positions; mixed with the first layer's (value residual)
+    soft_keys: Tensor | None  # (B, H, Tk, A) the soft branch's projected keys, when a cache holds them
+    fresh_values: Tensor | None  # (B, n, H·d_k) the values this call projected, before any mixing (None: cached)
+
+
 class Attention(nn.Module):
     """Multi-head (self- or cross-) attention with a per-layer head count, skip input and fusion.
 
@@ -204,7 +227,7 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.head_dim, self.attn_dim = n_heads, head_dim, n_heads * head_dim
         self.scale = head_dim**-0.5
-        self.skip, self.fuse = skip_of(skip), fusion_of(fusion)  # the records, not the names, decide below
+        self.skip, self.fusion = skip_of(skip), fusion_of(fusion)  # the records, not the names, decide below
         self.cross, self.skip_in = cross, skip_in and self.skip.carries
         # The running mean divides a scores skip's running sum; without a scores skip there is no sum, and the
         # fused path (which never divides) and the explicit one (weights asked for) must still agree.
@@ -217,7 +240,17 @@ class Attention(nn.Module):
             self.qkv_proj = nn.Linear(d_model, 3 * self.attn_dim)  # one matmul for q, k and v
         self.out_proj = nn.Linear(self.attn_dim, d_model)  # W_o
         self.skip_norm = nn.LayerNorm(self.attn_dim) if self.skip_in and self.skip.carries_output else None
-        self.soft = SoftAttention(n_heads, head_dim, soft_dim or head_dim, soft_score) if self.fuse is not None else None
+        self.soft = SoftAttention(n_heads, head_dim, soft_dim or head_dim, soft_score) if self.fusion.soft is not None else None
+        # Value residual: v <- lambda v + (1 - lambda) v_1, lambda learned (one per layer that receives v_1)
+        self.value_mix = nn.Parameter(torch.tensor(VALUE_MIX_INIT)) if self.skip_in and self.skip.carries_values else None
+        if self.fusion.differential:
+            if head_dim % 2:
+                raise ConfigError(f"differential attention splits each head's queries and keys in two halves:"
+                                  f" a head width of {head_dim} is odd (use an even width or another fusion)")
+            self.lambda_init = differential_lambda_init(layer_index)
+            self.lambda_q = nn.Parameter(torch.empty(2, head_dim // 2).normal_(0, DIFF_LAMBDA_STD))  # lambda_q1, lambda_q2
+            self.lambda_k = nn.Parameter(torch.empty(2, head_dim // 2).normal_(0, DIFF_LAMBDA_STD))  # lambda_k1, lambda_k2
+            self.diff_norm = nn.RMSNorm(head_dim, eps=DIFF_NORM_EPS)  # each head normalised alone
         # Set from outside (analysis): a (H,) tensor multiplying each head's output (Michel et al.'s ξ);
         # may require grad. With a skip, what the layer passes on still carries earlier layers' signal.
         self.head_mask: Tensor | None = None
@@ -229,10 +262,11 @@ class Attention(nn.Module):
     def needs_explicit_scores(self, need_weights: bool) -> bool:
         return need_weights or self.skip.carries_scores
 
-    def _project(self, x: Tensor, context: Tensor | None,
-                 cache: KVCache | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-        """q (B, H, Tq, d_k); k, v (B, H, Tk, d_k); and the soft branch's projected keys (B, H, Tk, A)
-        when a cache holds them (None: the soft branch projects k itself).
+    def _project(self, x: Tensor, context: Tensor | None, cache: KVCache | None = None,
+                 first_values: Tensor | None = None) -> Projected:
+        """q, k, v split into heads, and the soft branch's projected keys when a cache holds them (None: the
+        soft branch projects k itself). `first_values` (B, n, H·d_k): the stack's first layer's values for
+        the positions this call projects, which a value-residual layer mixes into its own before caching.
 
         With a cache, k and v span every position cached so far: self-attention appends this call's
         positions; cross-attention projects the memory at the first step only.
@@ -242,16 +276,49 @@ class Attention(nn.Module):
         if self.cross:
             q = heads(self.q_proj(x))
             if cache is not None and cache.length:  # the memory's keys and values, from the first step
-                return (q, *cache.cached())
+                return Projected(q, *cache.cached(), None)
             k, v = self.kv_proj(context).chunk(2, dim=-1)
         else:
             q, k, v = self.qkv_proj(x).chunk(3, dim=-1)
             q = heads(q)
+        fresh = v  # (B, n, H·d_k)
+        if self.value_mix is not None:
+            if first_values is None:
+                raise ValueError("a value-residual layer needs the stack's first layer's values (skip_state)")
+            v = self.value_mix * v + (1 - self.value_mix) * first_values  # ResFormer: mixed per position
         k, v = heads(k), heads(v)
         if cache is None:
-            return q, k, v, None
+            return Projected(q, k, v, None, fresh)
         soft_keys = self.soft.project_keys(k) if self.soft is not None else None
-        return (q, *cache.extend(k, v, soft_keys))
+        return Projected(q, *cache.extend(k, v, soft_keys), fresh)
+
+    def differential_lambda(self) -> Tensor:
+        """lambda = exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2) + lambda_init (Ye et al. 2024, eq. 2)."""
+        dots = (self.lambda_q * self.lambda_k).sum(dim=-1)  # (2,)
+        return torch.exp(dots[0]) - torch.exp(dots[1]) + self.lambda_init
+
+    def _differential(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+                      explicit: bool) -> tuple[Tensor, Tensor | None]:
+        """DIFF Transformer heads (Ye et al. 2024): [softmax(q1 k1^T / sqrt(d)) - lambda softmax(q2 k2^T / sqrt(d))] v
+        over the two halves (width d = d_k / 2) of each head's queries and keys, each head RMS-normalised and
+        scaled by 1 - lambda_init. Returns the heads (B, H, Tq, d_k) and, `explicit`, the map (B, H, Tq, Tk)."""
+        lam = self.differential_lambda().to(q.dtype)
+        (q1, q2), (k1, k2) = q.chunk(2, dim=-1), k.chunk(2, dim=-1)  # (B, H, T, d_k / 2) each
+        weights = None
+        if explicit:
+            maps = []
+            for qi, ki in ((q1, k1), (q2, k2)):
+                logits = (qi @ ki.transpose(-2, -1)) * qi.shape[-1] ** -0.5  # (B, H, Tq, Tk)
+                if mask is not None:
+                    logits = logits.masked_fill(~mask, float("-inf"))
+                maps.append(logits.softmax(dim=-1))
+            weights = maps[0] - lam * maps[1]  # (B, H, Tq, Tk): rows sum to 1 - lambda
+            heads = F.dropout(weights, self.attn_dropout, self.training) @ v
+        else:  # the same map applied to v, as two fused kernels (each with its own dropout draw in training)
+            dropout = self.attn_dropout if self.training else 0.0
+            heads = (F.scaled_dot_product_attention(q1, k1, v, attn_mask=mask, dropout_p=dropout)
+                     - lam * F.scaled_dot_product_attention(q2, k2, v, attn_mask=mask, dropout_p=dropout))
+        return self.diff_norm(heads) * (1 - self.lambda_init), weights  # (B, H, Tq, d_k)
 
     def forward(
         self,
@@ -266,11 +333,14 @@ class Attention(nn.Module):
         to (B, H, Tq, Tk), True where attention is allowed; skip_state: the previous layer's emission;
         cache: this layer's decoding cache (x then holds the new positions only)."""
         b, tq, _ = x.shape
-        q, k, v, soft_keys = self._project(x, context, cache)
+        first_values = skip_state if self.skip.carries_values and self.skip_in else None
+        q, k, v, soft_keys, fresh_values = self._project(x, context, cache, first_values)
         q = self.hook_q(q)
         weights = emitted_scores = None
 
-        if self.needs_explicit_scores(need_weights):
+        if self.fusion.differential:
+            heads, weights = self._differential(q, k, v, mask, self.needs_explicit_scores(need_weights))
+        elif self.needs_explicit_scores(need_weights):
             scores = (q @ k.transpose(-2, -1)) * self.scale  # (B, H, Tq, Tk)
             if self.skip.carries_scores and self.skip_in and skip_state is not None:
                 scores = scores + map_score_heads(skip_state, self.n_heads)  # RealFormer residual
@@ -289,7 +359,7 @@ class Attention(nn.Module):
         soft_weights = None
         if self.soft is not None:
             soft, soft_weights = self.soft(q, k, v, mask, soft_keys)  # (B, H, Tq, d_k)
-            heads = self.fuse(heads, soft)  # HAM A / HAM B: (B, H, Tq, d_k)
+            heads = self.fusion.soft(heads, soft)  # HAM A / HAM B: (B, H, Tq, d_k)
         if self.head_mask is not None:
             heads = heads * self.head_mask.view(1, -1, 1, 1).to(heads.dtype)
         heads = self.hook_head_out(heads)
@@ -299,6 +369,8 @@ class Attention(nn.Module):
             if self.skip_norm is not None and skip_state is not None:
                 merged = self.skip_norm(merged + skip_state)  # Deep Head: add and normalise
             emitted = merged
+        elif self.skip.carries_values:  # the first layer's own values, passed on unchanged by the others
+            emitted = skip_state if self.skip_in else fresh_values
         else:
             emitted = emitted_scores
         return AttentionOutput(

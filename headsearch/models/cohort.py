@@ -17,7 +17,9 @@ convert between a slot and a solo `ViT`'s state_dict, so a trial in a cohort che
 retrains exactly as a solo one.
 
 Not stacked (`stack_refusal` says why, and such a trial trains alone): a fixed head width (its
-projections depend on h), dropout (a slot's random draws could not match the solo run's).
+projections depend on h), dropout (a slot's random draws could not match the solo run's), and the skips and
+fusions models/variants.py marks `stacks=False` (value residual, U-net and dense skips, differential
+attention: parameters this core does not hold yet).
 """
 from __future__ import annotations
 
@@ -44,6 +46,9 @@ def stack_refusal(arch: ArchConfig) -> str | None:
         return "dropout draws random numbers a cohort could not draw as the solo run does"
     if arch.dec_layers:
         return "only the encoder-only ViT stacks"
+    for kind, variant in (("skip", skip_of(arch.skip)), ("fusion", fusion_of(arch.fusion))):
+        if not variant.stacks:
+            return f"{kind} {variant.name!r} is not in the cohort's batched core (models/cohort.py)"
     return None
 
 
@@ -88,7 +93,7 @@ def _look_up_variants(arch: ArchConfig) -> None:
 def _key(arch: ArchConfig, layer: int) -> tuple:
     """What a Group holds, in its order; the running mean counts only for a skip that carries scores."""
     skip = skip_of(arch.skip)
-    return (arch.enc_heads[layer], skip, arch.skip_mean and skip.carries_scores, fusion_of(arch.fusion))
+    return (arch.enc_heads[layer], skip, arch.skip_mean and skip.carries_scores, fusion_of(arch.fusion).soft)
 
 
 def _param_name(solo_name: str) -> str:
@@ -179,7 +184,7 @@ class StackedViT(nn.Module):
         if (why := stack_refusal(arch)) is not None or stack_signature(arch) != stack_signature(self.archs[0]):
             raise ValueError(f"{arch} cannot take a slot of this cohort: {why or 'another stack signature'}")
         _look_up_variants(arch)  # before the slot changes
-        if fusion_of(arch.fusion) is not None:
+        if fusion_of(arch.fusion).soft is not None:
             need = soft_width(arch, min(arch.enc_heads))
             if self.soft_columns is None or need > self.soft_columns:
                 raise ValueError(f"this cohort keeps {self.soft_columns} soft-branch columns; {arch} needs {need}")

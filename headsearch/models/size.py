@@ -77,16 +77,28 @@ def _layernorm(d: int) -> int:
 
 def attention_params(arch: ArchConfig, heads: int, index: int, cross: bool = False) -> int:
     """`Attention` as `make_attention` builds it: q/k/v and output projections, the output skip's
-    LayerNorm (every layer but a stack's first), the soft branch's W1, W2 (pairwise scores) and w."""
+    LayerNorm and the value residual's lambda (every layer but a stack's first), the soft branch's W1, W2
+    (pairwise scores) and w, differential attention's four lambda vectors (d_k / 2 each) and RMSNorm weight."""
     d, width = arch.d_model, heads * arch.head_width(heads)
     n = _linear(d, width) + _linear(d, 2 * width) if cross else _linear(d, 3 * width)
     n += _linear(width, d)
-    if skip_of(arch.skip).carries_output and index > 0:
+    skip, fusion = skip_of(arch.skip), fusion_of(arch.fusion)
+    if skip.carries_output and index > 0:
         n += _layernorm(width)
-    if fusion_of(arch.fusion) is not None:
+    if skip.carries_values and index > 0:
+        n += 1
+    if fusion.soft is not None:
         soft = arch.soft_dim or arch.head_width(heads)
         n += heads * arch.head_width(heads) * soft * (2 if arch.soft_score == "pairwise" else 1) + heads * soft
+    if fusion.differential:
+        n += 3 * arch.head_width(heads)
     return n
+
+
+def stream_params(arch: ArchConfig, layers: int) -> int:
+    """A stack's skip across the residual stream (models/streams.py): what its module holds for `layers` blocks."""
+    stream = skip_of(arch.skip).stream
+    return stream.parameter_count(layers) if stream is not None and layers else 0
 
 
 def _mlp_params(arch: ArchConfig) -> int:
@@ -107,13 +119,13 @@ def layer_groups(heads: Sequence[int]) -> Iterator[tuple[int, int, int]]:
 def encoder_params(arch: ArchConfig) -> int:
     blocks = sum(n * (2 * _layernorm(arch.d_model) + attention_params(arch, h, i) + _mlp_params(arch))
                  for h, i, n in layer_groups(arch.enc_heads))
-    return blocks + _layernorm(arch.d_model)
+    return blocks + stream_params(arch, len(arch.enc_heads)) + _layernorm(arch.d_model)
 
 
 def decoder_params(arch: ArchConfig) -> int:
     blocks = sum(n * (3 * _layernorm(arch.d_model) + attention_params(arch, h, i) + attention_params(arch, h, i, cross=True)
                       + _mlp_params(arch)) for h, i, n in layer_groups(arch.dec_heads))
-    return blocks + _layernorm(arch.d_model)
+    return blocks + stream_params(arch, len(arch.dec_heads)) + _layernorm(arch.d_model)
 
 
 # -- activations -----------------------------------------------------------------------------
@@ -122,7 +134,8 @@ def _layer_activations(arch: ArchConfig, heads: int, queries: int, keys: int) ->
     """Floats autograd keeps for one sample in one attention + MLP block."""
     d, width = arch.d_model, heads * arch.head_width(heads)
     per_token = 4 * d + 4 * width + 2 * arch.d_ff  # norms and residuals, q/k/v and context, MLP hidden (pre and post activation)
-    return queries * per_token + 2 * heads * queries * keys  # scores and probabilities
+    maps = 2 if fusion_of(arch.fusion).differential else 1  # differential attention: two maps per head
+    return queries * per_token + 2 * maps * heads * queries * keys  # scores and probabilities
 
 
 def stack_activations(arch: ArchConfig, tokens: int, memory_tokens: int = 0) -> int:
@@ -165,8 +178,11 @@ def attention_flops(arch: ArchConfig, heads: int, queries: int, keys: int) -> in
     n = _matmul(queries, d, width) + _matmul(keys, d, 2 * width)  # q; k and v
     n += 2 * heads * _matmul(queries, arch.head_width(heads), keys)  # scores, then weighted sum
     n += _matmul(queries, width, d)  # W_o
-    if fusion_of(arch.fusion) is not None:
+    fusion = fusion_of(arch.fusion)
+    if fusion.soft is not None:
         n += soft_branch_flops(arch, heads, queries, keys)
+    if fusion.differential:  # two half-width score maps cost one full one; a second weighted sum
+        n += heads * _matmul(queries, keys, arch.head_width(heads))
     return n
 
 
@@ -174,14 +190,21 @@ def _mlp_flops(arch: ArchConfig, tokens: int) -> int:
     return 2 * _matmul(tokens, arch.d_model, arch.d_ff)
 
 
+def stream_flops(arch: ArchConfig, layers: int, tokens: int) -> int:
+    """Forward FLOPs of one sample in a stack's skip across the residual stream (models/streams.py)."""
+    stream = skip_of(arch.skip).stream
+    return stream.forward_flops(layers, tokens, arch.d_model) if stream is not None and layers else 0
+
+
 def stack_flops(arch: ArchConfig, tokens: int, memory_tokens: int = 0) -> int:
     """Forward FLOPs of one sample in the encoder (`tokens` long) or, with `memory_tokens`, the decoder
     (self-attention over its `tokens`, cross-attention to the encoder's `memory_tokens`)."""
     if not memory_tokens:
         return sum(n * (attention_flops(arch, h, tokens, tokens) + _mlp_flops(arch, tokens))
-                   for h, _, n in layer_groups(arch.enc_heads))
+                   for h, _, n in layer_groups(arch.enc_heads)) + stream_flops(arch, len(arch.enc_heads), tokens)
     return sum(n * (attention_flops(arch, h, tokens, tokens) + attention_flops(arch, h, tokens, memory_tokens)
-                    + _mlp_flops(arch, tokens)) for h, _, n in layer_groups(arch.dec_heads))
+                    + _mlp_flops(arch, tokens)) for h, _, n in layer_groups(arch.dec_heads)) + stream_flops(
+        arch, len(arch.dec_heads), tokens)
 
 
 def vit_step_flops(arch: ArchConfig, batch: int, image_size: int = 32, in_chans: int = 3, num_classes: int = 10) -> int:

@@ -1,7 +1,8 @@
 """Pre-LN transformer blocks and stacks built from an `ArchConfig`, shared by the ViT and the seq2seq model.
 
 A stack threads the skip state from each attention layer to the next; a decoder has two chains,
-one through its self-attention layers and one through its cross-attention layers. A decoder can also
+one through its self-attention layers and one through its cross-attention layers. A skip across the
+residual stream (U-net, DenseFormer: `streams.py`) threads the blocks' outputs instead. A decoder can also
 run one new position at a time against a key/value cache (`Decoder.empty_cache`), for greedy decoding.
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ from torch import Tensor, nn
 
 from headsearch.config import ArchConfig
 from headsearch.models.attention import Attention, AttentionOutput, KVCache
+from headsearch.models.variants import skip_of
 
 
 def make_attention(cfg: ArchConfig, heads: int, index: int, cross: bool = False) -> Attention:
@@ -29,6 +31,12 @@ def make_attention(cfg: ArchConfig, heads: int, index: int, cross: bool = False)
         soft_score=cfg.soft_score,
         attn_dropout=cfg.attn_dropout,
     )
+
+
+def make_stream(cfg: ArchConfig, layers: int) -> nn.Module | None:
+    """The module a stack threads its blocks' outputs through (models/streams.py), or None without such a skip."""
+    build = skip_of(cfg.skip).stream
+    return build(layers) if build is not None and layers else None
 
 
 class MLP(nn.Module):
@@ -103,12 +111,18 @@ class Encoder(nn.Module):
     def __init__(self, cfg: ArchConfig):
         super().__init__()
         self.blocks = nn.ModuleList(EncoderBlock(cfg, h, i) for i, h in enumerate(cfg.enc_heads))
+        self.stream = make_stream(cfg, len(self.blocks))
         self.norm = nn.LayerNorm(cfg.d_model)
 
     def forward(self, x: Tensor, mask: Tensor | None = None, need_weights: bool = False) -> tuple[Tensor, list[LayerWeights]]:
         skip, weights = None, []
-        for block in self.blocks:
+        memory = self.stream.start(x) if self.stream is not None else None
+        for i, block in enumerate(self.blocks):
+            if self.stream is not None:
+                x = self.stream.before(i, x, memory)
             x, a = block(x, mask, skip, need_weights)
+            if self.stream is not None:
+                x = self.stream.after(i, x, memory)
             skip = a.skip_state
             if need_weights:
                 weights.append(LayerWeights(a.weights, a.soft_weights))
@@ -119,6 +133,7 @@ class Decoder(nn.Module):
     def __init__(self, cfg: ArchConfig):
         super().__init__()
         self.blocks = nn.ModuleList(DecoderBlock(cfg, h, i) for i, h in enumerate(cfg.dec_heads))
+        self.stream = make_stream(cfg, len(self.blocks))
         self.norm = nn.LayerNorm(cfg.d_model)
 
     def empty_cache(self, steps: int) -> list[tuple[KVCache, KVCache]]:
@@ -138,8 +153,13 @@ class Decoder(nn.Module):
         new positions only and the self-attention mask covers every cached position: (B, 1, T, T_cached)."""
         skips: tuple[Tensor | None, Tensor | None] = (None, None)
         self_w, cross_w = [], []
+        stream = self.stream.start(x) if self.stream is not None else None
         for i, block in enumerate(self.blocks):
+            if self.stream is not None:
+                x = self.stream.before(i, x, stream)
             x, s, c = block(x, memory, self_mask, cross_mask, skips, need_weights, cache[i] if cache is not None else None)
+            if self.stream is not None:
+                x = self.stream.after(i, x, stream)
             skips = (s.skip_state, c.skip_state)
             if need_weights:
                 self_w.append(LayerWeights(s.weights, s.soft_weights))

@@ -129,9 +129,10 @@ class DataCache:
 def soft_columns(definition: "SearchDefinition") -> int | None:
     """The soft-branch width a cohort keeps (None: the space never fuses): enough for the fewest heads it may sample."""
     from headsearch.models.cohort import soft_width
+    from headsearch.models.variants import fusion_of
 
     space = definition.space
-    if all(f == "none" for f in space.fusions) and definition.base.arch.fusion == "none":
+    if all(fusion_of(f).soft is None for f in (*space.fusions, definition.base.arch.fusion)):
         return None
     fewest = min(space.heads)
     if {"halving", "doubling"} & set(space.families):

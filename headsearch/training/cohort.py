@@ -34,6 +34,7 @@ import torch
 from headsearch.config import RunConfig, stable_key
 from headsearch.errors import Diverged
 from headsearch.models.cohort import soft_width, stack_signature
+from headsearch.models.variants import fusion_of
 from headsearch.tasks import BoundTask, Task
 from headsearch.training.cohort_optim import StackedAdam
 from headsearch.training.rundir import create_run_dir
@@ -101,7 +102,7 @@ class Cohort:
             return why
         if self.occupied and cohort_key(cfg) != self.key:
             return "its config differs from the cohort's in more than the head schedule, skip, fusion, lr and seed"
-        if cfg.arch.fusion != "none":
+        if fusion_of(cfg.arch.fusion).soft is not None:
             need = soft_width(cfg.arch, min(cfg.arch.enc_heads))
             if self.soft_columns is None or need > self.soft_columns:
                 return f"its soft branch needs {need} columns and the cohort keeps {self.soft_columns}"
