@@ -131,7 +131,10 @@ def test_the_models_tables_hold_exactly_the_names_the_config_accepts():
     assert set(variants.FUSIONS) == set(config.FUSIONS)
     assert set(variants.SKIPS) == set(config.SKIPS)
     assert all(name == skip.name for name, skip in variants.SKIPS.items())
-    assert all(not (s.carries_scores and s.carries_output) for s in variants.SKIPS.values())  # one thing at most
+    for s in variants.SKIPS.values():  # one thing at most: scores, outputs, values, or the stream between blocks
+        assert s.carries_scores + s.carries_output + s.carries_values + (s.stream is not None) <= 1, s
+    assert all(not (f.soft is not None and f.differential) for f in variants.FUSIONS.values())
+    assert all(name == f.name for name, f in variants.FUSIONS.items())
 
 
 @pytest.mark.parametrize("kw,names", [(dict(fusion="concat"), variants.FUSIONS), (dict(skip="ladder"), variants.SKIPS)],
