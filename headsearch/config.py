@@ -172,9 +172,6 @@ class ArchConfig(ConfigSection):
             raise ConfigError(f"head_dim = {self.head_dim!r} must be 'split' (d_model / heads) or a positive integer")
         if self.soft_dim is not None and self.soft_dim < 1:
             raise ConfigError(f"soft_dim = {self.soft_dim} must be a positive integer or null (= head width)")
-        if self.fusion == "differential" and self.skip == "scores":
-            raise ConfigError("skip 'scores' adds one map of pre-softmax scores per head to the next layer's, but"
-                              " differential attention has two: use another skip or another fusion")
         self._validate_stack("enc_heads", self.enc_heads, self.enc_layers, "enc_layers")
         self._validate_stack("dec_heads", self.dec_heads, self.dec_layers, "dec_layers")
 

@@ -208,8 +208,7 @@ def _all_params_get_gradient(model, loss):
     assert not missing, f"no gradient reaches {missing}"
 
 
-# Every skip with every fusion, but the pair ArchConfig refuses (tests/test_modern_variants.py checks the refusal).
-PAIRS = [(s, f) for s in variants.SKIPS for f in variants.FUSIONS if (s, f) != ("scores", "differential")]
+PAIRS = [(s, f) for s in variants.SKIPS for f in variants.FUSIONS]  # every skip with every fusion
 
 
 @pytest.mark.parametrize("skip,fusion", PAIRS)

@@ -98,7 +98,7 @@ def test_cached_decoding_with_key_scores_soft_width_and_running_mean(data, arch,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("skip,fusion", [("value", "none"), ("unet", "none"), ("dense", "hadamard"),
-                                         ("none", "differential"), ("value", "differential")])
+                                         ("none", "differential"), ("value", "differential"), ("scores", "differential")])
 def test_cached_decoding_with_the_modern_skips_and_differential_attention(data, skip, fusion, one_thread):
     """The value residual mixes only the new position's values into the cache (the cross-attention's memory
     values at the first step); the stream skips and differential attention work per position."""

@@ -166,8 +166,40 @@ def test_differential_attention_matches_the_diff_transformer_formula(masked, lay
         assert explicit.weights[..., keys:].abs().max() == 0
 
 
+@torch.no_grad()
+def test_the_scores_skip_with_differential_attention_carries_each_map_to_the_same_map():
+    """RealFormer's residual map by map: layer 2's map m adds layer 1's pre-softmax scores of map m, mapped 4 -> 2 heads
+    (the mean of head pairs), and A = softmax(S_1) - lambda softmax(S_2); layer 1 emits [S_1; S_2] (B, 2H, T, T)."""
+    enc = _encoder(enc_layers=2, enc_heads=[4, 2], skip="scores", fusion="differential")
+    x = torch.randn(1, 5, 8, dtype=D)
+    _, weights = enc(x, need_weights=True)
+    b1, b2 = enc.blocks
+    h = x + b1.attn(b1.norm1(x)).out
+    h = h + b1.mlp(b1.norm2(h))
+
+    def scores(attn, n):  # each map's own scaled scores: (2, H, T, T)
+        q, k = (n[0] @ attn.qkv_proj.weight.T + attn.qkv_proj.bias).chunk(3, dim=-1)[:2]
+        heads, width = attn.n_heads, attn.head_dim
+        out = torch.zeros(2, heads, 5, 5, dtype=D)
+        for m in range(2):
+            for hd in range(heads):
+                cols = range(hd * width + m * width // 2, hd * width + (m + 1) * width // 2)
+                for i in range(5):
+                    for j in range(5):
+                        out[m, hd, i, j] = sum(float(q[i, c] * k[j, c]) for c in cols) / math.sqrt(width // 2)
+        return out
+
+    s1, s2 = scores(b1.attn, b1.norm1(x)), scores(b2.attn, b2.norm1(h))
+    carried = s2 + s1.view(2, 2, 2, 5, 5).mean(dim=2)  # layer 1's 4 heads averaged in pairs onto layer 2's 2
+    lam = float(b2.attn.differential_lambda())
+    expected = carried[0].softmax(-1) - lam * carried[1].softmax(-1)
+    torch.testing.assert_close(weights[1].self_attn[0], expected, rtol=1e-12, atol=1e-12)
+    emitted = b1.attn(b1.norm1(x)).skip_state
+    assert emitted.shape == (1, 8, 5, 5)
+    torch.testing.assert_close(emitted[0], s1.reshape(8, 5, 5), rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("fields,message", [
-    (dict(skip="scores", fusion="differential"), "skip 'scores' adds one map of pre-softmax scores per head"),
     (dict(d_model=48, enc_layers=2, enc_heads=[16, 8], fusion="differential"), "enc_heads[0] = 16 gives heads of odd width 3"),
     (dict(enc_layers=2, enc_heads=[4, 2], head_dim=16, skip="value"), "skip 'value' mixes the first layer's values into every later"),
     (dict(dec_layers=2, dec_heads=[6, 2], d_model=48, head_dim=8, skip="value"), "(dec_heads[0], dec_heads[1])"),
@@ -188,13 +220,12 @@ def test_an_odd_head_width_is_refused_by_the_attention_module_itself():
     ("translation-en-es", {(8, 8), (8, 4), (4, 8)}),  # 2 encoder layers: halving stops at 4
 ])
 def test_the_modern_space_crosses_three_schedules_with_every_skip_and_fusion_it_can_train(task, schedules):
-    """3 schedules x (6 skips x 2 fusions, less scores with differential): every one valid on the tiny presets
+    """3 schedules x 6 skips x 2 fusions: every one valid on the tiny presets
     (8 heads on d_model 48 are 6 wide, even, as differential attention needs)."""
     from headsearch.search.runner import Search, SearchSettings
 
     search = Search(SearchSettings(task=task, space="modern", preset="tiny", device="cpu"))
     archs = [json.loads(k)["arch"] for k in search.archs.listing()]
-    assert len(archs) == 3 * 11
-    pairs = {(a["skip"], a["fusion"]) for a in archs}
-    assert len(pairs) == 11 and ("scores", "differential") not in pairs
+    assert len(archs) == 3 * 12
+    assert len({(a["skip"], a["fusion"]) for a in archs}) == 12
     assert {tuple(a["enc_heads"]) for a in archs} == schedules

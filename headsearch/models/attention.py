@@ -297,28 +297,37 @@ class Attention(nn.Module):
         dots = (self.lambda_q * self.lambda_k).sum(dim=-1)  # (2,)
         return torch.exp(dots[0]) - torch.exp(dots[1]) + self.lambda_init
 
-    def _differential(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
-                      explicit: bool) -> tuple[Tensor, Tensor | None]:
+    def _differential(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, explicit: bool,
+                      received: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """DIFF Transformer heads (Ye et al. 2024): [softmax(q1 k1^T / sqrt(d)) - lambda softmax(q2 k2^T / sqrt(d))] v
         over the two halves (width d = d_k / 2) of each head's queries and keys, each head RMS-normalised and
-        scaled by 1 - lambda_init. Returns the heads (B, H, Tq, d_k) and, `explicit`, the map (B, H, Tq, Tk)."""
+        scaled by 1 - lambda_init. With the scores skip, each map's pre-softmax scores get the previous layer's
+        of the same map (`received`: (B, 2 H_prev, Tq, Tk), the first map's heads then the second's), and both
+        are emitted the same way. Returns the heads (B, H, Tq, d_k), the map (B, H, Tq, Tk) when `explicit`,
+        and the emitted scores with a scores skip."""
         lam = self.differential_lambda().to(q.dtype)
         (q1, q2), (k1, k2) = q.chunk(2, dim=-1), k.chunk(2, dim=-1)  # (B, H, T, d_k / 2) each
-        weights = None
+        weights = emitted = None
         if explicit:
-            maps = []
-            for qi, ki in ((q1, k1), (q2, k2)):
-                logits = (qi @ ki.transpose(-2, -1)) * qi.shape[-1] ** -0.5  # (B, H, Tq, Tk)
+            maps, scores = [], []
+            previous = received.chunk(2, dim=1) if received is not None else (None, None)  # (B, H_prev, Tq, Tk) each
+            for qi, ki, before in ((q1, k1, previous[0]), (q2, k2, previous[1])):
+                s = (qi @ ki.transpose(-2, -1)) * qi.shape[-1] ** -0.5  # (B, H, Tq, Tk)
+                if before is not None:
+                    s = s + map_score_heads(before, self.n_heads)  # RealFormer residual, map by map
+                scores.append(s)
+                logits = s / self.score_divisor
                 if mask is not None:
                     logits = logits.masked_fill(~mask, float("-inf"))
                 maps.append(logits.softmax(dim=-1))
             weights = maps[0] - lam * maps[1]  # (B, H, Tq, Tk): rows sum to 1 - lambda
+            emitted = torch.cat(scores, dim=1) if self.skip.carries_scores else None  # (B, 2H, Tq, Tk)
             heads = F.dropout(weights, self.attn_dropout, self.training) @ v
         else:  # the same map applied to v, as two fused kernels (each with its own dropout draw in training)
             dropout = self.attn_dropout if self.training else 0.0
             heads = (F.scaled_dot_product_attention(q1, k1, v, attn_mask=mask, dropout_p=dropout)
                      - lam * F.scaled_dot_product_attention(q2, k2, v, attn_mask=mask, dropout_p=dropout))
-        return self.diff_norm(heads) * (1 - self.lambda_init), weights  # (B, H, Tq, d_k)
+        return self.diff_norm(heads) * (1 - self.lambda_init), weights, emitted  # heads (B, H, Tq, d_k)
 
     def forward(
         self,
@@ -339,7 +348,9 @@ class Attention(nn.Module):
         weights = emitted_scores = None
 
         if self.fusion.differential:
-            heads, weights = self._differential(q, k, v, mask, self.needs_explicit_scores(need_weights))
+            received = skip_state if self.skip.carries_scores and self.skip_in else None
+            heads, weights, emitted_scores = self._differential(q, k, v, mask, self.needs_explicit_scores(need_weights),
+                                                                received)
         elif self.needs_explicit_scores(need_weights):
             scores = (q @ k.transpose(-2, -1)) * self.scale  # (B, H, Tq, Tk)
             if self.skip.carries_scores and self.skip_in and skip_state is not None:
