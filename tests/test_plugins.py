@@ -146,7 +146,7 @@ def test_the_example_plugin_installs_with_pip_and_runs_through_every_command(tmp
         return proc.stdout
 
     # The built-in spaces, from the wheel: search_spaces/ shipped as headsearch/search_spaces/.
-    assert [s["name"] for s in json.loads(headsearch("spaces", "--format", "json"))] == ["deep-head", "full", "ham"]
+    assert [s["name"] for s in json.loads(headsearch("spaces", "--format", "json"))] == ["deep-head", "full", "ham", "modern"]
     shipped = subprocess.run([python, "-c", "from headsearch.search.space import _builtin_dir; print(_builtin_dir())"],
                              capture_output=True, text=True, env=env, cwd=tmp_path, check=True).stdout.strip()
     assert Path(shipped).is_relative_to(python.parent.parent) and Path(shipped).name == "search_spaces", shipped

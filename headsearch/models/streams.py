@@ -29,15 +29,7 @@ class UNetStream(nn.Module):
     def __init__(self, layers: int):
         super().__init__()
         self.layers = layers
-        self.weights = nn.Parameter(torch.ones(self.parameter_count(layers)))  # w_i, one per pair of blocks
-
-    @staticmethod
-    def parameter_count(layers: int) -> int:
-        return layers // 2
-
-    @staticmethod
-    def forward_flops(layers: int, tokens: int, width: int) -> int:
-        return 0  # a scaled add per pair: elementwise, left out as models/size.py leaves residual adds out
+        self.weights = nn.Parameter(torch.ones(layers // 2))  # w_i, one per pair of blocks
 
     def start(self, x: Tensor) -> list[Tensor]:
         return []  # the first half's outputs, in order
@@ -67,15 +59,6 @@ class DenseStream(nn.Module):
     def __init__(self, layers: int):
         super().__init__()
         self.alphas = nn.ParameterList(nn.Parameter(_last_one_hot(i + 2)) for i in range(layers))
-
-    @staticmethod
-    def parameter_count(layers: int) -> int:
-        return layers * (layers + 3) // 2  # sum over blocks i = 0 .. L-1 of (i + 2)
-
-    @staticmethod
-    def forward_flops(layers: int, tokens: int, width: int) -> int:
-        """Each average is a product over the depth axis, (1, i + 2) @ (i + 2, T·D): 2 (i + 2) T D per block."""
-        return 2 * DenseStream.parameter_count(layers) * tokens * width
 
     def start(self, x: Tensor) -> list[Tensor]:
         return [x]  # X_0, then each block's output

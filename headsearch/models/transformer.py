@@ -35,8 +35,8 @@ def make_attention(cfg: ArchConfig, heads: int, index: int, cross: bool = False)
 
 def make_stream(cfg: ArchConfig, layers: int) -> nn.Module | None:
     """The module a stack threads its blocks' outputs through (models/streams.py), or None without such a skip."""
-    build = skip_of(cfg.skip).stream
-    return build(layers) if build is not None and layers else None
+    stream = skip_of(cfg.skip).stream
+    return stream.build(layers) if stream is not None and layers else None
 
 
 class MLP(nn.Module):

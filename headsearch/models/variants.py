@@ -18,7 +18,6 @@ if TYPE_CHECKING:
     from torch import Tensor, nn
 
 from headsearch.errors import ConfigError
-from headsearch.models.streams import DenseStream, UNetStream
 
 Fuse = Callable[["Tensor", "Tensor"], "Tensor"]
 
@@ -56,6 +55,29 @@ FUSIONS: dict[str, Fusion] = {
 
 
 @dataclass(frozen=True)
+class Stream:
+    """A skip across the residual stream: the module a stack threads its blocks through (models/streams.py,
+    imported only when a model is built: looking names up here must not import torch, as a light worker does)
+    and its size for models/size.py: parameters for L blocks, forward FLOPs for (L, tokens, width)."""
+
+    module: str  # its class in models/streams.py
+    parameter_count: Callable[[int], int]
+    forward_flops: Callable[[int, int, int], int]
+
+    def build(self, layers: int) -> "nn.Module":
+        from headsearch.models import streams
+
+        return getattr(streams, self.module)(layers)
+
+
+# U-net: a weight per pair of blocks; the scaled adds are elementwise, left out of the FLOPs as residual adds are
+UNET = Stream("UNetStream", lambda layers: layers // 2, lambda layers, tokens, width: 0)
+# DenseFormer: block i averages i + 2 tensors, a (1, i + 2) @ (i + 2, T·D) product: 2 (i + 2) T D FLOPs
+DENSE = Stream("DenseStream", lambda layers: layers * (layers + 3) // 2,
+               lambda layers, tokens, width: 2 * (layers * (layers + 3) // 2) * tokens * width)
+
+
+@dataclass(frozen=True)
 class Skip:
     """What a skip carries from one attention layer to the next of its stack (docs/design.md §2), or how it
     connects the stack's blocks across the residual stream.
@@ -63,7 +85,7 @@ class Skip:
     At most one of the `carries_*` is true, and none with a `stream`. A layer whose skip carries something
     emits it; every layer but a stack's first also receives the previous layer's (`carries_values`: the
     stack's first layer's values, passed on unchanged). `skip_mean` (a running mean instead of a running
-    sum) applies to the scores a skip carries. `stream(layers)` builds the module a stack threads its
+    sum) applies to the scores a skip carries. `stream.build(layers)` builds the module a stack threads its
     blocks' outputs through (`streams.py`).
     """
 
@@ -71,7 +93,7 @@ class Skip:
     carries_scores: bool = False  # pre-softmax scores (B, H, Tq, Tk), added to the next layer's (RealFormer, He et al. 2020)
     carries_output: bool = False  # merged head outputs (B, T, H·d_k), added and layer-normalised (Deep Head, Cruz et al.)
     carries_values: bool = False  # the first layer's values (B, Tk, H·d_k), mixed into each later layer's (ResFormer)
-    stream: Callable[[int], "nn.Module"] | None = None  # block outputs mixed across the stack (U-net, DenseFormer)
+    stream: Stream | None = None  # block outputs mixed across the stack (U-net, DenseFormer)
     stacks: bool = True  # whether the cohort's batched core (models/cohort.py) implements it
 
     @property
@@ -86,8 +108,8 @@ SKIPS: dict[str, Skip] = {
     "output": Skip("output", carries_output=True),
     "scores": Skip("scores", carries_scores=True),
     "value": Skip("value", carries_values=True, stacks=False),  # value residual learning, Zhou et al. 2024
-    "unet": Skip("unet", stream=UNetStream, stacks=False),  # layer i's output to layer L-1-i's input
-    "dense": Skip("dense", stream=DenseStream, stacks=False),  # depth-weighted averages, Pagliardini et al. 2024
+    "unet": Skip("unet", stream=UNET, stacks=False),  # layer i's output to layer L-1-i's input
+    "dense": Skip("dense", stream=DENSE, stacks=False),  # depth-weighted averages, Pagliardini et al. 2024
 }
 
 
