@@ -141,7 +141,7 @@ NEXT_RESERVE=30       # S0 and the summaries
 # caps exceed the budget, F, E, H, G, the cohort way (D with --no-cohorts), C, then A are dropped in that order, and a
 # dropped step still runs at the end if the steps before it left time (F and E need 35 s).
 NEXT_ORDER="A B D C G H E F"
-declare -A NEXT_CAP=([A]=40 [B]=135 [D]=100 [C]=135 [G]=35 [H]=60 [E]=45 [F]=45)
+declare -A NEXT_CAP=([A]=40 [B]=135 [D]=100 [C]=135 [G]=60 [H]=60 [E]=45 [F]=45)
 NEXT_COHORT_S=20      # what D's cohort of 8 adds to its cap
 NEXT_MIN=35           # the least a step is started with
 NEXT_DROP="F E H G cohort C A"
@@ -190,7 +190,7 @@ next_run() {  # one step by name: its command, with its own cold cache where its
          --seconds 4 $cohorts ;;
     E) next_step E e $hs train --task translation-en-es --preset tiny --epochs 1 --compile off \
          --data-file $DATA/spa-eng/spa.txt --out "$OUT/e-translation-eager" ;;
-    G) next_step G g $PY benchmarks/pause_cost.py --quick ;;
+    G) next_step G g env HEADSEARCH_DATA="$DATA" $PY benchmarks/pause_cost.py --quick ;;  # with the resumed run's check
     # H: a skip=scores architecture whose head count changes, alone and cold: in the slices of 2026-11-30 such
     # trials took 52-110 s before their third epoch (others 5-20 s for thirty); warm-up or something else?
     H) next_step H h $hs train --task vit-cifar10 $cifar $quick --set "arch.enc_heads=[2,4,8,16]" --set arch.skip=scores \

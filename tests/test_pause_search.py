@@ -46,6 +46,9 @@ def few_seen(planted):
     RULES.pop("few-seen")
 
 
+OUTPUTS: dict[Path, str] = {}  # what each search printed, by its folder
+
+
 def search(invoke, tmp_path, *extra: str, exit_code: int = 0) -> list:
     tmp_path.mkdir(exist_ok=True)
     space = tmp_path / "space.yaml"
@@ -55,6 +58,7 @@ def search(invoke, tmp_path, *extra: str, exit_code: int = 0) -> list:
                      "--pruner", "few-seen", "--pruner-pause", "--storage", storage, "--study", "s",
                      "--run-root", str(tmp_path / "runs"), "--seed", "3", *extra])
     assert result.exit_code == exit_code, result.output
+    OUTPUTS[tmp_path] = result.output
     return optuna.load_study(study_name="s", storage=storage).get_trials(deepcopy=False)
 
 
@@ -90,6 +94,8 @@ def test_paused_trials_are_resumed_where_they_stopped_and_equal_a_straight_run(f
             before = by_number[t.user_attrs["resumes"]]
             assert t.params == before.params and t.user_attrs["run_dir"] == before.user_attrs["run_dir"]
             assert t.user_attrs["resumed_at"] == paused[before.number]
+            assert t.user_attrs["resumed_because"] == (f"the few-seen rule, asked again at epoch {paused[before.number]}"
+                                                       " with 3 trials there, lets it go on")
             assert dict(before.intermediate_values).items() <= dict(t.intermediate_values).items()
     runs = tmp_path / "runs" / "s"
     assert sorted(p.name for p in runs.iterdir()) == [f"trial-{t.number:05d}" for t in first]  # one directory a run
@@ -124,6 +130,17 @@ def test_paused_trials_are_resumed_where_they_stopped_and_equal_a_straight_run(f
         assert notes[number].startswith(f"**Paused at epoch {epoch}")
         assert f"trial #{resumption} resumed it after epoch {epoch}" in notes[number]
         assert f"Resumes trial #{number} after epoch {epoch}" in notes[resumption]
+        assert f"resumed because the few-seen rule, asked again at epoch {epoch}" in notes[resumption].replace("Resumed", "resumed")
+
+    # The report's notes say the same, and the live lines count the four places of --trials, never a resumption.
+    from headsearch.search.report import summarize
+
+    report_notes = {r.number: r.note for r in summarize(f"sqlite:///{tmp_path / 'study.db'}", "s").trials}
+    for number, resumption in resumed_by.items():
+        assert f"paused, state kept, resumed by trial {resumption}: " in report_notes[number]
+        assert f"resumes trial {number} after epoch {paused[number]}" in report_notes[resumption]
+    counts = [line.rsplit("; ", 1)[-1] for line in OUTPUTS[tmp_path].splitlines() if line.endswith(" finished)")]
+    assert counts and all(c.endswith("/4 finished)") and int(c.split("/")[0].split("(")[-1]) <= 4 for c in counts)
 
 
 def assert_equal_to_straight(invoke, tmp_path, complete: list) -> None:
@@ -171,7 +188,14 @@ def test_a_paused_trial_is_shown_paused_and_a_resumption_names_its_trial():
                           user_attrs={"pruned": {"pause": True, "epoch": 2}, "paused": {"epoch": 2}})
     killed = create_trial(state=TrialState.PRUNED, params={"x": 2}, distributions=dist, user_attrs={"pruned": {"epoch": 2}})
     resumption = create_trial(state=TrialState.COMPLETE, params={"x": 1}, distributions=dist, values=[0.5, 1.0],
-                              user_attrs={"resumes": 7})
+                              user_attrs={"resumes": 7, "resumed_at": 2})
     assert [shown_state(t, "pruned") for t in (paused, killed)] == ["paused", "pruned"]
     assert shown_state(resumption, "complete") == "complete"
     assert resumed_text(resumption) == "(resumes trial 7)" and resumed_text(paused) == ""
+
+    # The report's note (headsearch report), whose state column says pruned as Optuna's record does.
+    from headsearch.search.report import pause_words
+
+    assert pause_words(paused, 9) == "paused, state kept, resumed by trial 9: "
+    assert pause_words(paused, None) == "paused, state kept, not resumed: "
+    assert pause_words(killed, None) == "" and pause_words(resumption, None) == "resumes trial 7 after epoch 2: "

@@ -84,3 +84,17 @@ def test_with_pause_the_pareto_rule_stops_on_plain_dominance_unless_told(pause, 
     search = simulation_search(table, space="deep-head", trials=3, pruner="pareto", pruner_pause=pause,
                                pruner_noise_margin=given)
     assert search.definition.make_pruner()[1].noise_margin == margin
+
+
+def test_a_resumption_by_the_projection_says_where_the_projected_end_lies():
+    """What the resumption records (`resumed_because`): the trial at 0.51 and 3 s an epoch, with the defaults
+    (slower trials' gains, none as slow: the largest gain, 0.3), is projected to 0.81 at epoch 4."""
+    from headsearch.search.pruning.resume import projected_end
+    from headsearch.search.trial_pruning import projection_words
+
+    mine = Progress({1: 0.3, 2: 0.51}, epoch_seconds=3.0, number=5)
+    projected, last = projected_end(RULE, 2, mine, FINISHED)
+    assert last == 4 and projected.curve[4] == pytest.approx(0.81) and projected.epoch_seconds == 3.0
+    assert projection_words(RULE, 2, mine, FINISHED) == ("its end projected to epoch 4 (a best value of 0.81, with the"
+                                                        " gains the finished trials made after epoch 2) is dominated"
+                                                        " by no finished trial's")

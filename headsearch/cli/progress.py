@@ -198,7 +198,7 @@ class TrialLog:
             if t.number in self.seen or state in ("running", "waiting"):
                 continue
             self.seen.add(t.number)
-            self.finished += state in self.COUNTED
+            self.finished += state in self.COUNTED and resumes(t) is None  # a resumption takes no place of --trials
             if state not in self.UNSHOWN:
                 self.print(self.trial_line(t, state))
         if self.rungs is not None and (warning := self.rungs.warning(trials, final=end is not None)):

@@ -117,11 +117,12 @@ def pruned_note(trial, meta: Mapping[str, Any], direction: str | None = None, re
         lines.append(f"Its {meta.get('primary_metric') or 'value'} was given a noise margin of {_num(margin)} first.")
     if resumes(trial) is not None:
         lines.append(f"Resumes trial #{resumes(trial)} after epoch {trial.user_attrs.get('resumed_at', '?')}"
-                     " (its curve's first epochs are that trial's).")
+                     f" (its curve's first epochs are that trial's){_because(trial)}.")
     if paused:
         lines.append("Its state was kept (`pause.pt` in its run directory): "
                      + (f"trial #{resumed_by} resumed it after epoch {epoch}." if resumed_by is not None else
-                        "not resumed, as the rule, asked again before each later trial, did not let it go on."))
+                        "not resumed: neither the rule, asked again before each later trial, nor its curve projected"
+                        " to the last epoch once the budget was spent gave it a chance at the front."))
     lines += ["", f"The rule's record: {pruned_text(p, direction)}."]
     return "\n".join(lines)
 
@@ -130,7 +131,14 @@ def resumed_note(trial) -> str:
     """The Markdown note of a resumption (`resumes`): whose run it goes on with, from which epoch."""
     a = trial.user_attrs
     return (f"**Resumes trial #{a['resumes']} after epoch {a.get('resumed_at', '?')}**, in its run directory, exactly"
-            f" where its rule paused it: epochs 1-{a.get('resumed_at', '?')} of this curve are that trial's.")
+            f" where its rule paused it: epochs 1-{a.get('resumed_at', '?')} of this curve are that trial's."
+            + (f"\n\nResumed because {a['resumed_because']}." if a.get("resumed_because") else ""))
+
+
+def _because(trial) -> str:
+    """ ", resumed because the pareto rule, asked again ..., lets it go on" (older records say nothing)."""
+    because = trial.user_attrs.get("resumed_because")
+    return f", resumed because {because}" if because else ""
 
 
 def plan_line(meta: Mapping[str, Any]) -> str:

@@ -28,6 +28,8 @@ KEYS: dict[str, str] = {
     "resumes": "the paused trial it goes on from (same architecture and run directory; it takes no place of the"
                " budget, its curve holds the paused trial's epochs too)",
     "resumed_at": "the epoch after which it goes on (its paused trial's)",
+    "resumed_because": "why its paused trial was resumed: the rule asked again let it go on, or its projected end"
+                       " could still reach the front",
     "cohort": "the cohort it trained in (size, slot, worker), or why it trained alone",
     "alone_key": "the architecture and step mode its fair epoch seconds were measured in",
     "epoch_seconds_alone": "one epoch's seconds with the device to itself (the fair clock)",

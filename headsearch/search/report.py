@@ -33,7 +33,7 @@ from headsearch.search.costs import study_cost_summary
 from headsearch.search.hypervolume import dominates, front_indices, hypervolume, minimised, scale_minimised
 from headsearch.search.objectives import Objective, directions_of, objectives_of
 from headsearch.search.ranks import metric_direction, spearman
-from headsearch.search.record import epochs_trained, resumes, was_trained
+from headsearch.search.record import epochs_trained, is_paused, resumes, was_trained
 from headsearch.search.rungcheck import RungCorrelation, check_rungs
 from headsearch.search.snapshot import count_states, trial_state
 from headsearch.search.storage import check_sqlite_file, journal_path, open_storage, sqlite_path
@@ -232,6 +232,18 @@ def trial_note(t, state: str, primary_direction: str | None) -> str:
     return ""
 
 
+def pause_words(t, resumed_by: int | None) -> str:
+    """What the report's note says first of a paused trial (--pruner-pause) or a resumption, e.g. "resumes trial 9
+    after epoch 3; paused, state kept, not resumed: " ("" for any other trial): the state column says pruned for
+    both, as Optuna's record does (docs/searching.md), and the counts count them so."""
+    parts = []
+    if (n := resumes(t)) is not None:
+        parts.append(f"resumes trial {n} after epoch {t.user_attrs.get('resumed_at', '?')}")
+    if is_paused(t):
+        parts.append("paused, state kept, " + (f"resumed by trial {resumed_by}" if resumed_by is not None else "not resumed"))
+    return "; ".join(parts) + ": " if parts else ""
+
+
 def pareto_front(study) -> list:
     """Study.best_trials (several objectives) or [best_trial] (one); checked to be non-dominated."""
     complete = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.values is not None]
@@ -384,11 +396,13 @@ def summarize(storage_url: str, study_name: str | None = None, *, study=None) ->
     primary_direction = metric_direction(meta.get("task"), primary)
 
     rows = []
+    resumed_by = {resumes(t): t.number for t in trials if resumes(t) is not None}  # the latest resumption of each
     for t in trials:
         state = trial_state(t)
         values = {o.name: (t.values[i] if t.values is not None else None) for i, o in enumerate(objectives)}
+        note = pause_words(t, resumed_by.get(t.number)) + trial_note(t, state, primary_direction)
         rows.append(TrialRow(number=t.number, state=state, arch=t.user_attrs.get("arch", ""), values=values,
-                             epochs_run=t.user_attrs.get("epochs_run"), note=trial_note(t, state, primary_direction),
+                             epochs_run=t.user_attrs.get("epochs_run"), note=note,
                              duplicate_of=t.user_attrs.get("duplicate_of")))
     counts = count_states(trials)
     if sum(counts.values()) != len(trials):

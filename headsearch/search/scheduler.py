@@ -57,8 +57,8 @@ class Scheduler:
         self.racing = False  # asking with no lock held (`LockHold.exclusive`): see RACING_STRIDE
         self._stride = RACING_STRIDE * random.SystemRandom().randrange(1, 1000)
         self.dead = DeadTrials(handle)
-        # (study, trials, whether the budget is spent) -> the paused trial to resume now, or None (--pruner-pause:
-        # `trial_pruning.resumable`)
+        # (study, trials, whether the budget is spent) -> the paused trial to resume now and why, or None
+        # (--pruner-pause: `trial_pruning.resumable`, a `Resumption`)
         self.resumable: Callable[[Any, list, bool], Any] | None = None
         # Hears (seconds waited for the budget lock, seconds it was held) after every ask: a cluster's
         # measurements of the lock (benchmarks/cluster.py); None costs nothing.
@@ -110,10 +110,11 @@ class Scheduler:
                 )
             counted = sum(1 for t in trials if counts_toward_budget(t))
             spent = counted >= trials_wanted
-            if waiting == 0 and self.resumable is not None and (paused := self.resumable(study, trials, spent)) is not None:
+            if waiting == 0 and self.resumable is not None and (go_on := self.resumable(study, trials, spent)) is not None:
                 # Before any new trial (a promotion first, as in ASHA), and whether or not the budget has room: the
                 # paused trial holds its place, and its resumption takes none.
-                study.enqueue_trial(paused.params, user_attrs={"resumes": paused.number})
+                study.enqueue_trial(go_on.trial.params, user_attrs={"resumes": go_on.trial.number,
+                                                                     "resumed_because": go_on.because})
                 continue
             running = any(t.state == TrialState.RUNNING for t in trials)
             # Nothing left to ask: running trials hold the rest. With heartbeats (leases on a journal), wait for

@@ -11,13 +11,13 @@ what the study knows then, lets it go on (`resumable`).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import optuna
 
 from headsearch.search.pruning import (Progress, PruneDecision, RulePruner, comparison_trials, judges_progress,
                                        progress_of)
-from headsearch.search.pruning.resume import could_reach_front
+from headsearch.search.pruning.resume import could_reach_front, projected_end
 from headsearch.search.record import is_paused, resumed
 from headsearch.search.study import StudyStorage
 from headsearch.training.records import Callback, EpochRecord, PauseRun
@@ -97,14 +97,29 @@ def judge(curve_pruner, trials, epoch: int, mine: Progress) -> PruneDecision:
 RESUME_PROJECTED = "spent"  # project a paused trial's end: "spent" once the budget is spent, "always", or "never"
 
 
-def resumable(study, trials: list, curve_pruner, optuna_pruner: Any, spent: bool = True) -> Any:
-    """The paused trial to resume now, or None: of the paused trials no trial resumes yet, those whose rule, asked
-    again at the epoch it paused them with what the study knows now, judges them and lets them go on (a rung rule:
-    they rank among the trials that may go on past their rung now; Li et al. 2020's promotions, for any rule),
-    or, with several objectives and once the budget is `spent` (`RESUME_PROJECTED`), whose curve projected to the
-    end could still reach the finished trials' front (`could_reach_front`: the search would otherwise stop there,
-    and by then the finished trials say most about what a paused one may gain). The latest-paused first (the
-    nearest the end), then the earliest trial.
+class Resumption(NamedTuple):
+    """A paused trial to resume, and why (the resumption's `resumed_because`)."""
+
+    trial: Any
+    because: str
+
+
+def projection_words(curve_pruner, epoch: int, mine: Progress, progress: list) -> str:
+    """Why the projection resumes a trial, e.g. "its end projected to epoch 16 (a best value of 0.31, with the
+    gains the finished trials made after epoch 3) is dominated by no finished trial's"."""
+    projected, last = projected_end(curve_pruner, epoch, mine, progress)  # known: could_reach_front said True
+    return (f"its end projected to epoch {last} (a best value of {projected.curve[last]:.4g}, with the gains the"
+            f" finished trials made after epoch {epoch}) is dominated by no finished trial's")
+
+
+def resumable(study, trials: list, curve_pruner, optuna_pruner: Any, spent: bool = True) -> Resumption | None:
+    """The paused trial to resume now and why (`Resumption`), or None: of the paused trials no trial resumes yet,
+    those whose rule, asked again at the epoch it paused them with what the study knows now, judges them and lets
+    them go on (a rung rule: they rank among the trials that may go on past their rung now; Li et al. 2020's
+    promotions, for any rule), or, with several objectives and once the budget is `spent` (`RESUME_PROJECTED`),
+    whose curve projected to the end could still reach the finished trials' front (`could_reach_front`: the search
+    would otherwise stop there, and by then the finished trials say most about what a paused one may gain). The
+    latest-paused first (the nearest the end), then the earliest trial.
     A decision that judged nothing (not a rung now, too few trials: `PruneDecision.judged`) resumes nothing.
 
     Several objectives: the rule's judge (`curve_pruner`). One: Optuna's pruner on the paused trial's record (for
@@ -122,11 +137,13 @@ def resumable(study, trials: list, curve_pruner, optuna_pruner: Any, spent: bool
             mine = progress_of(t)
             decision = judge(curve_pruner, trials, epoch, mine)
             if decision.judged and not decision.prune:
-                return t
+                return Resumption(t, f"the {decision.rule} rule, asked again at epoch {epoch} with"
+                                     f" {decision.n_compared} trials there, lets it go on")
             if project and could_reach_front(curve_pruner, epoch, mine, progress):  # it leaves `mine` out itself
-                return t
+                return Resumption(t, projection_words(curve_pruner, epoch, mine, progress))
         elif optuna_pruner is not None and not optuna_pruner.prune(study, t):
             last = getattr(optuna_pruner, "last", None)
             if last is None or last.judged:
-                return t
+                rule = getattr(last, "rule", None) or type(optuna_pruner).__name__
+                return Resumption(t, f"the {rule} rule, asked again at epoch {epoch}, lets it go on")
     return None

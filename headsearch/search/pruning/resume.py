@@ -46,12 +46,12 @@ def gain_after(epoch: int, finished: Sequence[Progress], direction: str) -> list
     return gains
 
 
-def could_reach_front(rule, epoch: int, mine: Progress, others: Sequence[Progress],
-                      quantile: float | None = None, sigmas: float | None = None, gains: str | None = None) -> bool | None:
-    """Whether trial `mine`, paused at `epoch`, projected to the last epoch could still stand on the front of the
-    finished trials (`rule`: a rule on several objectives, for its kinds and direction). None
-    when that cannot be told yet: fewer than `RESUME_FINISHED` finished trials with a value at `epoch`, or its
-    epoch seconds not known. `quantile`, `sigmas`, `gains`: the module's RESUME_* when None."""
+def projected_end(rule, epoch: int, mine: Progress, others: Sequence[Progress], quantile: float | None = None,
+                  sigmas: float | None = None, gains: str | None = None) -> tuple[Progress, int] | None:
+    """Trial `mine`, paused at `epoch`, projected to the finished trials' last epoch: its curve with the hoped-for
+    best value added there, and that epoch. None when that cannot be told yet: fewer than `RESUME_FINISHED`
+    finished trials with a value at `epoch`, or no finite best value of its own. `quantile`, `sigmas`, `gains`:
+    the module's RESUME_* when None."""
     finished = [o for o in others if o.finished and o.curve and o.number != mine.number]
     credited = gain_after(epoch, finished, rule.direction)
     if len(credited) < RESUME_FINISHED or epoch not in mine.curve:
@@ -66,12 +66,27 @@ def could_reach_front(rule, epoch: int, mine: Progress, others: Sequence[Progres
     margin = sigmas * (curve_noise([mine.curve, *(o.curve for o in finished)], epoch) or 0.0) if sigmas else 0.0
     best = best_so_far(mine.curve, epoch, rule.direction)
     if not math.isfinite(best):
-        return False
+        return None
     sign = 1.0 if rule.direction == "maximize" else -1.0
     hopeful = best + sign * (float(np.quantile(credited, quantile)) + margin)
-    projected = Progress({**dict(mine.curve), last: hopeful}, mine.params, mine.epoch_seconds, mine.number)
+    return Progress({**dict(mine.curve), last: hopeful}, mine.params, mine.epoch_seconds, mine.number), last
+
+
+def could_reach_front(rule, epoch: int, mine: Progress, others: Sequence[Progress],
+                      quantile: float | None = None, sigmas: float | None = None, gains: str | None = None) -> bool | None:
+    """Whether trial `mine`, paused at `epoch`, projected to the last epoch (`projected_end`) could still stand on
+    the front of the finished trials (`rule`: a rule on several objectives, for its kinds and direction). None
+    when that cannot be told yet (see `projected_end`; its epoch seconds not known), False when it has no finite
+    best value."""
+    if epoch in mine.curve and not math.isfinite(best_so_far(mine.curve, epoch, rule.direction)):
+        return False
+    projection = projected_end(rule, epoch, mine, others, quantile, sigmas, gains)
+    if projection is None:
+        return None
+    projected, last = projection
     point = progress_point(rule.kinds, rule.direction, last, projected)
     if point is None:
         return None
+    finished = [o for o in others if o.finished and o.curve and o.number != mine.number]
     ends = [q for o in finished if (q := progress_point(rule.kinds, rule.direction, max(o.curve), o)) is not None]
     return not any(dominates(q, point) for q in ends)
