@@ -199,3 +199,29 @@ def test_a_paused_trial_is_shown_paused_and_a_resumption_names_its_trial():
     assert pause_words(paused, 9) == "paused, state kept, resumed by trial 9: "
     assert pause_words(paused, None) == "paused, state kept, not resumed: "
     assert pause_words(killed, None) == "" and pause_words(resumption, None) == "resumes trial 7 after epoch 2: "
+
+
+def test_the_pauses_a_study_keeps_are_those_of_paused_trials_no_trial_resumes(tmp_path):
+    """What `headsearch run` says it leaves on disk at its end: the pause.pt of each paused trial not resumed."""
+    from optuna.distributions import IntDistribution
+    from optuna.trial import create_trial
+
+    from headsearch.search.record import kept_pauses
+
+    dist = {"x": IntDistribution(0, 3)}
+    files = [tmp_path / f"trial-{n}" / "pause.pt" for n in range(3)]
+    for f in files[:2]:
+        f.parent.mkdir()
+        f.write_bytes(b"x" * 10)
+
+    def paused(number: int):
+        return create_trial(state=TrialState.PRUNED, params={"x": number}, distributions=dist,
+                            user_attrs={"paused": {"epoch": 2, "checkpoint": str(files[number])}})
+
+    trials = [paused(0), paused(1), paused(2)]  # trial 2's file is gone (another machine's run root)
+    for number, t in enumerate(trials):
+        t.number = number
+    resumption = create_trial(state=TrialState.RUNNING, params={"x": 1}, distributions=dist, user_attrs={"resumes": 1})
+    resumption.number = 3
+    assert kept_pauses(trials) == files[:2]
+    assert kept_pauses([*trials, resumption]) == files[:1]

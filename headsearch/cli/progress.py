@@ -17,7 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Column, Table
 
 from headsearch.io import hide_passwords
-from headsearch.search.record import is_paused, resumes
+from headsearch.search.record import is_paused, kept_pauses, resumes
 from headsearch.search.rungcheck import RungWatch
 from headsearch.search.runner import SearchCallback, arch_summary
 from headsearch.search.snapshot import snapshot, trial_state
@@ -383,6 +383,10 @@ def print_search_summary(study, storage: str, console: Console | None = None) ->
                   f" {c['failed']} failed" + (f"; {c['duplicate']} duplicate proposals skipped (not trained)" if c["duplicate"] else ""))
     if snap.best:
         console.print("best per objective: " + "  ".join(f"{k} {v:.4g}" for k, v in snap.best.items()))
+    if kept := kept_pauses(study.get_trials(deepcopy=False)):
+        megabytes = sum(path.stat().st_size for path in kept) / 1e6
+        console.print(f"paused: {len(kept)} trials keep their state ({megabytes:.1f} MB of pause.pt in their run"
+                      " directories); a longer search of this study (a larger --trials) asks its rule about them again")
     console.print(f"next: headsearch report --study {study.study_name} --storage {hide_passwords(storage)}")
 
 

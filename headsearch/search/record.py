@@ -7,6 +7,8 @@ the same everywhere.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from typing import Any
 
 from headsearch.config import RunConfig, stable_key
@@ -79,6 +81,15 @@ def resumed(trials) -> set[int]:
     interrupted resumption's retry carries `resumes` too; one stopped by Ctrl-C is not retried, and its paused
     trial can be resumed again). Their curves go on in those trials."""
     return {n for t in trials if (n := resumes(t)) is not None and (t.state.name != "FAIL" or failed_for_good(t))}
+
+
+def kept_pauses(trials) -> list[Path]:
+    """The pause checkpoints a study keeps on disk: those of its paused trials no trial resumes (yet), that exist
+    here (a relative path is the run root's, as the worker that wrote it saw it from its working directory)."""
+    gone_on = resumed(trials)
+    paths = (Path(t.user_attrs["paused"].get("checkpoint") or "") for t in trials
+             if is_paused(t) and t.number not in gone_on)
+    return [path for path in paths if path.name and path.is_file()]
 
 
 def failed_for_good(t) -> bool:
