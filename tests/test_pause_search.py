@@ -139,8 +139,12 @@ def test_paused_trials_are_resumed_where_they_stopped_and_equal_a_straight_run(f
     for number, resumption in resumed_by.items():
         assert f"paused, state kept, resumed by trial {resumption}: " in report_notes[number]
         assert f"resumes trial {number} after epoch {paused[number]}" in report_notes[resumption]
+        assert not report_notes[resumption].endswith(":")  # a complete resumption's note is that alone
     counts = [line.rsplit("; ", 1)[-1] for line in OUTPUTS[tmp_path].splitlines() if line.endswith(" finished)")]
     assert counts and all(c.endswith("/4 finished)") and int(c.split("/")[0].split("(")[-1]) <= 4 for c in counts)
+    done = next(line for line in OUTPUTS[tmp_path].splitlines() if line.startswith("done after"))
+    resumptions = sum(1 for t in trials if "resumes" in t.user_attrs)
+    assert "4/4 finished" in done and f"; {resumptions} of them resumptions)" in done, done
 
 
 def assert_equal_to_straight(invoke, tmp_path, complete: list) -> None:
@@ -196,9 +200,9 @@ def test_a_paused_trial_is_shown_paused_and_a_resumption_names_its_trial():
     # The report's note (headsearch report), whose state column says pruned as Optuna's record does.
     from headsearch.search.report import pause_words
 
-    assert pause_words(paused, 9) == "paused, state kept, resumed by trial 9: "
-    assert pause_words(paused, None) == "paused, state kept, not resumed: "
-    assert pause_words(killed, None) == "" and pause_words(resumption, None) == "resumes trial 7 after epoch 2: "
+    assert pause_words(paused, 9) == "paused, state kept, resumed by trial 9"
+    assert pause_words(paused, None) == "paused, state kept, not resumed"
+    assert pause_words(killed, None) == "" and pause_words(resumption, None) == "resumes trial 7 after epoch 2"
 
 
 def test_the_pauses_a_study_keeps_are_those_of_paused_trials_no_trial_resumes(tmp_path):

@@ -233,7 +233,8 @@ class TrialLog:
         c, now = snap.counts, self.clock()
         self.next_status = now + self.every
         line = (f"{end or 'status'} after {duration(now - self.started)}: {snap.finished}/{self.trials} finished"
-                f" ({c['complete']} complete, {c['pruned']} pruned, {c['rejected']} rejected, {c['failed']} failed)")
+                f" ({c['complete']} complete, {c['pruned']} pruned, {c['rejected']} rejected, {c['failed']} failed"
+                f"{snap.resumption_words()})")
         if c["duplicate"]:
             line += f", {c['duplicate']} duplicate proposals skipped"
         running = [t for t in trials if trial_state(t) == "running"]
@@ -313,6 +314,7 @@ class SearchProgress(SearchCallback):
             c = self.snap.counts
             table.add_row("trials", f"{self.snap.finished}/{self.trials} finished: {c['complete']} complete, {c['pruned']} pruned,"
                           f" {c['rejected']} rejected, {c['failed']} failed, {c['running']} running"
+                          + self.snap.resumption_words()
                           + (f"; {c['duplicate']} duplicate proposals skipped" if c["duplicate"] else ""))
             if self.snap.best:
                 table.add_row("best so far", "  ".join(f"{k} {v:.4g}" for k, v in self.snap.best.items()))

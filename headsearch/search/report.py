@@ -234,14 +234,14 @@ def trial_note(t, state: str, primary_direction: str | None) -> str:
 
 def pause_words(t, resumed_by: int | None) -> str:
     """What the report's note says first of a paused trial (--pruner-pause) or a resumption, e.g. "resumes trial 9
-    after epoch 3; paused, state kept, not resumed: " ("" for any other trial): the state column says pruned for
+    after epoch 3; paused, state kept, not resumed" ("" for any other trial): the state column says pruned for
     both, as Optuna's record does (docs/searching.md), and the counts count them so."""
     parts = []
     if (n := resumes(t)) is not None:
         parts.append(f"resumes trial {n} after epoch {t.user_attrs.get('resumed_at', '?')}")
     if is_paused(t):
         parts.append("paused, state kept, " + (f"resumed by trial {resumed_by}" if resumed_by is not None else "not resumed"))
-    return "; ".join(parts) + ": " if parts else ""
+    return "; ".join(parts)
 
 
 def pareto_front(study) -> list:
@@ -400,7 +400,7 @@ def summarize(storage_url: str, study_name: str | None = None, *, study=None) ->
     for t in trials:
         state = trial_state(t)
         values = {o.name: (t.values[i] if t.values is not None else None) for i, o in enumerate(objectives)}
-        note = pause_words(t, resumed_by.get(t.number)) + trial_note(t, state, primary_direction)
+        note = ": ".join(x for x in (pause_words(t, resumed_by.get(t.number)), trial_note(t, state, primary_direction)) if x)
         rows.append(TrialRow(number=t.number, state=state, arch=t.user_attrs.get("arch", ""), values=values,
                              epochs_run=t.user_attrs.get("epochs_run"), note=note,
                              duplicate_of=t.user_attrs.get("duplicate_of")))

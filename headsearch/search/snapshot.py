@@ -13,10 +13,16 @@ class Snapshot:
     counts: dict[str, int]
     best: dict[str, float] = field(default_factory=dict)  # each objective's best among complete trials
     running: list[dict[str, Any]] = field(default_factory=list)  # number, arch, last epoch
+    resumptions: int = 0  # of the complete and pruned trials, those that resume a paused one (--pruner-pause)
 
     @property
     def finished(self) -> int:
-        return self.counts["complete"] + self.counts["pruned"] + self.counts["rejected"]
+        """The places of --trials filled by finished trials: a resumption takes none (its paused trial holds it)."""
+        return self.counts["complete"] + self.counts["pruned"] + self.counts["rejected"] - self.resumptions
+
+    def resumption_words(self) -> str:
+        """"; 3 of them resumptions" when some finished trials resume paused ones, else ""."""
+        return f"; {self.resumptions} of them resumptions" if self.resumptions else ""
 
 
 TRIAL_STATES = ("complete", "pruned", "rejected", "failed", "running", "waiting", "duplicate", "over_budget")
@@ -50,7 +56,8 @@ def snapshot(study, trials=None) -> Snapshot:
         trials = study.get_trials(deepcopy=False)
     snap = Snapshot(count_states(trials), running=[
         {"number": t.number, "arch": t.user_attrs.get("arch", ""), "epoch": max(t.intermediate_values, default=0)}
-        for t in trials if t.state == TrialState.RUNNING])
+        for t in trials if t.state == TrialState.RUNNING],
+        resumptions=sum(1 for t in trials if "resumes" in t.user_attrs and t.state in (TrialState.COMPLETE, TrialState.PRUNED)))
     names = study.metric_names or [f"objective {i}" for i in range(len(study.directions))]
     complete = [t for t in trials if t.state == TrialState.COMPLETE and t.values is not None]
     for i, (name, direction) in enumerate(zip(names, study.directions)):
