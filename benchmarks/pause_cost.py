@@ -16,13 +16,14 @@ bit for bit (tests/test_pause.py); on a GPU the table says whether they are, or 
 """
 from __future__ import annotations
 
+import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from common import DATA, markdown_table, parser, report, resolve_device
+from common import DATA, ROOT, markdown_table, parser, report, resolve_device
 
 VARIANTS = {"seed ViT (fusion none)": {}, "HAM B (fusion add)": {"fusion": "add"}}
 
@@ -161,7 +162,7 @@ def main() -> None:
     print(table, flush=True)  # before the resumed run's check: a step cut short on a GPU still shows the cost
     check = markdown_table(["resumed run (straight run's data, seed, steps)", "resumed against straight",
                             "best accuracy straight", "best accuracy resumed"], [resume_check(device)])
-    notes.append(f"the resumed run: real CIFAR-10 ({DATA / 'cifar10'}), preset tiny, {RESUME_RUN}; records compared"
+    notes.append(f"the resumed run: real CIFAR-10 ({os.path.relpath(DATA / 'cifar10', ROOT)}), preset tiny, {RESUME_RUN}; records compared"
                  " without their timings, and the best checkpoint's bytes")
     report("Pause checkpoint cost (--pruner-pause)", table + "\n\n" + check, device, args, notes)
 
