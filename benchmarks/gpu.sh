@@ -8,7 +8,8 @@
 #                                    #   defaults are right and fast there (benchmarks/README.md: each line)
 #   bash benchmarks/gpu.sh next      # the second GPU run (issue 41), at most 470 s: a slice of the headline job
 #                                    #   with every default (B) and with the opt-in graph pool (C; C_ENV="..." for others), bench (D), a
-#                                    #   canary (A), the pause checkpoint's cost (G), a skip=scores start (H), eager translation (E), HAM B (F); NEXT_STEPS="C E" reruns some
+#                                    #   canary (A), the pause checkpoint's cost and a resumed run (G), a skip=scores start (H), eager translation (E), HAM B (F),
+#                                    #   each attention kind's step against the classic one (M); NEXT_STEPS="C E" reruns some
 #   bash benchmarks/gpu.sh checks    # ~5 min (estimate): the CUDA-only tests (capture failure, one pool, cuda:N, MPS),
 #                                    #   the bare step vs the trainer in each step mode
 #   bash benchmarks/gpu.sh bench     # ~8 min (estimate): headsearch bench for the ViT (modes, K processes +- MPS,
@@ -138,13 +139,13 @@ quick() {  # the 8-minute check: steps in order of importance (benchmarks/README
 NEXT_TOTAL=${NEXT_TOTAL:-470}  # the hard end, in seconds, S0 and the summaries included (lower it when less device time is left)
 NEXT_RESERVE=30       # S0 and the summaries
 # The steps in the order they run, each with its cap: B (the headline job's slice) is never dropped; when the
-# caps exceed the budget, F, E, H, G, the cohort way (D with --no-cohorts), C, then A are dropped in that order, and a
+# caps exceed the budget, M, F, E, H, G, the cohort way (D with --no-cohorts), C, then A are dropped in that order, and a
 # dropped step still runs at the end if the steps before it left time (F and E need 35 s).
-NEXT_ORDER="A B D C G H E F"
-declare -A NEXT_CAP=([A]=40 [B]=135 [D]=100 [C]=135 [G]=60 [H]=60 [E]=45 [F]=45)
+NEXT_ORDER="A B D C G H E F M"
+declare -A NEXT_CAP=([A]=40 [B]=135 [D]=100 [C]=135 [G]=60 [H]=60 [E]=45 [F]=45 [M]=90)
 NEXT_COHORT_S=20      # what D's cohort of 8 adds to its cap
 NEXT_MIN=35           # the least a step is started with
-NEXT_DROP="F E H G cohort C A"
+NEXT_DROP="M F E H G cohort C A"
 
 next_plan() {  # sets NEXT_RUN (the steps planned, in order), NEXT_LATE (dropped, run if time is left), D_COHORT
   local wanted=${NEXT_STEPS:-$NEXT_ORDER} total=$NEXT_RESERVE s d
@@ -196,6 +197,8 @@ next_run() {  # one step by name: its command, with its own cold cache where its
     H) next_step H h $hs train --task vit-cifar10 $cifar $quick --set "arch.enc_heads=[2,4,8,16]" --set arch.skip=scores \
          --set train.epochs=2 --out "$OUT/h-scores" ;;
     F) next_step F a $hs train --task vit-cifar10 $cifar $quick --set arch.fusion=add --set train.epochs=2 --out "$OUT/f-ham-b" ;;
+    # M: each attention kind's training step against the classic one (issue 52's kinds among them), eager
+    M) next_step M m env HEADSEARCH_DATA="$DATA" $PY benchmarks/train_step.py --quick ;;
   esac
 }
 
@@ -230,6 +233,7 @@ next() {  # the second GPU run: the headline job's slice with every default, the
   next_show H $PY $Q/summary.py run "H, 2-4-8-16 skip=scores" "$OUT/h-scores"
   next_show E $PY $Q/summary.py run "E, translation --compile off" "$OUT/e-translation-eager"
   next_show F $PY $Q/summary.py run "F, HAM B" "$OUT/f-ham-b"
+  next_show M grep -vi warn "$OUT/M.log"
   if [[ $DRY == 0 ]]; then
     pgrep -a nvidia-cuda-mps || echo "no MPS process left"
     rm -rf "$NEXT_CACHES"; echo "== done in $SECONDS s"

@@ -27,6 +27,10 @@ VARIANTS = {  # name -> ArchConfig overrides of the classic model (ViT and Seq2S
     "HAM A (hadamard)": {"fusion": "hadamard"},
     "HAM B (add)": {"fusion": "add"},
     "HAM B, key-only soft score": {"fusion": "add", "soft_score": "key"},
+    "value residual (ResFormer)": {"skip": "value"},
+    "U-net skips": {"skip": "unet"},
+    "dense skips (DenseFormer)": {"skip": "dense"},
+    "differential (DIFF Transformer)": {"fusion": "differential"},
 }
 SCHEDULE_BASE = {"d_model": 64, "enc_layers": 6, "d_ff": 256}  # 6 layers so that 64 heads can halve to 2
 

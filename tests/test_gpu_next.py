@@ -53,7 +53,10 @@ def test_the_next_run_fits_470_seconds_with_the_slice_never_dropped():
         "c-runs", "b-runs") == b.split("] ")[1]  # C is B with the opt-in graph pool, in its own study
     assert "(dropped: G runs only if time is left)" in out.stdout  # the pause checkpoint's cost, when time is left
     g = next(line for line in dry_run(NEXT_STEPS="G").stdout.splitlines() if line.startswith("+ [G,"))
-    assert g.endswith("benchmarks/pause_cost.py --quick")
+    assert g.endswith("benchmarks/pause_cost.py --quick") and "at most 60 s" in g  # with the resumed run's check
+    assert "(dropped: M runs only if time is left)" in out.stdout  # each attention kind against the classic one
+    m = next(line for line in dry_run(NEXT_STEPS="M").stdout.splitlines() if line.startswith("+ [M,"))
+    assert m.endswith("benchmarks/train_step.py --quick") and "at most 90 s" in m
     again = dry_run(C_ENV="HEADSEARCH_UNHELD_WARM_UP=0").stdout  # C as the held warm-ups of before
     assert re.search(r"^\+ \[C, .*\] env HEADSEARCH_UNHELD_WARM_UP=0 \S+ -m headsearch run ", again, re.M)
     caches = {line.split("cache ")[1].split("]")[0] for line in out.stdout.splitlines() if line.startswith(("+ [A", "+ [B", "+ [C"))}
