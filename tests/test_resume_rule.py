@@ -95,6 +95,6 @@ def test_a_resumption_by_the_projection_says_where_the_projected_end_lies():
     mine = Progress({1: 0.3, 2: 0.51}, epoch_seconds=3.0, number=5)
     projected, last = projected_end(RULE, 2, mine, FINISHED)
     assert last == 4 and projected.curve[4] == pytest.approx(0.81) and projected.epoch_seconds == 3.0
-    assert projection_words(RULE, 2, mine, FINISHED) == ("its end projected to epoch 4 (a best value of 0.81, with the"
+    assert projection_words(2, projected, last) == ("its end projected to epoch 4 (a best value of 0.81, with the"
                                                         " gains the finished trials made after epoch 2) is dominated"
                                                         " by no finished trial's")

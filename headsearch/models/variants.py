@@ -72,9 +72,15 @@ class Stream:
 
 # U-net: a weight per pair of blocks; the scaled adds are elementwise, left out of the FLOPs as residual adds are
 UNET = Stream("UNetStream", lambda layers: layers // 2, lambda layers, tokens, width: 0)
-# DenseFormer: block i averages i + 2 tensors, a (1, i + 2) @ (i + 2, T·D) product: 2 (i + 2) T D FLOPs
-DENSE = Stream("DenseStream", lambda layers: layers * (layers + 3) // 2,
-               lambda layers, tokens, width: 2 * (layers * (layers + 3) // 2) * tokens * width)
+
+
+def _dense_weights(layers: int) -> int:
+    """DenseFormer's weights: block i averages i + 2 tensors, so the sum of (i + 2) over i = 0 .. L-1."""
+    return layers * (layers + 3) // 2
+
+
+# DenseFormer: each weight scales one (T, D) tensor in its block's (1, i + 2) @ (i + 2, T·D) product: 2 T D FLOPs
+DENSE = Stream("DenseStream", _dense_weights, lambda layers, tokens, width: 2 * _dense_weights(layers) * tokens * width)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from optuna.trial import TrialState
 
 from headsearch.search.optuna_private import TrialNoteTarget, note_body, study_storage
 from headsearch.search.pruning import rule_rungs, rung_epochs
-from headsearch.search.record import resumes
+from headsearch.search.record import resumed_by, resumes
 from headsearch.search.report import pruned_text, pruning_savings
 from headsearch.search.rungcheck import primary_direction
 
@@ -224,12 +224,12 @@ def write_dashboard_notes(study) -> NotesWritten:
             done.written.append(name)
 
     trials = study.get_trials(deepcopy=False)
-    resumed_by = {resumes(t): t.number for t in trials if resumes(t) is not None}  # the latest resumption
+    resumptions = resumed_by(trials)
     for t in trials:
         if _pruned_by_headsearch(t) or resumes(t) is not None:
             trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, t.number)
             body = resumed_note(t) if resumes(t) is not None and not _pruned_by_headsearch(t) else \
-                pruned_note(t, meta, direction, resumed_by.get(t.number))
+                pruned_note(t, meta, direction, resumptions.get(t.number))
             write(f"trial:{t.number}", f"trial {t.number}", TrialNoteTarget(storage, study, trial_id), trial_id, body)
     if meta:
         write("study", "study", study, None, study_note(study, meta))

@@ -83,6 +83,11 @@ def resumed(trials) -> set[int]:
     return {n for t in trials if (n := resumes(t)) is not None and (t.state.name != "FAIL" or failed_for_good(t))}
 
 
+def resumed_by(trials) -> dict[int, int]:
+    """Each paused trial's number -> the number of its latest resumption (any state)."""
+    return {n: t.number for t in trials if (n := resumes(t)) is not None}
+
+
 def kept_pauses(trials) -> list[Path]:
     """The pause checkpoints a study keeps on disk: those of its paused trials no trial resumes (yet), that exist
     here (a relative path is the run root's, as the worker that wrote it saw it from its working directory)."""

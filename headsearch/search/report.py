@@ -33,7 +33,7 @@ from headsearch.search.costs import study_cost_summary
 from headsearch.search.hypervolume import dominates, front_indices, hypervolume, minimised, scale_minimised
 from headsearch.search.objectives import Objective, directions_of, objectives_of
 from headsearch.search.ranks import metric_direction, spearman
-from headsearch.search.record import epochs_trained, is_paused, resumes, was_trained
+from headsearch.search.record import epochs_trained, is_paused, resumed_by, resumes, was_trained
 from headsearch.search.rungcheck import RungCorrelation, check_rungs
 from headsearch.search.snapshot import count_states, trial_state
 from headsearch.search.storage import check_sqlite_file, journal_path, open_storage, sqlite_path
@@ -396,11 +396,11 @@ def summarize(storage_url: str, study_name: str | None = None, *, study=None) ->
     primary_direction = metric_direction(meta.get("task"), primary)
 
     rows = []
-    resumed_by = {resumes(t): t.number for t in trials if resumes(t) is not None}  # the latest resumption of each
+    resumptions = resumed_by(trials)
     for t in trials:
         state = trial_state(t)
         values = {o.name: (t.values[i] if t.values is not None else None) for i, o in enumerate(objectives)}
-        note = ": ".join(x for x in (pause_words(t, resumed_by.get(t.number)), trial_note(t, state, primary_direction)) if x)
+        note = ": ".join(x for x in (pause_words(t, resumptions.get(t.number)), trial_note(t, state, primary_direction)) if x)
         rows.append(TrialRow(number=t.number, state=state, arch=t.user_attrs.get("arch", ""), values=values,
                              epochs_run=t.user_attrs.get("epochs_run"), note=note,
                              duplicate_of=t.user_attrs.get("duplicate_of")))

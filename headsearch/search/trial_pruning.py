@@ -17,7 +17,7 @@ import optuna
 
 from headsearch.search.pruning import (Progress, PruneDecision, RulePruner, comparison_trials, judges_progress,
                                        progress_of)
-from headsearch.search.pruning.resume import could_reach_front, projected_end
+from headsearch.search.pruning.resume import projected_end, stands_on_front
 from headsearch.search.record import is_paused, resumed
 from headsearch.search.study import StudyStorage
 from headsearch.training.records import Callback, EpochRecord, PauseRun
@@ -104,10 +104,10 @@ class Resumption(NamedTuple):
     because: str
 
 
-def projection_words(curve_pruner, epoch: int, mine: Progress, progress: list) -> str:
-    """Why the projection resumes a trial, e.g. "its end projected to epoch 16 (a best value of 0.31, with the
-    gains the finished trials made after epoch 3) is dominated by no finished trial's"."""
-    projected, last = projected_end(curve_pruner, epoch, mine, progress)  # known: could_reach_front said True
+def projection_words(epoch: int, projected: Progress, last: int) -> str:
+    """Why the projection (`projected_end`) resumes a trial paused at `epoch`, e.g. "its end projected to epoch 16
+    (a best value of 0.31, with the gains the finished trials made after epoch 3) is dominated by no finished
+    trial's"."""
     return (f"its end projected to epoch {last} (a best value of {projected.curve[last]:.4g}, with the gains the"
             f" finished trials made after epoch {epoch}) is dominated by no finished trial's")
 
@@ -117,9 +117,9 @@ def resumable(study, trials: list, curve_pruner, optuna_pruner: Any, spent: bool
     those whose rule, asked again at the epoch it paused them with what the study knows now, judges them and lets
     them go on (a rung rule: they rank among the trials that may go on past their rung now; Li et al. 2020's
     promotions, for any rule), or, with several objectives and once the budget is `spent` (`RESUME_PROJECTED`),
-    whose curve projected to the end could still reach the finished trials' front (`could_reach_front`: the search
-    would otherwise stop there, and by then the finished trials say most about what a paused one may gain). The
-    latest-paused first (the nearest the end), then the earliest trial.
+    whose curve projected to the end could still reach the finished trials' front (`projected_end`,
+    `stands_on_front`: the search would otherwise stop there, and by then the finished trials say most about what
+    a paused one may gain). The latest-paused first (the nearest the end), then the earliest trial.
     A decision that judged nothing (not a rung now, too few trials: `PruneDecision.judged`) resumes nothing.
 
     Several objectives: the rule's judge (`curve_pruner`). One: Optuna's pruner on the paused trial's record (for
@@ -139,8 +139,9 @@ def resumable(study, trials: list, curve_pruner, optuna_pruner: Any, spent: bool
             if decision.judged and not decision.prune:
                 return Resumption(t, f"the {decision.rule} rule, asked again at epoch {epoch} with"
                                      f" {decision.n_compared} trials there, lets it go on")
-            if project and could_reach_front(curve_pruner, epoch, mine, progress):  # it leaves `mine` out itself
-                return Resumption(t, projection_words(curve_pruner, epoch, mine, progress))
+            projection = projected_end(curve_pruner, epoch, mine, progress) if project else None  # leaves `mine` out
+            if projection is not None and stands_on_front(curve_pruner, *projection, progress):
+                return Resumption(t, projection_words(epoch, *projection))
         elif optuna_pruner is not None and not optuna_pruner.prune(study, t):
             last = getattr(optuna_pruner, "last", None)
             if last is None or last.judged:

@@ -52,7 +52,7 @@ def projected_end(rule, epoch: int, mine: Progress, others: Sequence[Progress], 
     best value added there, and that epoch. None when that cannot be told yet: fewer than `RESUME_FINISHED`
     finished trials with a value at `epoch`, or no finite best value of its own. `quantile`, `sigmas`, `gains`:
     the module's RESUME_* when None."""
-    finished = [o for o in others if o.finished and o.curve and o.number != mine.number]
+    finished = _finished(others, mine.number)
     credited = gain_after(epoch, finished, rule.direction)
     if len(credited) < RESUME_FINISHED or epoch not in mine.curve:
         return None
@@ -72,21 +72,29 @@ def projected_end(rule, epoch: int, mine: Progress, others: Sequence[Progress], 
     return Progress({**dict(mine.curve), last: hopeful}, mine.params, mine.epoch_seconds, mine.number), last
 
 
-def could_reach_front(rule, epoch: int, mine: Progress, others: Sequence[Progress],
-                      quantile: float | None = None, sigmas: float | None = None, gains: str | None = None) -> bool | None:
-    """Whether trial `mine`, paused at `epoch`, projected to the last epoch (`projected_end`) could still stand on
-    the front of the finished trials (`rule`: a rule on several objectives, for its kinds and direction). None
-    when that cannot be told yet (see `projected_end`; its epoch seconds not known), False when it has no finite
-    best value."""
-    if epoch in mine.curve and not math.isfinite(best_so_far(mine.curve, epoch, rule.direction)):
-        return False
-    projection = projected_end(rule, epoch, mine, others, quantile, sigmas, gains)
-    if projection is None:
-        return None
-    projected, last = projection
+def stands_on_front(rule, projected: Progress, last: int, others: Sequence[Progress]) -> bool | None:
+    """Whether `projected` (`projected_end`'s curve) at epoch `last` is dominated by no finished trial's end among
+    `others` (`rule`: for its kinds and direction). None when its point cannot be told (its epoch seconds not
+    known)."""
     point = progress_point(rule.kinds, rule.direction, last, projected)
     if point is None:
         return None
-    finished = [o for o in others if o.finished and o.curve and o.number != mine.number]
-    ends = [q for o in finished if (q := progress_point(rule.kinds, rule.direction, max(o.curve), o)) is not None]
+    ends = [q for o in _finished(others, projected.number)
+            if (q := progress_point(rule.kinds, rule.direction, max(o.curve), o)) is not None]
     return not any(dominates(q, point) for q in ends)
+
+
+def could_reach_front(rule, epoch: int, mine: Progress, others: Sequence[Progress],
+                      quantile: float | None = None, sigmas: float | None = None, gains: str | None = None) -> bool | None:
+    """Whether trial `mine`, paused at `epoch`, projected to the last epoch (`projected_end`) could still stand on
+    the front of the finished trials (`stands_on_front`). None when that cannot be told yet, False when it has no
+    finite best value."""
+    if epoch in mine.curve and not math.isfinite(best_so_far(mine.curve, epoch, rule.direction)):
+        return False
+    projection = projected_end(rule, epoch, mine, others, quantile, sigmas, gains)
+    return None if projection is None else stands_on_front(rule, *projection, others)
+
+
+def _finished(others: Sequence[Progress], mine: int | None) -> list[Progress]:
+    """The finished trials with a curve, trial `mine` left out."""
+    return [o for o in others if o.finished and o.curve and o.number != mine]
